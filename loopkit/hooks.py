@@ -1,0 +1,204 @@
+"""Hooks: host code that runs only at loop boundaries.
+
+A hook sees a :class:`LoopInfo` (the call's step range, epoch, metrics already on
+the host) and, if it asks for it, the train state. Hooks are called in the order
+given, always in step order. Two entry points:
+
+* :meth:`Hook.observe` after *every* device call (cheap host bookkeeping; may
+  run one loop late, after the next call was dispatched);
+* :meth:`Hook.after_call` when the hook's :class:`~loopkit.triggers.Trigger`
+  fires. The step-based marks of the trigger are landed on exactly by the
+  planner. A hook with ``needs_state=True`` gets the state and may return a
+  replacement (same structure, shapes, dtypes and shardings); the loop then
+  synchronises at that boundary. Hooks with ``needs_state=False`` get
+  ``state=None`` and never stall the next dispatch.
+
+Hooks are not thread-safe; on multi-host every process runs every hook (a hook
+that writes files should write on process 0 only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from loopkit import metrics as metrics_lib
+from loopkit.triggers import Trigger
+
+log = logging.getLogger("loopkit")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopInfo:
+  """Record of one device call, on the host.
+
+  Attributes:
+    start_step: global step before the call.
+    end_step: global step after the call (= state step = optimizer count).
+    loop_index: 0-based index of this device call in the whole training (resumes
+      included).
+    epoch: 0-based epoch the call's steps belong to (a call never crosses an
+      epoch end); 0 if ``steps_per_epoch`` is unknown.
+    step_in_epoch: steps done in the epoch after the call (== steps_per_epoch
+      at an epoch end).
+    examples_seen: training examples consumed after the call.
+    metrics: metric values for the call (float, reduced over its steps).
+    metric_values: the same as mergeable float32 values (numpy scalars), to merge
+      across calls with :func:`loopkit.metrics.merge`.
+    traces: per-step values, float32 arrays ``[end_step - start_step]``.
+    is_last: the last call of this ``run``.
+    data_position: the source position after this call's last batch (what a
+      checkpoint must store to resume with the next unconsumed batch).
+  """
+
+  start_step: int
+  end_step: int
+  loop_index: int
+  epoch: int
+  step_in_epoch: int
+  examples_seen: int
+  metrics: dict[str, float]
+  metric_values: dict[str, metrics_lib.Metric]
+  traces: dict[str, np.ndarray]
+  is_last: bool = False
+  data_position: Any = None
+
+  @property
+  def num_steps(self) -> int:
+    return self.end_step - self.start_step
+
+
+class Hook:
+  """Base class of hooks.
+
+  Args:
+    every_steps, every_epochs, at_steps, every_secs, at_end: the hook's
+      trigger (see :class:`loopkit.triggers.Trigger`); none set = every call.
+  """
+
+  needs_state: bool = True
+
+  def __init__(self, *, every_steps: int | None = None, every_epochs: int | None = None,
+               at_steps: Sequence[int] | None = None, every_secs: float | None = None,
+               at_end: bool = True):
+    self.trigger = Trigger(every_steps=every_steps, every_epochs=every_epochs,
+                           at_steps=at_steps, every_secs=every_secs, at_end=at_end)
+
+  def on_run_start(self, loop: Any, state: Any) -> Any | None:
+    """Called once per ``run`` before the first call.
+
+    ``loop.ledger`` is set from the state's step. A hook may return a
+    replacement state (e.g. restored from a checkpoint); it must then also set
+    ``loop.ledger`` (a :class:`~loopkit.ledger.Ledger` at the restored step) and
+    may set ``loop.data_position`` (see :func:`loopkit.feeding.open_source`).
+    """
+
+  def observe(self, info: LoopInfo) -> None:
+    """Called after every device call, in step order."""
+
+  def after_call(self, info: LoopInfo, state: Any) -> Any | None:
+    """Called when the trigger fires; return a new state or None."""
+    return None
+
+  def on_run_end(self, loop: Any, state: Any) -> Any | None:
+    """Called once at the end of ``run`` (also after a stop or preemption)."""
+    return None
+
+
+class CallbackHook(Hook):
+  """Calls ``fn(info, state)`` when the trigger fires; ``fn`` may return a new state.
+
+  Args:
+    fn: the callback.
+    needs_state: pass False when ``fn`` ignores the state (then it gets None and
+      the loop does not synchronise for it).
+    **trigger: see :class:`Hook`.
+  """
+
+  def __init__(self, fn: Callable[[LoopInfo, Any], Any], *, needs_state: bool = True,
+               **trigger):
+    super().__init__(**trigger)
+    self.fn = fn
+    self.needs_state = needs_state
+
+  def after_call(self, info, state):
+    return self.fn(info, state)
+
+
+class NonFiniteError(FloatingPointError):
+  """A metric became NaN or Inf; the message names the metric and the step."""
+
+
+class NanCheckHook(Hook):
+  """Stops training when a metric is NaN or Inf, naming the first bad step.
+
+  Checks every call's per-step traces (so the exact step is known) and raises
+  :class:`NonFiniteError` with the metric name, that step and the call's step
+  range. Runs one loop late (it needs no state).
+
+  Args:
+    metric_names: metrics to check (default: all).
+  """
+
+  needs_state = False
+
+  def __init__(self, metric_names: Sequence[str] | None = None):
+    super().__init__()
+    self.metric_names = metric_names
+
+  def observe(self, info: LoopInfo) -> None:
+    names = self.metric_names if self.metric_names is not None else sorted(info.traces)
+    for name in names:
+      trace = info.traces[name]
+      bad = np.flatnonzero(~np.isfinite(trace))
+      if bad.size:
+        step = info.start_step + int(bad[0]) + 1
+        raise NonFiniteError(
+            f"metric {name!r} is {trace[bad[0]]} at step {step} (device call "
+            f"{info.loop_index} ran steps {info.start_step + 1}..{info.end_step})")
+
+
+class LoggingHook(Hook):
+  """Logs metrics averaged (merged) over all calls since its last firing.
+
+  Args:
+    writer: optional object with ``write_scalars(step: int, scalars: dict)``
+      (e.g. :class:`loopkit.writers.JsonlWriter`); metrics are also logged to
+      the ``loopkit`` Python logger at INFO.
+    per_step: also write every step's value at its true step number.
+    **trigger: see :class:`Hook` (default: every call).
+  """
+
+  needs_state = False
+
+  def __init__(self, writer: Any = None, *, per_step: bool = False, **trigger):
+    super().__init__(**trigger)
+    self.writer = writer
+    self.per_step = per_step
+    self._acc: dict[str, metrics_lib.Metric] = {}
+    self.records: list[tuple[int, dict[str, float]]] = []
+
+  def observe(self, info: LoopInfo) -> None:
+    for k, v in info.metric_values.items():
+      self._acc[k] = metrics_lib.merge(self._acc[k], v) if k in self._acc else v
+    if self.per_step and self.writer is not None:
+      for i in range(info.num_steps):
+        self.writer.write_scalars(
+            info.start_step + i + 1,
+            {f"{k}_per_step": float(v[i]) for k, v in info.traces.items()})
+
+  def after_call(self, info, state):
+    scalars = {k: metrics_lib.compute(v) for k, v in self._acc.items()}
+    self._acc = {}
+    scalars.update(epoch=info.epoch, examples_seen=info.examples_seen)
+    self.records.append((info.end_step, scalars))
+    log.info("step %d: %s", info.end_step,
+             ", ".join(f"{k}={v:.6g}" if isinstance(v, float) and not math.isnan(v)
+                       else f"{k}={v}" for k, v in scalars.items()))
+    if self.writer is not None:
+      self.writer.write_scalars(info.end_step, scalars)

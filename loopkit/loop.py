@@ -1,0 +1,309 @@
+"""TrainLoop: K train steps per device call, host accounting and hooks at boundaries.
+
+The loop owns the ledger, the planner, the compiled program and the hooks; it
+does no array math. Per device call it dispatches the program, advances the
+ledger, and (one call late, unless a hook needs the state now) fetches the
+call's reduced metrics and ``[K]`` traces with one ``jax.device_get``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from loopkit import metrics as metrics_lib
+from loopkit.feeding import ChunkFeeder, open_source
+from loopkit.hooks import Hook, LoopInfo
+from loopkit.ledger import Ledger
+from loopkit.planner import plan_calls
+from loopkit.program import MultiStepProgram, StepStyle, default_step_of, tree_mismatch
+
+log = logging.getLogger("loopkit")
+
+
+class DataExhaustedWarning(UserWarning):
+  """The batch iterator ran out before ``num_steps``; the run stopped at the last full step."""
+
+
+@dataclasses.dataclass
+class _Pending:
+  start: int
+  end: int
+  loop_index: int
+  epoch: int
+  step_in_epoch: int
+  examples_seen: int
+  out: Any
+  firing: list[Hook]
+  is_last: bool
+  position: Any
+
+
+class TrainLoop:
+  """Runs ``iterations_per_loop`` train steps per device call.
+
+  Example:
+    >>> loop = loopkit.TrainLoop(train_step, iterations_per_loop=100)  # doctest: +SKIP
+    >>> state = loop.run(state, batches, num_steps=1000)                # doctest: +SKIP
+
+  Args:
+    train_step: ``(state, batch) -> (state, metrics)``, pure. ``state`` is a
+      pytree with a scalar int step counter (``state.step`` / ``state["step"]``,
+      or ``step_of``) that the step increments by one; ``metrics`` is a dict of
+      scalar arrays or :mod:`loopkit.metrics` values.
+    iterations_per_loop: K, the most steps per device call (int >= 1).
+    hooks: :class:`loopkit.hooks.Hook` objects, called in order at boundaries.
+    mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices).
+    data_axis: name of the mesh axis the batch is split over.
+    step_style: ``"global"`` (the step sees global arrays) or ``"per_device"``
+      (pmap style: the step sees its device's slice and uses collectives over
+      ``data_axis``).
+    steps_per_epoch: steps in one epoch; calls never cross an epoch end.
+    global_batch_size: if given, checked now against the data-parallel size.
+    prefetch: chunks prepared ahead by a background thread (0 = none).
+    step_of: returns the state's step counter (default ``state.step``).
+
+  Raises:
+    ValueError: K < 1 or not an int; ``global_batch_size`` not divisible by the
+      data-parallel size; ``steps_per_epoch`` < 1.
+
+  Attributes:
+    ledger: the :class:`~loopkit.ledger.Ledger` (after ``run`` starts).
+    status: ``"completed"``, ``"data_exhausted"`` or ``"stopped"`` after ``run``.
+    program: the :class:`~loopkit.program.MultiStepProgram`.
+    data_position: source position after the last consumed chunk.
+
+  Not thread-safe. Multi-host: every process runs the same loop.
+  """
+
+  def __init__(self, train_step: Callable, *, iterations_per_loop: int,
+               hooks: Sequence[Hook] = (), mesh: Mesh | None = None,
+               data_axis: str = "data", step_style: StepStyle = "global",
+               steps_per_epoch: int | None = None, global_batch_size: int | None = None,
+               prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of):
+    if isinstance(iterations_per_loop, bool) or not isinstance(iterations_per_loop, int):
+      raise ValueError(f"iterations_per_loop must be an int >= 1, got {iterations_per_loop!r}")
+    if iterations_per_loop < 1:
+      raise ValueError(f"iterations_per_loop must be >= 1, got {iterations_per_loop}")
+    if steps_per_epoch is not None and steps_per_epoch < 1:
+      raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+    self.mesh = mesh if mesh is not None else jax.make_mesh((jax.device_count(),), (data_axis,))
+    if data_axis not in self.mesh.axis_names:
+      raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
+                       f"{self.mesh.axis_names}")
+    self.data_parallel_size = self.mesh.shape[data_axis]
+    if global_batch_size is not None and global_batch_size % self.data_parallel_size:
+      raise ValueError(
+          f"global batch size {global_batch_size} is not divisible by the data-parallel "
+          f"size {self.data_parallel_size}")
+    self.iterations_per_loop = iterations_per_loop
+    self.hooks = list(hooks)
+    self.steps_per_epoch = steps_per_epoch
+    self.prefetch = prefetch
+    self.step_of = step_of
+    self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
+                                    mesh=self.mesh, data_axis=data_axis, style=step_style,
+                                    step_of=step_of)
+    self.ledger: Ledger | None = None
+    self.status: str | None = None
+    self.data_position: Any = None
+    self._stop_reason: str | None = None
+    self._global_batch_size = global_batch_size
+
+  # -- public ----------------------------------------------------------------
+
+  def request_stop(self, reason: str = "stopped") -> None:
+    """Asks the loop to stop at the next boundary (callable from hooks)."""
+    self._stop_reason = reason
+
+  def run(self, state: Any, batches: Iterable, *, num_steps: int | None = None,
+          num_epochs: int | None = None) -> Any:
+    """Trains until global step ``num_steps`` (or ``num_epochs * steps_per_epoch``).
+
+    Args:
+      state: the train state pytree (donated to the device calls).
+      batches: iterable of batches, pytrees of numpy arrays ``[B, ...]`` (the
+        process-local part on multi-host), at least as many as steps to run.
+      num_steps: the global step to stop at (absolute, like TPUEstimator's
+        ``max_steps``: a state restored at step 10 asked for 15 runs 5 steps).
+      num_epochs: alternatively, the epoch count to stop at (needs
+        ``steps_per_epoch``).
+
+    Returns:
+      The final state, whose step equals ``self.ledger.step``.
+
+    Raises:
+      ValueError: bad arguments, batch shape/dtype changes (naming the leaf),
+        a step that changes the state's structure/shape/dtype, a step counter
+        that does not advance by one per step.
+
+    Warns:
+      DataExhaustedWarning: ``batches`` ran out; the run stops after the last
+      full step, hooks see only steps that ran, ``status == "data_exhausted"``.
+    """
+    target = self._target(num_steps, num_epochs)
+    t_run = time.perf_counter()
+    state = self.program.place_state(state)
+    self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    step0 = int(jax.device_get(self.step_of(state)))
+    if self.ledger is None or self.ledger.step != step0:
+      self.ledger = Ledger(step=step0, steps_per_epoch=self.steps_per_epoch)
+    self.ledger.steps_per_epoch = self.steps_per_epoch
+    self.status = None
+    self._stop_reason = None
+    self.data_position = None
+    for h in self.hooks:
+      new = h.on_run_start(self, state)
+      if new is not None:  # e.g. a checkpoint hook restored the state
+        state = self._check_replacement(h, new)
+        restored_step = int(jax.device_get(self.step_of(state)))
+        if self.ledger.step != restored_step:
+          raise ValueError(
+              f"{type(h).__name__} restored a state at step {restored_step} but left the "
+              f"ledger at step {self.ledger.step}")
+        step0 = restored_step
+    source, start_position = open_source(batches, self.data_position, step0)
+    plan = plan_calls(step0, iterations_per_loop=self.iterations_per_loop, num_steps=target,
+                      steps_per_epoch=self.steps_per_epoch,
+                      triggers=[h.trigger for h in self.hooks])
+    feeder = ChunkFeeder(source, plan, iterations_per_loop=self.iterations_per_loop,
+                         batch_sharding=self.program.batch_sharding,
+                         replicated=self.program.replicated,
+                         data_parallel_size=self.data_parallel_size, prefetch=self.prefetch,
+                         start_position=start_position, first_step=step0)
+    pending: _Pending | None = None
+    last: tuple[LoopInfo, set[int]] | None = None
+    try:
+      while self._stop_reason is None:
+        t0 = time.perf_counter()
+        chunk = feeder.next()
+        self.ledger.add_time("data_wait", time.perf_counter() - t0)
+        if chunk is None or chunk.length == 0:
+          if chunk is not None:
+            self._warn_exhausted(target)
+          break
+        if self._global_batch_size is None:
+          self._global_batch_size = chunk.global_batch_size
+          if self.ledger.examples_seen == 0:
+            self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
+        start = self.ledger.step
+        t0 = time.perf_counter()
+        first_call = self.program.compile_count() == 0
+        state, out = self.program(state, chunk.batches, chunk.num_steps)
+        self.ledger.add_time("compile" if first_call else "dispatch", time.perf_counter() - t0)
+        self.ledger.advance(chunk.length, chunk.global_batch_size)
+        end = self.ledger.step
+        is_last = end >= target or chunk.exhausted
+        if pending is not None:
+          last, _ = self._finish(pending, None)
+          pending = None
+        firing = [h for h in self.hooks
+                  if h.trigger.should_fire(start, end, steps_per_epoch=self.steps_per_epoch,
+                                           is_last=is_last)]
+        epoch = (end - 1) // self.steps_per_epoch if self.steps_per_epoch else 0
+        in_epoch = end - epoch * self.steps_per_epoch if self.steps_per_epoch else end
+        pending = _Pending(start, end, self.ledger.loop_index - 1, epoch, in_epoch,
+                           self.ledger.examples_seen, out, firing, is_last, chunk.position)
+        if any(h.needs_state for h in firing):
+          last, state = self._finish(pending, state)
+          pending = None
+        if chunk.exhausted:
+          self._warn_exhausted(target)
+          break
+        if is_last:
+          break
+      if pending is not None:
+        last, _ = self._finish(pending, None)
+      if self._stop_reason is not None:
+        self.status = self._stop_reason
+      elif self.status is None:
+        self.status = "completed"
+      if last is not None and not last[0].is_last:
+        state = self._fire_at_end(last, state)
+      for h in self.hooks:
+        new = h.on_run_end(self, state)
+        if new is not None:
+          state = self._check_replacement(h, new)
+    finally:
+      feeder.close()
+      self.ledger.add_time("total", time.perf_counter() - t_run)
+    return state
+
+  # -- internals -------------------------------------------------------------
+
+  def _target(self, num_steps: int | None, num_epochs: int | None) -> int:
+    if (num_steps is None) == (num_epochs is None):
+      raise ValueError("pass exactly one of num_steps or num_epochs")
+    if num_epochs is not None:
+      if self.steps_per_epoch is None:
+        raise ValueError("num_epochs needs steps_per_epoch")
+      return num_epochs * self.steps_per_epoch
+    if num_steps < 0:
+      raise ValueError(f"num_steps must be >= 0, got {num_steps}")
+    return num_steps
+
+  def _warn_exhausted(self, target: int) -> None:
+    self.status = "data_exhausted"
+    warnings.warn(
+        f"the batch iterator ran out at step {self.ledger.step} before num_steps={target}; "
+        "stopping after the last full step", DataExhaustedWarning, stacklevel=3)
+
+  def _finish(self, p: _Pending, state: Any) -> tuple[tuple[LoopInfo, set[int]], Any]:
+    """Fetches a call's outputs (one device_get) and runs its hooks.
+
+    Returns ((info, ids of hooks fired), state possibly replaced by a hook).
+    """
+    t0 = time.perf_counter()
+    out = jax.device_get(p.out)
+    self.ledger.add_time("device_wait", time.perf_counter() - t0)
+    if int(out.step) != p.end:
+      raise ValueError(
+          f"the state's step counter is {int(out.step)} after device call {p.loop_index} "
+          f"(steps {p.start + 1}..{p.end}); train_step must increment it by exactly 1 per "
+          f"step, and it must equal the loop's step {p.end}")
+    n = p.end - p.start
+    traces = {k: metrics_lib.compute_traces(jax.tree.map(lambda x: x[:n], v))
+              for k, v in out.traces.items()}
+    info = LoopInfo(start_step=p.start, end_step=p.end, loop_index=p.loop_index,
+                    epoch=p.epoch, step_in_epoch=p.step_in_epoch,
+                    examples_seen=p.examples_seen,
+                    metrics={k: metrics_lib.compute(v) for k, v in out.metrics.items()},
+                    metric_values=dict(out.metrics), traces=traces, is_last=p.is_last,
+                    data_position=p.position)
+    self.data_position = p.position
+    t0 = time.perf_counter()
+    for h in self.hooks:
+      h.observe(info)
+    fired = set()
+    for h in p.firing:
+      new = h.after_call(info, state if h.needs_state else None)
+      fired.add(id(h))
+      if new is not None and h.needs_state:
+        state = self._check_replacement(h, new)
+    self.ledger.add_time("hooks", time.perf_counter() - t0)
+    return (info, fired), state
+
+  def _fire_at_end(self, last: tuple[LoopInfo, set[int]], state: Any) -> Any:
+    """At an early stop, fires ``at_end`` hooks that did not fire on the last call."""
+    info = dataclasses.replace(last[0], is_last=True)
+    for h in self.hooks:
+      if h.trigger.at_end and not h.trigger.every_call and id(h) not in last[1]:
+        new = h.after_call(info, state if h.needs_state else None)
+        if new is not None and h.needs_state:
+          state = self._check_replacement(h, new)
+    return state
+
+  def _check_replacement(self, hook: Hook, new: Any) -> Any:
+    """Checks a hook's replacement state against the train state and re-pins it."""
+    problem = tree_mismatch(self._state_spec, new, what=(
+        f"{type(hook).__name__} returned a state unlike the train state"))
+    if problem:
+      raise ValueError(problem)
+    return jax.device_put(new, self.program.state_shardings)

@@ -1,0 +1,230 @@
+"""The compiled multi-step program: up to K train steps in one device call.
+
+One ``jax.jit`` program takes the state, a chunk of stacked batches ``[K, B, ...]``
+(B = global batch, sharded on the data axis) and a run length ``n`` (int32
+scalar, 1 <= n <= K), and runs ``n`` train steps in a ``lax.fori_loop`` whose
+trip count is a traced value (an XLA while loop). Every call length therefore
+reuses one executable: the planner can cut calls anywhere without a recompile.
+
+Cost of the mechanism (documented, measured in ``benchmarks/``): a call of
+``n < K`` steps computes only ``n`` steps, but its input chunk still has K slots,
+so ``K - n`` batches of padding cross to the device for that call; calls are
+only shorter than K at events, epoch ends and the tail. A dynamic trip count
+also keeps XLA from unrolling the loop, which is why the step is compiled
+identically for every K and final parameters are bitwise equal across K.
+
+Two step styles:
+  * ``"global"``: ``train_step`` sees global arrays (the batch sharded on the
+    data axis); the program is ``jit(fori_loop(step))``.
+  * ``"per_device"``: pmap style; ``train_step`` sees its device's slice
+    ``[B / D, ...]`` and may use collectives over the data axis, e.g.
+    ``lax.pmean(grads, "data")``; the program is
+    ``jit(shard_map(fori_loop(step)))`` with the state replicated.
+
+The state is donated and its shardings pinned (output shardings = input).
+The user's step is traced exactly once per compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from loopkit import metrics as metrics_lib
+
+StepStyle = Literal["global", "per_device"]
+
+
+def tree_mismatch(expected: Any, got: Any, *, what: str,
+                  check_sharding: bool = False) -> str | None:
+  """Describes the first leaf where two pytrees differ, or None if they agree.
+
+  Compares tree structure, then per leaf shape, dtype and (optionally) sharding;
+  the message names the leaf path (``jax.tree_util.keystr``).
+  """
+  e_leaves, e_def = jax.tree_util.tree_flatten_with_path(expected)
+  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(got)
+  if e_def != g_def:
+    e_paths = [jax.tree_util.keystr(p) for p, _ in e_leaves]
+    g_paths = [jax.tree_util.keystr(p) for p, _ in g_leaves]
+    for a, b in zip(e_paths, g_paths):
+      if a != b:
+        return f"{what}: tree structure differs at leaf {a} (expected) vs {b} (got)"
+    return (f"{what}: tree structure differs: expected {len(e_paths)} leaves, "
+            f"got {len(g_paths)} ({e_def} vs {g_def})")
+  for (path, e), (_, g) in zip(e_leaves, g_leaves):
+    name = jax.tree_util.keystr(path) or "<root>"
+    e_shape, g_shape = np.shape(e), np.shape(g)
+    if e_shape != g_shape:
+      return f"{what}: leaf {name} has shape {g_shape}, expected {e_shape}"
+    e_dtype, g_dtype = _dtype(e), _dtype(g)
+    if e_dtype != g_dtype:
+      return f"{what}: leaf {name} has dtype {g_dtype}, expected {e_dtype}"
+    if check_sharding:
+      e_sh, g_sh = getattr(e, "sharding", None), getattr(g, "sharding", None)
+      if e_sh is not None and g_sh is not None and not e_sh.is_equivalent_to(g_sh, len(e_shape)):
+        return f"{what}: leaf {name} has sharding {g_sh}, expected {e_sh}"
+  return None
+
+
+def _dtype(x: Any) -> np.dtype:
+  dtype = getattr(x, "dtype", None)
+  return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOutput:
+  """What one device call returns besides the state (all replicated, on device).
+
+  Attributes:
+    metrics: dict of float32 scalar metrics reduced over the call's steps (and
+      devices).
+    traces: the same metrics per step, leaves ``[K]`` float32; entries at index
+      >= n are meaningless.
+    step: int scalar, the state's step counter after the call.
+  """
+
+  metrics: dict[str, metrics_lib.Metric]
+  traces: dict[str, metrics_lib.Metric]
+  step: jax.Array
+
+
+jax.tree_util.register_dataclass(CallOutput, data_fields=["metrics", "traces", "step"],
+                                 meta_fields=[])
+
+
+def default_step_of(state: Any) -> jax.Array:
+  """The step counter of a state: ``state.step`` or ``state["step"]``."""
+  if hasattr(state, "step"):
+    return state.step
+  if isinstance(state, dict) and "step" in state:
+    return state["step"]
+  raise ValueError(
+      "the train state has no step counter: give it a scalar int `step` field "
+      "(attribute or dict key) or pass step_of=... to TrainLoop")
+
+
+class MultiStepProgram:
+  """Builds and runs the compiled multi-step program for one train step.
+
+  Args:
+    train_step: ``(state, batch) -> (state, metrics)``, pure.
+    iterations_per_loop: K >= 1, slots per chunk.
+    mesh: device mesh; the batch axis is sharded over ``data_axis``.
+    data_axis: name of the data-parallel mesh axis.
+    style: ``"global"`` or ``"per_device"`` (see module docstring).
+    step_of: returns the state's scalar step counter.
+
+  Not thread-safe; multi-host-safe (every process builds the same program).
+  """
+
+  def __init__(self, train_step: Callable, *, iterations_per_loop: int, mesh: Mesh,
+               data_axis: str = "data", style: StepStyle = "global",
+               step_of: Callable[[Any], jax.Array] = default_step_of):
+    if style not in ("global", "per_device"):
+      raise ValueError(f"style must be 'global' or 'per_device', got {style!r}")
+    self.train_step = train_step
+    self.k = int(iterations_per_loop)
+    self.mesh = mesh
+    self.data_axis = data_axis
+    self.style = style
+    self.step_of = step_of
+    self.trace_count = 0
+    self._jitted = None
+    self.state_shardings = None
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """Sharding of a chunk leaf ``[K, B, ...]``: B split over the data axis."""
+    return NamedSharding(self.mesh, P(None, self.data_axis))
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  def state_sharding_for(self, state: Any) -> Any:
+    """Pinned shardings for a state: kept if already on this mesh, else replicated."""
+    def pick(x):
+      sh = getattr(x, "sharding", None)
+      if (self.style == "global" and isinstance(sh, NamedSharding)
+          and sh.mesh == self.mesh and getattr(x, "committed", True)):
+        return sh
+      return self.replicated
+    return jax.tree.map(pick, state)
+
+  # -- tracing ---------------------------------------------------------------
+
+  def _loop(self, state, batches, num_steps):
+    """The traced body: fori_loop over the step with a dynamic trip count."""
+    self.trace_count += 1
+    batch0 = jax.tree.map(lambda x: x[0], batches)
+
+    def step_fn(s, b):
+      new_s, m = self.train_step(s, b)
+      if not isinstance(m, dict):
+        raise TypeError(f"train_step must return (state, metrics: dict), got {type(m)}")
+      return new_s, {k: metrics_lib.as_metric(v) for k, v in m.items()}
+
+    closed, (out_state_shape, metric_shape) = jax.make_jaxpr(
+        step_fn, return_shape=True)(state, batch0)
+    problem = tree_mismatch(state, out_state_shape,
+                            what="train_step returned a state unlike the one it received")
+    if problem:
+      raise ValueError(problem)
+    run_step = jax.extend.core.jaxpr_as_fun(closed)
+    out_def = jax.tree.structure((out_state_shape, metric_shape))
+
+    traces0 = jax.tree.map(lambda s: jnp.zeros((self.k,) + s.shape, s.dtype), metric_shape)
+
+    def body(i, carry):
+      s, traces = carry
+      b = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
+      flat = run_step(*jax.tree.leaves((s, b)))
+      new_s, m = jax.tree.unflatten(out_def, flat)
+      traces = jax.tree.map(lambda buf, v: buf.at[i].set(v), traces, m)
+      return new_s, traces
+
+    state, traces = jax.lax.fori_loop(0, num_steps, body, (state, traces0))
+    if self.style == "per_device":
+      traces = metrics_lib.reduce_devices(traces, self.data_axis)
+    reduced = metrics_lib.reduce_steps(traces, num_steps)
+    return state, CallOutput(metrics=reduced, traces=traces, step=self.step_of(state))
+
+  def _build(self, state):
+    self.state_shardings = self.state_sharding_for(state)
+    if self.style == "per_device":
+      fn = jax.shard_map(self._loop, mesh=self.mesh,
+                         in_specs=(P(), P(None, self.data_axis), P()),
+                         out_specs=(P(), P()), check_vma=False)
+    else:
+      fn = self._loop
+    self._jitted = jax.jit(
+        fn, donate_argnums=(0,),
+        in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
+        out_shardings=(self.state_shardings, self.replicated))
+
+  def place_state(self, state: Any) -> Any:
+    """Puts ``state`` on the mesh with the pinned shardings (explicit transfer)."""
+    if self._jitted is None:
+      self._build(state)
+    return jax.device_put(state, self.state_shardings)
+
+  def __call__(self, state: Any, batches: Any, num_steps: jax.Array) -> tuple[Any, CallOutput]:
+    """Runs ``num_steps`` steps (device int32 scalar) over ``batches`` ``[K, B, ...]``.
+
+    Dispatches asynchronously; ``state`` is donated.
+    """
+    if self._jitted is None:
+      self._build(state)
+    return self._jitted(state, batches, num_steps)
+
+  def compile_count(self) -> int:
+    """Number of executables compiled for this program (1 in a healthy run)."""
+    return 0 if self._jitted is None else self._jitted._cache_size()
