@@ -1,7 +1,1 @@
-"""Test setup: 8 fake CPU devices, set once before JAX initialises."""
-
-import os
-
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+"""Fake devices are configured in the repository's root conftest.py (8 CPU devices)."""
