@@ -1,0 +1,274 @@
+"""TrainLoop invariants: same result for every K, one compile, exact ledger, clear errors."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import loopkit
+from tests import toy
+
+N = 14
+
+
+def run(k, *, style="global", hooks=(), n=N, data=None, **kw):
+  step = toy.make_global_step() if style == "global" else toy.make_per_device_step()
+  loop = loopkit.TrainLoop(step, iterations_per_loop=k, step_style=style, hooks=hooks, **kw)
+  state = loop.run(toy.init_state(), iter(data or toy.batches(n)), num_steps=n)
+  return loop, state
+
+
+def params_of(state):
+  return [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+
+
+def reference_params(n=N):
+  """A plain per-step jit loop, Flax-example style."""
+  step = jax.jit(toy.make_global_step())
+  state = toy.init_state()
+  for b in toy.batches(n):
+    state, _ = step(state, b)
+  return params_of(state)
+
+
+@pytest.mark.parametrize("style", ["global", "per_device"])
+def test_bitwise_equal_across_k(style):
+  results = {}
+  for k in [1, 2, 3, 4, 7, N]:
+    loop, state = run(k, style=style)
+    results[k] = params_of(state)
+    assert loop.ledger.step == N == int(state["step"]) == toy.opt_count(state)
+    assert loop.program.compile_count() == 1
+    assert loop.program.trace_count == 1
+  for k, p in results.items():
+    for a, b in zip(results[1], p):
+      np.testing.assert_array_equal(a, b, err_msg=f"K={k} differs from K=1")
+  for a, b in zip(reference_params(), results[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("style", ["global", "per_device"])
+def test_hook_cadences_that_do_not_divide_k_keep_result(style):
+  _, base = run(4, style=style)
+  seen = []
+  hooks = [loopkit.CallbackHook(lambda i, s: seen.append(i.end_step), every_steps=5),
+           loopkit.CallbackHook(lambda i, s: None, needs_state=False, at_steps=[3, 11])]
+  loop, state = run(4, style=style, hooks=hooks)
+  assert seen == [5, 10, 14]
+  assert loop.program.compile_count() == 1
+  for a, b in zip(params_of(base), params_of(state)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_global_and_per_device_agree():
+  _, g = run(3, style="global")
+  _, p = run(3, style="per_device")
+  for a, b in zip(params_of(g), params_of(p)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_state_shardings_pinned_and_donated():
+  loop, state = run(4)
+  for leaf, sh in zip(jax.tree.leaves(state), jax.tree.leaves(loop.program.state_shardings)):
+    assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
+  before = toy.init_state()
+  placed = loop.program.place_state(before)
+  loop.program(placed, *_one_chunk(loop))
+  assert all(x.is_deleted() for x in jax.tree.leaves(placed))  # donated
+
+
+def _one_chunk(loop):
+  sh = loop.program.batch_sharding
+  b = toy.batches(4)
+  stacked = {k: jax.device_put(np.stack([x[k] for x in b]), sh) for k in b[0]}
+  return stacked, jax.device_put(np.int32(4), loop.program.replicated)
+
+
+def test_sharded_state_kept_in_global_style():
+  mesh = jax.make_mesh((8,), ("data",))
+  state = toy.init_state()
+  w_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None))
+  state["params"]["w"] = jax.device_put(state["params"]["w"], w_sh)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=3, mesh=mesh)
+  out = loop.run(state, iter(toy.batches(6)), num_steps=6)
+  assert out["params"]["w"].sharding.is_equivalent_to(w_sh, 2)
+
+
+def test_metrics_traces_and_one_loop_late_fetch():
+  infos = []
+  loop, state = run(4, hooks=[loopkit.CallbackHook(lambda i, s: infos.append(i),
+                                                   needs_state=False)])
+  assert [i.end_step for i in infos] == [4, 8, 12, 14]
+  assert [len(i.traces["loss"]) for i in infos] == [4, 4, 4, 2]
+  # per-call metric is the mean of the per-step trace
+  for i in infos:
+    assert i.metrics["loss"] == pytest.approx(float(np.mean(i.traces["loss"])), rel=1e-6)
+  # the per-step trace equals the reference loop's per-step loss
+  step = jax.jit(toy.make_global_step())
+  s = toy.init_state()
+  ref = []
+  for b in toy.batches(N):
+    s, m = step(s, b)
+    ref.append(float(m["loss"]))
+  got = np.concatenate([i.traces["loss"] for i in infos])
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_under_transfer_guard():
+  step = toy.make_global_step()
+  loop = loopkit.TrainLoop(step, iterations_per_loop=4, hooks=[loopkit.NanCheckHook()])
+  state = loop.program.place_state(toy.init_state())
+  with jax.transfer_guard("disallow"):
+    state = loop.run(state, iter(toy.batches(10)), num_steps=10)
+  assert loop.ledger.step == 10
+
+
+def test_examples_seen_and_loop_index():
+  loop, _ = run(4, hooks=[loopkit.Hook(every_steps=5)])
+  assert loop.ledger.examples_seen == N * 16
+  assert loop.ledger.loop_index == 5  # calls of 4,1,4,1,4 -> [4,5,9,10,14]
+
+
+def test_second_run_continues_same_loop():
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
+  data = iter(toy.batches(N))
+  state = loop.run(toy.init_state(), data, num_steps=6)
+  state = loop.run(state, data, num_steps=N)
+  assert loop.ledger.step == N and loop.ledger.loop_index == 2 + 2
+  assert loop.program.compile_count() == 1
+  _, ref = run(4)
+  for a, b in zip(params_of(ref), params_of(state)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_hook_replaces_state():
+  def zero(info, state):
+    return jax.tree.map(jnp.zeros_like, state) | {"step": state["step"]}
+  loop, state = run(4, hooks=[loopkit.CallbackHook(zero, at_steps=[8], at_end=False)])
+  assert loop.ledger.step == N
+  # restart from zeros at step 8: equals training the zero state on batches 8..13
+  manual = jax.tree.map(jnp.zeros_like, toy.init_state()) | {"step": jnp.int32(8)}
+  step = jax.jit(toy.make_global_step())
+  for b in toy.batches(N)[8:]:
+    manual, _ = step(manual, b)
+  for a, b in zip(params_of(manual), params_of(state)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# -- errors -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [0, -3, 2.5, "4", True])
+def test_bad_iterations_per_loop(k):
+  with pytest.raises(ValueError, match=f"iterations_per_loop must be .*got {k!r}"):
+    loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k)
+
+
+def test_batch_shape_change_names_leaf_and_step():
+  data = toy.batches(10)
+  data[6] = dict(data[6], y=data[6]["y"][:, :1])
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, prefetch=0)
+  with pytest.raises(ValueError, match=r"step 7 .*\['y'\] has shape \(16, 1\), expected \(16, 2\)"):
+    loop.run(toy.init_state(), iter(data), num_steps=10)
+
+
+def test_batch_dtype_change_names_leaf():
+  data = toy.batches(10)
+  data[2] = dict(data[2], x=data[2]["x"].astype(np.float64))
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
+  with pytest.raises(ValueError, match=r"\['x'\] has dtype float64, expected float32"):
+    loop.run(toy.init_state(), iter(data), num_steps=10)
+
+
+def test_step_changing_state_structure_or_dtype():
+  base = toy.make_global_step()
+
+  def bad_dtype(state, batch):
+    new, m = base(state, batch)
+    new["params"]["b"] = new["params"]["b"].astype(jnp.bfloat16)
+    return new, m
+
+  def bad_tree(state, batch):
+    new, m = base(state, batch)
+    new["extra"] = jnp.zeros(())
+    return new, m
+
+  loop = loopkit.TrainLoop(bad_dtype, iterations_per_loop=2)
+  with pytest.raises(ValueError, match=r"\['params'\]\['b'\] has dtype bfloat16, expected float32"):
+    loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=4)
+  loop = loopkit.TrainLoop(bad_tree, iterations_per_loop=2)
+  with pytest.raises(ValueError, match="tree structure differs"):
+    loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=4)
+
+
+def test_step_counter_not_incremented():
+  base = toy.make_global_step()
+
+  def frozen(state, batch):
+    new, m = base(state, batch)
+    return new | {"step": state["step"]}, m
+
+  loop = loopkit.TrainLoop(frozen, iterations_per_loop=3)
+  with pytest.raises(ValueError, match="step counter is 0 after device call 0 .*steps 1..3"):
+    loop.run(toy.init_state(), iter(toy.batches(6)), num_steps=6)
+
+
+def test_data_runs_out_stops_at_last_full_step():
+  seen = []
+  ckpt_like = loopkit.CallbackHook(lambda i, s: seen.append((i.end_step, int(s["step"]))),
+                                   every_steps=4)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[ckpt_like])
+  with pytest.warns(loopkit.DataExhaustedWarning, match="ran out at step 9 before num_steps=20"):
+    state = loop.run(toy.init_state(), iter(toy.batches(9)), num_steps=20)
+  assert loop.status == "data_exhausted"
+  assert loop.ledger.step == 9 == int(state["step"]) == toy.opt_count(state)
+  assert seen == [(4, 4), (8, 8), (9, 9)]  # final (at_end) firing at the last real step
+
+
+def test_data_runs_out_on_call_boundary_fires_at_end_hooks():
+  seen = []
+  hook = loopkit.CallbackHook(lambda i, s: seen.append(i.end_step), every_steps=100)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[hook])
+  with pytest.warns(loopkit.DataExhaustedWarning):
+    loop.run(toy.init_state(), iter(toy.batches(8)), num_steps=20)
+  assert seen == [8] and loop.ledger.step == 8
+
+
+def test_nan_check_names_step():
+  base = toy.make_global_step()
+
+  def nan_at_6(state, batch):
+    new, m = base(state, batch)
+    m["loss"] = jnp.where(new["step"] == 6, jnp.nan, m["loss"])
+    return new, m
+
+  loop = loopkit.TrainLoop(nan_at_6, iterations_per_loop=4, hooks=[loopkit.NanCheckHook()])
+  with pytest.raises(loopkit.NonFiniteError, match=r"'loss' is nan at step 6 .*steps 5..8"):
+    loop.run(toy.init_state(), iter(toy.batches(12)), num_steps=12)
+
+
+def test_hook_replacing_with_wrong_shape_names_leaf():
+  def bad(info, state):
+    return state | {"params": {"w": jnp.zeros((3, 2)), "b": state["params"]["b"]}}
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4,
+                           hooks=[loopkit.CallbackHook(bad, at_steps=[4])])
+  with pytest.raises(ValueError, match=r"CallbackHook .*\['params'\]\['w'\] has shape \(3, 2\)"):
+    loop.run(toy.init_state(), iter(toy.batches(8)), num_steps=8)
+
+
+def test_no_warning_when_data_is_exact():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    loop, _ = run(4, n=8)
+  assert loop.status == "completed"
+
+
+def test_source_exception_surfaces():
+  def gen():
+    yield from toy.batches(5)
+    raise RuntimeError("disk on fire")
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
+  with pytest.raises(RuntimeError, match="disk on fire"):
+    loop.run(toy.init_state(), gen(), num_steps=10)

@@ -1,0 +1,52 @@
+"""A tiny linear-regression model shared by the core tests (plain pytrees + optax)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+TX = optax.adam(0.05)
+
+
+def init_state(seed: int = 0, tx=TX):
+  k = jax.random.key(seed)
+  params = {"w": jax.random.normal(k, (4, 2)) * 0.1, "b": jnp.zeros((2,))}
+  return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def loss_fn(params, batch):
+  pred = batch["x"] @ params["w"] + params["b"]
+  return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def make_global_step(tx=TX):
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    return ({"params": optax.apply_updates(state["params"], updates), "opt": opt,
+             "step": state["step"] + 1}, {"loss": loss})
+  return step
+
+
+def make_per_device_step(tx=TX, axis="data"):
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+    grads = jax.lax.pmean(grads, axis)
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    return ({"params": optax.apply_updates(state["params"], updates), "opt": opt,
+             "step": state["step"] + 1}, {"loss": jax.lax.pmean(loss, axis)})
+  return step
+
+
+def batches(n: int, batch_size: int = 16, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  true_w = rng.normal(size=(4, 2)).astype(np.float32)
+  out = []
+  for _ in range(n):
+    x = rng.normal(size=(batch_size, 4)).astype(np.float32)
+    out.append({"x": x, "y": (x @ true_w).astype(np.float32)})
+  return out
+
+
+def opt_count(state) -> int:
+  return int(state["opt"][0].count)
