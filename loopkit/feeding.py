@@ -101,7 +101,10 @@ class _StepIndexed:
     return self
 
   def __next__(self):
-    batch = self._source.batch_at(self._step)
+    try:
+      batch = self._source.batch_at(self._step)
+    except IndexError:  # a finite step-indexed source: past its last step
+      raise StopIteration from None
     self._step += 1
     return batch
 
@@ -121,6 +124,8 @@ class ChunkFeeder:
     data_parallel_size: number of shards of the batch axis; B must divide by it.
     prefetch: chunks prepared ahead by a background thread (0 = synchronous).
     start_position: position count of the source when given (for resumes).
+    close_timeout_secs: how long ``close`` waits for the producer thread; a
+      thread blocked inside the source is left behind (it is a daemon).
 
   Thread-safety: ``next``/``close`` from one consumer thread only.
   Raises (from ``next``): ValueError for a batch whose structure, shapes or
@@ -132,7 +137,8 @@ class ChunkFeeder:
   def __init__(self, source: Iterable, plan: Iterator[int], *, iterations_per_loop: int,
                batch_sharding: NamedSharding, replicated: NamedSharding,
                data_parallel_size: int, prefetch: int = 2, start_position: int = 0,
-               first_step: int = 0):
+               first_step: int = 0, close_timeout_secs: float = 5.0):
+    self._close_timeout_secs = close_timeout_secs
     self._it = iter(source)
     self._plan = plan
     self._k = iterations_per_loop
@@ -184,6 +190,8 @@ class ChunkFeeder:
     got = []
     exhausted = False
     for _ in range(n):
+      if self._stop.is_set():  # closing: this chunk is dropped anyway
+        break
       try:
         batch = next(self._it)
       except StopIteration:
@@ -249,7 +257,19 @@ class ChunkFeeder:
     return item
 
   def close(self) -> None:
-    """Stops the producer; never hangs (the thread is a daemon, joined briefly)."""
+    """Stops the producer; never hangs.
+
+    Drops the prefetched chunks (freeing their device buffers) and waits at
+    most ``close_timeout_secs`` for the thread, which stops at its next check
+    (between batches, or within 0.1 s when blocked on a full queue). A thread
+    blocked inside the source's ``next`` is left behind as a daemon.
+    """
     self._stop.set()
+    if self._queue is not None:
+      while True:
+        try:
+          self._queue.get_nowait()
+        except queue.Empty:
+          break
     if self._thread is not None:
-      self._thread.join(timeout=5.0)
+      self._thread.join(timeout=self._close_timeout_secs)
