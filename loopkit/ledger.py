@@ -19,8 +19,14 @@ class Ledger:
     examples_seen: training examples consumed (sum of global batch sizes).
     loop_index: device calls dispatched so far (across resumes).
     steps_per_epoch: steps in one epoch, or None when unknown.
-    seconds: wall time (s) by bucket: ``compile``, ``device``, ``host``,
-      ``data_wait``, ``hooks``, ``total``.
+    seconds: wall time (s) by bucket, cumulative over resumes: ``total``
+      (wall time inside ``run``), ``compile`` (first dispatch: trace +
+      compile), ``dispatch``, ``device_wait`` (host blocked fetching a call's
+      outputs), ``data_wait``, hook time by the hook's ``time_bucket``
+      (``hooks`` by default, ``checkpoint``, ``eval``), and ``lost`` (time of
+      work redone after restarts, see :mod:`loopkit.goodput`).
+    lost_steps: steps redone after restarts (trained past the last
+      checkpoint, then lost).
   """
 
   step: int = 0
@@ -28,6 +34,7 @@ class Ledger:
   loop_index: int = 0
   steps_per_epoch: int | None = None
   seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+  lost_steps: int = 0
 
   @property
   def epoch(self) -> int:
@@ -52,10 +59,12 @@ class Ledger:
     """JSON-serialisable form (for checkpoints and metric writers)."""
     return {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
             "examples_seen": self.examples_seen, "loop_index": self.loop_index,
-            "steps_per_epoch": self.steps_per_epoch, "seconds": dict(self.seconds)}
+            "steps_per_epoch": self.steps_per_epoch, "seconds": dict(self.seconds),
+            "lost_steps": self.lost_steps}
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "Ledger":
     return cls(step=int(d["step"]), examples_seen=int(d["examples_seen"]),
                loop_index=int(d["loop_index"]), steps_per_epoch=d.get("steps_per_epoch"),
-               seconds={k: float(v) for k, v in d.get("seconds", {}).items()})
+               seconds={k: float(v) for k, v in d.get("seconds", {}).items()},
+               lost_steps=int(d.get("lost_steps", 0)))

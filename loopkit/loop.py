@@ -8,6 +8,7 @@ call's reduced metrics and ``[K]`` traces with one ``jax.device_get``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -22,7 +23,8 @@ from loopkit import metrics as metrics_lib
 from loopkit.feeding import ChunkFeeder, open_source
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger
-from loopkit.planner import plan_calls
+from loopkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher
+from loopkit.planner import TimeBasedK, parse_duration, plan_calls
 from loopkit.program import MultiStepProgram, StepStyle, default_step_of, tree_mismatch
 
 log = logging.getLogger("loopkit")
@@ -58,7 +60,13 @@ class TrainLoop:
       pytree with a scalar int step counter (``state.step`` / ``state["step"]``,
       or ``step_of``) that the step increments by one; ``metrics`` is a dict of
       scalar arrays or :mod:`loopkit.metrics` values.
-    iterations_per_loop: K, the most steps per device call (int >= 1).
+    iterations_per_loop: K, the most steps per device call (int >= 1); or a
+      duration ``"30s"`` / ``"5m"`` / ``"1h"`` (TPUEstimator's form) or a
+      :class:`~loopkit.planner.TimeBasedK`: steps per call are then chosen to
+      take about that long, from the measured step time, with one compiled
+      program of ``max_iterations_per_loop`` slots.
+    max_iterations_per_loop: slot count for a duration ``iterations_per_loop``
+      (default 100; calls shorter than it transfer padding batches).
     hooks: :class:`loopkit.hooks.Hook` objects, called in order at boundaries.
     mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices).
     data_axis: name of the mesh axis the batch is split over.
@@ -69,25 +77,49 @@ class TrainLoop:
     global_batch_size: if given, checked now against the data-parallel size.
     prefetch: chunks prepared ahead by a background thread (0 = none).
     step_of: returns the state's step counter (default ``state.step``).
+    preemption_signals: signals that stop the run at the next boundary with
+      ``status == "preempted"`` (default SIGTERM, SIGINT; ``()`` for none); see
+      :mod:`loopkit.preemption`. Caught only while ``run`` runs, in the main thread.
 
   Raises:
-    ValueError: K < 1 or not an int; ``global_batch_size`` not divisible by the
-      data-parallel size; ``steps_per_epoch`` < 1.
+    ValueError: K < 1 or not an int or duration; ``max_iterations_per_loop``
+      with an int K; ``global_batch_size`` not divisible by the data-parallel
+      size; ``steps_per_epoch`` < 1.
 
   Attributes:
     ledger: the :class:`~loopkit.ledger.Ledger` (after ``run`` starts).
-    status: ``"completed"``, ``"data_exhausted"`` or ``"stopped"`` after ``run``.
+    status: ``"completed"``, ``"data_exhausted"``, ``"preempted"`` or ``"stopped"``
+      (or the reason given to :meth:`request_stop`) after ``run``.
+    preemption: the run's :class:`~loopkit.preemption.PreemptionWatcher`
+      (``loop.preemption.request()`` preempts as a signal would).
     program: the :class:`~loopkit.program.MultiStepProgram`.
+    iterations_per_loop: the compiled slot count K (the cap, for time-based K).
+    time_based_k: the :class:`~loopkit.planner.TimeBasedK`, or None.
+    target_step: the global step the current ``run`` ends at.
     data_position: source position after the last consumed chunk.
 
   Not thread-safe. Multi-host: every process runs the same loop.
   """
 
-  def __init__(self, train_step: Callable, *, iterations_per_loop: int,
+  def __init__(self, train_step: Callable, *, iterations_per_loop: int | str | TimeBasedK,
+               max_iterations_per_loop: int | None = None,
                hooks: Sequence[Hook] = (), mesh: Mesh | None = None,
                data_axis: str = "data", step_style: StepStyle = "global",
                steps_per_epoch: int | None = None, global_batch_size: int | None = None,
-               prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of):
+               prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
+               preemption_signals: Sequence[int] = DEFAULT_SIGNALS):
+    self.time_based_k: TimeBasedK | None = None
+    if isinstance(iterations_per_loop, str):
+      iterations_per_loop = TimeBasedK(
+          parse_duration(iterations_per_loop),
+          max_iterations_per_loop=100 if max_iterations_per_loop is None
+          else max_iterations_per_loop)
+    elif max_iterations_per_loop is not None:
+      raise ValueError("max_iterations_per_loop is only for a duration iterations_per_loop "
+                       f"such as '30s', got iterations_per_loop={iterations_per_loop!r}")
+    if isinstance(iterations_per_loop, TimeBasedK):
+      self.time_based_k = iterations_per_loop
+      iterations_per_loop = iterations_per_loop.max_iterations_per_loop
     if isinstance(iterations_per_loop, bool) or not isinstance(iterations_per_loop, int):
       raise ValueError(f"iterations_per_loop must be an int >= 1, got {iterations_per_loop!r}")
     if iterations_per_loop < 1:
@@ -115,7 +147,11 @@ class TrainLoop:
     self.status: str | None = None
     self.data_position: Any = None
     self._stop_reason: str | None = None
+    self.preemption_signals = tuple(preemption_signals)
+    self.preemption = PreemptionWatcher(self.preemption_signals)
     self._global_batch_size = global_batch_size
+    self.target_step: int | None = None
+    self._t_mark = 0.0
 
   # -- public ----------------------------------------------------------------
 
@@ -149,7 +185,10 @@ class TrainLoop:
       full step, hooks see only steps that ran, ``status == "data_exhausted"``.
     """
     target = self._target(num_steps, num_epochs)
-    t_run = time.perf_counter()
+    self.target_step = target
+    self._t_mark = time.perf_counter()
+    if self.time_based_k is not None:
+      self.time_based_k.start()
     state = self.program.place_state(state)
     self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     step0 = int(jax.device_get(self.step_of(state)))
@@ -160,7 +199,8 @@ class TrainLoop:
     self._stop_reason = None
     self.data_position = None
     for h in self.hooks:
-      new = h.on_run_start(self, state)
+      with self._timed(h):
+        new = h.on_run_start(self, state)
       if new is not None:  # e.g. a checkpoint hook restored the state
         state = self._check_replacement(h, new)
         restored_step = int(jax.device_get(self.step_of(state)))
@@ -170,7 +210,8 @@ class TrainLoop:
               f"ledger at step {self.ledger.step}")
         step0 = restored_step
     source, start_position = open_source(batches, self.data_position, step0)
-    plan = plan_calls(step0, iterations_per_loop=self.iterations_per_loop, num_steps=target,
+    plan = plan_calls(step0, iterations_per_loop=self.time_based_k or self.iterations_per_loop,
+                      num_steps=target,
                       steps_per_epoch=self.steps_per_epoch,
                       triggers=[h.trigger for h in self.hooks])
     feeder = ChunkFeeder(source, plan, iterations_per_loop=self.iterations_per_loop,
@@ -180,7 +221,9 @@ class TrainLoop:
                          start_position=start_position, first_step=step0)
     pending: _Pending | None = None
     last: tuple[LoopInfo, set[int]] | None = None
+    self.preemption = PreemptionWatcher(self.preemption_signals)
     try:
+      self.preemption.install()
       while self._stop_reason is None:
         t0 = time.perf_counter()
         chunk = feeder.next()
@@ -193,6 +236,9 @@ class TrainLoop:
           self._global_batch_size = chunk.global_batch_size
           if self.ledger.examples_seen == 0:
             self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
+        if self.preemption.agreed():  # stop before dispatching: at_end hooks fire
+          self._stop_reason = "preempted"  # with this boundary's state (_fire_at_end)
+          break
         start = self.ledger.step
         t0 = time.perf_counter()
         first_call = self.program.compile_count() == 0
@@ -228,15 +274,34 @@ class TrainLoop:
       if last is not None and not last[0].is_last:
         state = self._fire_at_end(last, state)
       for h in self.hooks:
-        new = h.on_run_end(self, state)
+        with self._timed(h):
+          new = h.on_run_end(self, state)
         if new is not None:
           state = self._check_replacement(h, new)
     finally:
+      self.preemption.uninstall()
       feeder.close()
-      self.ledger.add_time("total", time.perf_counter() - t_run)
+      self._tick_total()
     return state
 
   # -- internals -------------------------------------------------------------
+
+  def _tick_total(self) -> None:
+    """Adds the wall time since the last tick to ``seconds["total"]`` (kept current
+    at every boundary, so a checkpoint saved by a hook includes it)."""
+    now = time.perf_counter()
+    self.ledger.add_time("total", now - self._t_mark)
+    self._t_mark = now
+
+  @contextlib.contextmanager
+  def _timed(self, hook: Hook):
+    """Adds the hook's time to its ledger bucket (``hook.time_bucket``, default
+    ``"hooks"``; e.g. ``"checkpoint"``, ``"eval"``) for the goodput summary."""
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.ledger.add_time(getattr(hook, "time_bucket", "hooks"), time.perf_counter() - t0)
 
   def _target(self, num_steps: int | None, num_epochs: int | None) -> int:
     if (num_steps is None) == (num_epochs is None):
@@ -278,16 +343,19 @@ class TrainLoop:
                     metric_values=dict(out.metrics), traces=traces, is_last=p.is_last,
                     data_position=p.position)
     self.data_position = p.position
-    t0 = time.perf_counter()
+    self._tick_total()
     for h in self.hooks:
-      h.observe(info)
+      with self._timed(h):
+        h.observe(info)
     fired = set()
     for h in p.firing:
-      new = h.after_call(info, state if h.needs_state else None)
+      with self._timed(h):
+        new = h.after_call(info, state if h.needs_state else None)
       fired.add(id(h))
       if new is not None and h.needs_state:
         state = self._check_replacement(h, new)
-    self.ledger.add_time("hooks", time.perf_counter() - t0)
+    if self.time_based_k is not None:
+      self.time_based_k.record(p.end)
     return (info, fired), state
 
   def _fire_at_end(self, last: tuple[LoopInfo, set[int]], state: Any) -> Any:
@@ -295,7 +363,8 @@ class TrainLoop:
     info = dataclasses.replace(last[0], is_last=True)
     for h in self.hooks:
       if h.trigger.at_end and not h.trigger.every_call and id(h) not in last[1]:
-        new = h.after_call(info, state if h.needs_state else None)
+        with self._timed(h):
+          new = h.after_call(info, state if h.needs_state else None)
         if new is not None and h.needs_state:
           state = self._check_replacement(h, new)
     return state

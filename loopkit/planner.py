@@ -5,16 +5,135 @@ steps left)`` steps (K = ``iterations_per_loop``), so every requested event
 lands exactly on its step and no call crosses an epoch end (policy of
 ``shared/cases/CASES.md``: cases C01-C04). Calls shorter than K reuse the same
 compiled program (see :mod:`loopkit.program`).
+
+Time-based K (:class:`TimeBasedK`, TPUEstimator's ``iterations_per_loop="30s"``)
+replaces the fixed K by one re-chosen from the measured step time, capped by a
+fixed slot count so the program is still compiled once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 from loopkit.triggers import Trigger, steps_until
 
-__all__ = ["next_call_length", "plan_calls"]
+__all__ = ["TimeBasedK", "next_call_length", "parse_duration", "plan_calls"]
+
+# TPUEstimator's form (tpu_config.py): a positive integer with an s, m or h suffix.
+_DURATION = re.compile(r"^\s*([1-9][0-9]*)\s*([smh])\s*$")
+_UNIT_SECS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: str) -> float:
+  """Parses TPUEstimator's time form of ``iterations_per_loop``.
+
+  Args:
+    value: ``"<N>s"``, ``"<N>m"`` or ``"<N>h"`` with N a positive integer, e.g.
+      ``"30s"``, ``"5m"``, ``"1h"`` (as ``TPUConfig(iterations_per_loop=...)``).
+
+  Returns:
+    The duration in seconds (float).
+
+  Raises:
+    ValueError: for any other string.
+
+  Example:
+    >>> parse_duration("30s"), parse_duration("2m"), parse_duration("1h")
+    (30.0, 120.0, 3600.0)
+  """
+  m = _DURATION.match(value) if isinstance(value, str) else None
+  if m is None:
+    raise ValueError(f"iterations_per_loop must be an int >= 1 or a duration like '30s', "
+                     f"'5m' or '1h' (a positive integer and a unit s/m/h), got {value!r}")
+  return int(m.group(1)) * _UNIT_SECS[m.group(2)]
+
+
+class TimeBasedK:
+  """Chooses steps per device call so that a call takes about ``target_secs``.
+
+  The loop reports every call boundary (:meth:`record`, with the global step
+  reached); the wall time between two consecutive boundaries divided by the
+  steps between them is the measured step time (it includes the host's share:
+  dispatch, data wait, hooks). The next calls run
+  ``clamp(floor(target_secs / step_time), 1, max_iterations_per_loop)`` steps,
+  re-estimated at every boundary from the latest call (no smoothing: a call of
+  ``target_secs`` averages out the noise of single steps). Before the first
+  measurement calls run ``initial`` steps. The first boundary (whose call
+  includes compilation) only starts the clock.
+
+  The program is compiled once for ``max_iterations_per_loop`` slots; a call of
+  n steps still transfers ``max_iterations_per_loop - n`` padding batches (see
+  :mod:`loopkit.program`), so keep the cap near the expected K.
+
+  With prefetching the feeder plans up to ``prefetch`` calls ahead, so a new
+  choice takes effect ``prefetch + 1`` calls after its measurement.
+
+  Args:
+    target_secs: seconds per call (float > 0), or a string ``"30s"`` /
+      ``"5m"`` / ``"1h"`` (:func:`parse_duration`).
+    max_iterations_per_loop: the most steps per call, the compiled slot count.
+    initial: steps per call until the first measurement (default 1).
+    clock: monotonic clock in seconds (inject a fake one in tests).
+
+  Raises:
+    ValueError: for ``target_secs`` <= 0, a malformed string,
+      ``max_iterations_per_loop`` < 1 or ``initial`` outside
+      ``[1, max_iterations_per_loop]``.
+
+  Thread-safe: :meth:`current` may be called from the prefetch thread while the
+  loop thread calls :meth:`record`.
+  """
+
+  def __init__(self, target_secs: float | str, *, max_iterations_per_loop: int,
+               initial: int = 1, clock: Callable[[], float] = time.perf_counter):
+    if isinstance(target_secs, str):
+      target_secs = parse_duration(target_secs)
+    if not target_secs > 0:
+      raise ValueError(f"target_secs must be > 0, got {target_secs!r}")
+    if isinstance(max_iterations_per_loop, bool) or not isinstance(max_iterations_per_loop, int) \
+        or max_iterations_per_loop < 1:
+      raise ValueError(f"max_iterations_per_loop must be an int >= 1, got "
+                       f"{max_iterations_per_loop!r}")
+    if not 1 <= initial <= max_iterations_per_loop:
+      raise ValueError(f"initial must be in [1, {max_iterations_per_loop}], got {initial!r}")
+    self.target_secs = float(target_secs)
+    self.max_iterations_per_loop = max_iterations_per_loop
+    self.initial = initial
+    self.clock = clock
+    self.secs_per_step: float | None = None
+    self._k = initial
+    self._mark: tuple[float, int] | None = None
+    self._lock = threading.Lock()
+
+  def start(self) -> None:
+    """Forgets the clock mark (called at the start of every ``run``); keeps the estimate."""
+    with self._lock:
+      self._mark = None
+
+  def record(self, step: int) -> None:
+    """Records a call boundary at global ``step`` and re-chooses K."""
+    now = self.clock()
+    with self._lock:
+      if self._mark is not None:
+        t0, s0 = self._mark
+        if step > s0 and now > t0:
+          self.secs_per_step = (now - t0) / (step - s0)
+          k = math.floor(self.target_secs / self.secs_per_step + 1e-9)
+          self._k = max(1, min(self.max_iterations_per_loop, k))
+      self._mark = (now, step)
+
+  def current(self) -> int:
+    """Steps the next call should run (before events and epoch ends cut it)."""
+    with self._lock:
+      return self._k
+
+  def __repr__(self) -> str:
+    return (f"TimeBasedK(target_secs={self.target_secs}, max_iterations_per_loop="
+            f"{self.max_iterations_per_loop}, current={self._k})")
 
 
 def next_call_length(step: int, *, iterations_per_loop: int, num_steps: int,
@@ -50,10 +169,13 @@ def next_call_length(step: int, *, iterations_per_loop: int, num_steps: int,
   return int(min(iterations_per_loop, left, to_epoch_end, to_event))
 
 
-def plan_calls(step: int, *, iterations_per_loop: int, num_steps: int,
+def plan_calls(step: int, *, iterations_per_loop: int | TimeBasedK, num_steps: int,
                steps_per_epoch: int | None = None,
                triggers: Sequence[Trigger] = ()) -> Iterator[int]:
   """Yields the lengths of every call from ``step`` to ``num_steps``.
+
+  ``iterations_per_loop`` may be a :class:`TimeBasedK`; its current choice is
+  read when each length is drawn.
 
   Example:
     >>> list(plan_calls(0, iterations_per_loop=4, num_steps=10))
@@ -63,7 +185,9 @@ def plan_calls(step: int, *, iterations_per_loop: int, num_steps: int,
     [4, 2, 4, 2, 4, 2, 4, 2]
   """
   while True:
-    n = next_call_length(step, iterations_per_loop=iterations_per_loop,
+    k = (iterations_per_loop.current() if isinstance(iterations_per_loop, TimeBasedK)
+         else iterations_per_loop)
+    n = next_call_length(step, iterations_per_loop=k,
                          num_steps=num_steps, steps_per_epoch=steps_per_epoch,
                          triggers=triggers)
     if n == 0:
