@@ -13,6 +13,15 @@ given, always in step order. Two entry points:
   synchronises at that boundary. Hooks with ``needs_state=False`` get
   ``state=None`` and never stall the next dispatch.
 
+Early stop and preemption: when a run stops before its planned end
+(``loop.request_stop(reason)``, or a SIGTERM/SIGINT that the processes agree on
+at a boundary, see :mod:`loopkit.preemption`), the loop stops *before*
+dispatching the next call; hooks whose trigger has ``at_end`` and that did not
+fire on the last call then fire with that boundary's state and
+``info.is_last=True`` (this is how a checkpoint lands off its cadence at a
+preemption), then ``on_run_end`` runs and ``loop.status`` is the reason
+(``"preempted"``).
+
 Hooks are not thread-safe; on multi-host every process runs every hook (a hook
 that writes files should write on process 0 only).
 """
@@ -79,6 +88,12 @@ class Hook:
   Args:
     every_steps, every_epochs, at_steps, every_secs, at_end: the hook's
       trigger (see :class:`loopkit.triggers.Trigger`); none set = every call.
+      ``at_end`` also covers early stops and preemption (module docstring).
+
+  A hook whose own state must survive a resume may define
+  ``checkpoint_state() -> dict`` (JSON-serialisable) and
+  ``restore_checkpoint_state(d: dict)``; :class:`loopkit.checkpoint.CheckpointHook`
+  saves and restores it with each checkpoint.
   """
 
   needs_state: bool = True

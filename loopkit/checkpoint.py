@@ -1,0 +1,550 @@
+"""Checkpoints with Orbax: exact resume, retention, asynchronous saves.
+
+:class:`CheckpointHook` saves, as one Orbax Composite checkpoint per step, the
+four things a run needs to continue exactly where it stopped:
+
+====== ================================= ====================================
+item   content                           Orbax args
+====== ================================= ====================================
+state  the train state (sharded arrays)  ``StandardSave`` / ``StandardRestore``
+ledger :class:`~loopkit.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
+data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
+hooks  other hooks' ``checkpoint_state`` ``JsonSave`` / ``JsonRestore``
+====== ================================= ====================================
+
+Step directories are named by the global step (= updates applied = the
+state's step = the optimizer's count). Saves are asynchronous: the hook
+returns once the arrays are copied off the device, so the next (donating)
+call may start while files are written; a save first waits for the previous
+one, and ``on_run_end`` waits for the last one. A failed asynchronous save
+raises :class:`CheckpointError` at the next boundary (or at run end); the hook
+stays usable and later saves work.
+
+**Resume.** ``TrainLoop.run`` calls :meth:`CheckpointHook.on_run_start`, which
+restores the latest complete checkpoint, if any (the checkpoint wins over the
+state passed in, like TPUEstimator's ``model_dir``): the state is restored
+into the live state's tree structure and shardings (so a run may resume on a
+different number of devices, and the program is not recompiled), the loop's
+ledger and data position are set, and hooks' states are handed back. A
+checkpoint whose tree, shapes or dtypes differ from the live state raises
+``ValueError`` naming the first differing leaf before anything changes.
+
+**Complete or invisible.** A step directory counts only if Orbax finalized it
+(it holds ``commit_success.txt``, written last in both of Orbax's atomicity
+modes). When the hook opens a directory it deletes unfinished leftovers
+(``<step>.orbax-checkpoint-tmp*`` or a step directory without the commit file,
+e.g. from a kill during a write), so they are never taken as the latest and
+never block a new save at that step. Only one run may write a directory.
+
+**Data position.** The position stored is ``LoopInfo.data_position``: the
+source's position after the last *consumed* chunk, never a prefetched one
+(case C25). It is an int (a counted skip for plain iterables, or the next step
+for ``batch_at(step)`` sources) or the iterator's own ``get_state()`` (Grain);
+see :func:`loopkit.feeding.open_source`. States must be JSON-serialisable or
+``bytes``. On several processes each process's position is gathered and saved.
+
+**Retention.** ``max_to_keep`` keeps the newest N; ``keep_best`` additionally
+keeps the best N by ``best_metric``. The newest checkpoint is always kept
+(Orbax's own ``best_fn`` + ``max_to_keep`` may delete it, case C19).
+
+Multi-host: every process runs the hook (Orbax coordinates the writes); the
+directory must be shared. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as ocp_managers
+
+from loopkit.hooks import Hook, LoopInfo
+from loopkit.ledger import Ledger
+
+log = logging.getLogger("loopkit")
+
+__all__ = ["CheckpointError", "CheckpointHook", "RestoredCheckpoint"]
+
+_COMMIT_FILE = "commit_success.txt"
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_ITEMS = ("state", "ledger", "data", "hooks")
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint save failed (the message names the step and directory)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredCheckpoint:
+  """What :meth:`CheckpointHook.restore` read.
+
+  Attributes:
+    step: the checkpoint's step (updates applied).
+    state: the train state, with the tree structure and shardings of ``like``.
+    ledger: the saved :class:`~loopkit.ledger.Ledger`.
+    data_position: this process's data position (int, iterator state or None).
+    hook_states: ``{"<index>:<HookClass>": state}`` of the hooks that had one.
+  """
+
+  step: int
+  state: Any
+  ledger: Ledger
+  data_position: Any
+  hook_states: dict[str, Any]
+
+
+class CheckpointHook(Hook):
+  """Saves checkpoints at exact steps and resumes the run from the latest.
+
+  Example:
+    >>> ckpt = loopkit.CheckpointHook(workdir, every_steps=1000, max_to_keep=3)  # doctest: +SKIP
+    >>> loop = loopkit.TrainLoop(step, iterations_per_loop=100, hooks=[ckpt])   # doctest: +SKIP
+    >>> state = loop.run(state, batches, num_steps=10_000)  # resumes if killed  # doctest: +SKIP
+
+  Args:
+    directory: root directory (local path or any ``etils.epath`` path); created
+      if missing. One step directory per checkpoint, named by the step.
+    every_steps, every_epochs, at_steps, every_secs: when to save (see
+      :class:`loopkit.triggers.Trigger`); the planner cuts device calls so step
+      marks land exactly. The final step of a run, an early stop and a
+      preemption are always saved.
+    max_to_keep: keep the newest N checkpoints (None: keep all).
+    best_metric: name of a metric in ``LoopInfo.metrics`` (the values of the
+      call that ends at the saved step) used to rank checkpoints.
+    best_mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"``.
+    keep_best: also keep the best N checkpoints by ``best_metric``; the newest
+      ``max_to_keep`` (default 1 when ``keep_best`` is set) are kept too.
+    async_save: write in background threads (Orbax async checkpointing).
+    restore: restore the latest checkpoint at the start of each ``run``.
+
+  Raises:
+    ValueError: ``max_to_keep`` or ``keep_best`` < 1, ``keep_best`` without
+      ``best_metric``, or ``best_mode`` not in ``("min", "max")``.
+
+  Attributes:
+    restored_step: step restored by the last ``on_run_start`` (None if none).
+    saved_steps: steps this hook saved, in order (this process's view).
+  """
+
+  needs_state = True
+  time_bucket = "checkpoint"
+
+  def __init__(self, directory: str | epath.PathLike, *, every_steps: int | None = None,
+               every_epochs: int | None = None, at_steps: Sequence[int] | None = None,
+               every_secs: float | None = None, max_to_keep: int | None = None,
+               best_metric: str | None = None, best_mode: str = "min",
+               keep_best: int | None = None, async_save: bool = True, restore: bool = True):
+    super().__init__(every_steps=every_steps, every_epochs=every_epochs, at_steps=at_steps,
+                     every_secs=every_secs, at_end=True)
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+    if keep_best is not None:
+      if keep_best < 1:
+        raise ValueError(f"keep_best must be >= 1 or None, got {keep_best}")
+      if best_metric is None:
+        raise ValueError("keep_best needs best_metric (the metric that ranks checkpoints)")
+    if best_mode not in ("min", "max"):
+      raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+    self.directory = epath.Path(directory)
+    self.max_to_keep = max_to_keep
+    self.best_metric = best_metric
+    self.best_mode = best_mode
+    self.keep_best = keep_best
+    self.async_save = async_save
+    self.restore_on_start = restore
+    self.restored_step: int | None = None
+    self.saved_steps: list[int] = []
+    self._manager: ocp.CheckpointManager | None = None
+    self._loop: Any = None
+    self._in_flight: int | None = None
+
+  # -- manager ---------------------------------------------------------------
+
+  def _options(self) -> ocp.CheckpointManagerOptions:
+    latest = ocp_managers.LatestN(
+        n=self.max_to_keep if self.max_to_keep or not self.keep_best else 1)
+    policies: list[Any] = [latest]
+    if self.keep_best:
+      policies.append(ocp_managers.BestN(
+          get_metric_fn=self._metric_of, reverse=self.best_mode == "min", n=self.keep_best,
+          keep_checkpoints_without_metrics=True))
+    return ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=self.async_save,
+        preservation_policy=ocp_managers.AnyPreservationPolicy(policies),
+        best_fn=self._metric_of if self.best_metric else None,
+        best_mode=self.best_mode, cleanup_tmp_directories=True, create=True)
+
+  def _metric_of(self, metrics: dict[str, Any]) -> float:
+    return float(metrics[self.best_metric])
+
+  def _open(self) -> ocp.CheckpointManager:
+    if self._manager is None:
+      _remove_unfinished(self.directory)
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=self._options(),
+          item_handlers={"state": ocp.StandardCheckpointHandler(),
+                         "ledger": ocp.JsonCheckpointHandler(),
+                         "data": ocp.JsonCheckpointHandler(),
+                         "hooks": ocp.JsonCheckpointHandler()})
+    return self._manager
+
+  def close(self) -> None:
+    """Waits for the last write (raising :class:`CheckpointError` if it failed)
+    and releases the Orbax manager; the hook reopens it when used again."""
+    if self._manager is None:
+      return
+    try:
+      self.wait_until_finished()
+    finally:
+      manager, self._manager = self._manager, None
+      try:
+        manager.close()
+      except Exception:  # pylint: disable=broad-except  # already reported above
+        log.exception("loopkit: closing the checkpoint manager failed")
+
+  # -- queries ---------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Steps of the complete checkpoints in the directory, ascending."""
+    manager = self._open()
+    manager.reload()
+    return sorted(manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def best_step(self) -> int | None:
+    """The best checkpoint by ``best_metric`` (the newest if no metric is set)."""
+    manager = self._open()
+    manager.reload()
+    return manager.best_step()
+
+  # -- save ------------------------------------------------------------------
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the last asynchronous save is written.
+
+    Raises:
+      CheckpointError: that save failed (its step directory stays unfinished
+        and is removed when the directory is next opened).
+    """
+    if self._manager is None or self._in_flight is None:
+      return
+    step, self._in_flight = self._in_flight, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"asynchronous save of step {step} to {self.directory} failed: "
+                            f"{type(e).__name__}: {e}") from e
+
+  def _check_in_flight(self) -> None:
+    """Raises a finished save's error without waiting for a running save."""
+    if (self._manager is not None and self._in_flight is not None
+        and not self._manager.is_saving_in_progress()):
+      self.wait_until_finished()
+
+  def save(self, step: int, state: Any, *, ledger: Ledger, data_position: Any = None,
+           metrics: dict[str, float] | None = None) -> bool:
+    """Starts saving one checkpoint (returns once the arrays are off the device).
+
+    Args:
+      step: the global step (updates applied); must equal ``ledger.step``.
+      state: the train state pytree (``jax.Array`` leaves, any shardings).
+      ledger: the host ledger at ``step``.
+      data_position: the source position after the step's batch.
+      metrics: values for ranking (needs ``best_metric`` among them when set).
+
+    Returns:
+      False if a checkpoint at ``step`` already exists (nothing written).
+
+    Raises:
+      CheckpointError: the previous asynchronous save failed, or this one
+        could not start.
+      ValueError: ``ledger.step != step`` or ``best_metric`` missing.
+      TypeError: a data position or hook state that is not JSON-serialisable.
+    """
+    if ledger.step != step:
+      raise ValueError(f"ledger step {ledger.step} != checkpoint step {step}")
+    manager = self._open()
+    self.wait_until_finished()
+    if step in manager.all_steps():
+      log.info("loopkit: checkpoint %d already exists in %s", step, self.directory)
+      return False
+    ranked = None
+    if self.best_metric is not None:
+      if not metrics or self.best_metric not in metrics:
+        raise ValueError(f"best_metric {self.best_metric!r} is not among the metrics "
+                         f"{sorted(metrics or {})}")
+      ranked = {self.best_metric: float(metrics[self.best_metric])}
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        ledger=ocp.args.JsonSave(ledger.to_dict()),
+        data=ocp.args.JsonSave(_encode_positions(data_position)),
+        hooks=ocp.args.JsonSave(self._hook_states()))
+    try:
+      manager.save(step, args=args, metrics=ranked, force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"saving step {step} to {self.directory} failed: "
+                            f"{type(e).__name__}: {e}") from e
+    self._in_flight = step
+    self.saved_steps.append(step)
+    return True
+
+  def _hook_states(self) -> dict[str, Any]:
+    states = {}
+    for key, h in self._other_hooks():
+      get = getattr(h, "checkpoint_state", None)
+      if callable(get):
+        value = get()
+        _check_json(value, f"checkpoint_state() of hook {key}")
+        states[key] = value
+    return states
+
+  def _other_hooks(self) -> list[tuple[str, Hook]]:
+    hooks = getattr(self._loop, "hooks", ()) if self._loop is not None else ()
+    return [(f"{i}:{type(h).__name__}", h) for i, h in enumerate(hooks) if h is not self]
+
+  # -- restore ---------------------------------------------------------------
+
+  def restore(self, like: Any, step: int | None = None) -> RestoredCheckpoint:
+    """Reads a checkpoint into the structure and shardings of ``like``.
+
+    Args:
+      like: a state pytree whose leaves are ``jax.Array`` or
+        ``jax.ShapeDtypeStruct`` (with ``sharding`` for where to put them);
+        the restored state has exactly this tree structure (no list/tuple or
+        namedtuple drift in optimizer states).
+      step: the step to read (default: the latest).
+
+    Returns:
+      The :class:`RestoredCheckpoint`.
+
+    Raises:
+      FileNotFoundError: no (such) complete checkpoint.
+      ValueError: the checkpoint's tree, shapes or dtypes differ from
+        ``like`` (naming the first differing leaf), or its data positions were
+        saved by a different number of processes.
+    """
+    manager = self._open()
+    manager.reload()
+    steps = manager.all_steps()
+    if step is None:
+      step = max(steps) if steps else None
+    if step is None or step not in steps:
+      raise FileNotFoundError(f"no complete checkpoint{'' if step is None else f' {step}'} "
+                              f"in {self.directory} (found {sorted(steps)})")
+    meta = manager.item_metadata(step)["state"]
+    problem = _tree_difference(getattr(meta, "tree", meta), like)
+    if problem:
+      raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
+                       f"state: {problem}")
+    abstract = jax.tree.map(_abstract, like)
+    out = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), ledger=ocp.args.JsonRestore(),
+        data=ocp.args.JsonRestore(), hooks=ocp.args.JsonRestore()))
+    state = _into_structure(out["state"], like)
+    ledger = Ledger.from_dict(out["ledger"])
+    if ledger.step != step:
+      raise ValueError(f"checkpoint {step} in {self.directory} holds a ledger at step "
+                       f"{ledger.step}")
+    return RestoredCheckpoint(step=step, state=state, ledger=ledger,
+                              data_position=_decode_positions(out["data"]),
+                              hook_states=dict(out["hooks"] or {}))
+
+  # -- Hook protocol ---------------------------------------------------------
+
+  def on_run_start(self, loop: Any, state: Any) -> Any | None:
+    """Opens the directory and restores the latest checkpoint, if any."""
+    self._loop = loop
+    self.restored_step = None
+    if self._manager is not None:  # a previous run ended by an exception
+      try:
+        self.close()
+      except CheckpointError as e:
+        log.warning("loopkit: %s", e)
+    self._open()
+    if not self.restore_on_start or self.latest_step() is None:
+      return None
+    r = self.restore(state)
+    steps_per_epoch = loop.ledger.steps_per_epoch if loop.ledger is not None else None
+    r.ledger.steps_per_epoch = steps_per_epoch
+    loop.ledger = r.ledger
+    loop.data_position = r.data_position
+    for key, h in self._other_hooks():
+      put = getattr(h, "restore_checkpoint_state", None)
+      if callable(put) and key in r.hook_states:
+        put(r.hook_states[key])
+    self.restored_step = r.step
+    log.info("loopkit: resumed from checkpoint %d in %s", r.step, self.directory)
+    return r.state
+
+  def observe(self, info: LoopInfo) -> None:
+    """Raises the error of an asynchronous save that has failed meanwhile."""
+    self._check_in_flight()
+
+  def after_call(self, info: LoopInfo, state: Any) -> None:
+    """Saves the state at ``info.end_step`` (asynchronously)."""
+    ledger = self._loop.ledger if self._loop is not None else None
+    if ledger is None or ledger.step != info.end_step:
+      ledger = Ledger(step=info.end_step, examples_seen=info.examples_seen,
+                      loop_index=info.loop_index + 1,
+                      steps_per_epoch=getattr(self._loop, "steps_per_epoch", None))
+    self.save(info.end_step, state, ledger=ledger, data_position=info.data_position,
+              metrics=info.metrics)
+    return None
+
+  def on_run_end(self, loop: Any, state: Any) -> None:
+    """Waits for the last write; raises :class:`CheckpointError` if it failed."""
+    self.close()
+    return None
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def _remove_unfinished(directory: epath.Path) -> None:
+  """Deletes unfinished step directories (process 0), then syncs the processes."""
+  if jax.process_index() == 0 and directory.exists():
+    for p in directory.iterdir():
+      name = p.name
+      unfinished = (_TMP_MARK in name
+                    or (name.isdigit() and p.is_dir() and not (p / _COMMIT_FILE).exists()))
+      if unfinished:
+        log.warning("loopkit: removing unfinished checkpoint directory %s", p)
+        p.rmtree(missing_ok=True) if p.is_dir() else p.unlink(missing_ok=True)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices("loopkit_checkpoint_remove_unfinished")
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _orbax_key(path: tuple) -> tuple[str, ...]:
+  """The flat key Orbax stores a leaf under (``ocp.tree.to_flat_dict``)."""
+  out = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
+def _tree_difference(saved_tree: Any, like: Any) -> str | None:
+  """First difference between saved leaf metadata and a live state, or None."""
+  saved = ocp.tree.to_flat_dict(saved_tree)
+  seen = set()
+  for path, x in jax.tree_util.tree_flatten_with_path(like)[0]:
+    key = _orbax_key(path)
+    name = jax.tree_util.keystr(path) or "<root>"
+    if key not in saved:
+      return f"leaf {name} of the train state is not in the checkpoint"
+    seen.add(key)
+    m = saved[key]
+    m_shape = tuple(getattr(m, "shape", ()) or ())
+    if m_shape != tuple(np.shape(x)):
+      return (f"leaf {name} has shape {m_shape} in the checkpoint, "
+              f"{tuple(np.shape(x))} in the train state")
+    m_dtype = getattr(m, "dtype", None)
+    if m_dtype is not None and np.dtype(m_dtype) != np.dtype(x.dtype):
+      return (f"leaf {name} has dtype {np.dtype(m_dtype)} in the checkpoint, "
+              f"{np.dtype(x.dtype)} in the train state")
+  for key, m in saved.items():
+    if key not in seen and m is not None:
+      return f"the checkpoint has leaf {'.'.join(key)} that the train state lacks"
+  return None
+
+
+def _into_structure(restored: Any, like: Any) -> Any:
+  """Puts restored leaves into exactly ``like``'s tree structure."""
+  like_def = jax.tree.structure(like)
+  if jax.tree.structure(restored) == like_def:
+    return restored
+  flat = ocp.tree.to_flat_dict(restored)
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+  return jax.tree.unflatten(like_def, [flat[_orbax_key(p)] for p in paths])
+
+
+def _jsonable(x: Any) -> Any:
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  return x
+
+
+def _check_json(value: Any, what: str) -> None:
+  try:
+    json.dumps(value)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{what} is not JSON-serialisable: {e}") from None
+
+
+def _encode_position(position: Any) -> dict[str, Any]:
+  """One process's data position as JSON: ``{"kind": ..., "value": ...}``."""
+  if position is None:
+    return {"kind": "none"}
+  if isinstance(position, (int, np.integer)) and not isinstance(position, bool):
+    return {"kind": "int", "value": int(position)}
+  if isinstance(position, (bytes, bytearray)):
+    return {"kind": "bytes", "value": base64.b64encode(bytes(position)).decode("ascii")}
+  value = _jsonable(position)
+  _check_json(value, f"the data position ({type(position).__name__})")
+  return {"kind": "json", "value": value}
+
+
+def _decode_position(d: dict[str, Any]) -> Any:
+  kind = d.get("kind")
+  if kind == "none":
+    return None
+  if kind == "int":
+    return int(d["value"])
+  if kind == "bytes":
+    return base64.b64decode(d["value"])
+  if kind == "json":
+    return d["value"]
+  raise ValueError(f"unknown data position kind {kind!r} in checkpoint")
+
+
+def _encode_positions(position: Any) -> dict[str, Any]:
+  """Every process's position (one entry per process, in process order)."""
+  mine = _encode_position(position)
+  if jax.process_count() == 1:
+    return {"per_process": [mine]}
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  raw = np.frombuffer(json.dumps(mine).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.asarray(raw.size, np.int32))
+  padded = np.zeros(int(np.max(lengths)), np.uint8)
+  padded[:raw.size] = raw
+  gathered = multihost_utils.process_allgather(padded)
+  return {"per_process": [json.loads(bytes(row[:n]).decode())
+                          for row, n in zip(np.asarray(gathered), np.asarray(lengths))]}
+
+
+def _decode_positions(d: dict[str, Any]) -> Any:
+  per = d["per_process"]
+  n, i = jax.process_count(), jax.process_index()
+  if len(per) == n:
+    return _decode_position(per[i])
+  if all(p == per[0] for p in per):
+    return _decode_position(per[0])
+  raise ValueError(f"the checkpoint's data positions were saved by {len(per)} processes and "
+                   f"differ; they cannot be given to {n} processes")
