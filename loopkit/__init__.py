@@ -8,6 +8,7 @@ from loopkit import metrics
 from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
 from loopkit.ledger import Ledger
 from loopkit.loop import DataExhaustedWarning, TrainLoop
+from loopkit.preemption import PreemptionWatcher
 from loopkit.planner import next_call_length, plan_calls
 from loopkit.program import MultiStepProgram
 from loopkit.rng import step_key
@@ -16,7 +17,20 @@ from loopkit.writers import JsonlWriter, MetricWriter
 
 __version__ = "0.1.0"
 
+_LAZY = {  # need the optional orbax-checkpoint (pip install loopkit[checkpoint])
+    "CheckpointError": "loopkit.checkpoint", "CheckpointHook": "loopkit.checkpoint",
+    "RestoredCheckpoint": "loopkit.checkpoint",
+}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    import importlib  # pylint: disable=g-import-not-at-top
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
+
 __all__ = [
+    "CheckpointError", "CheckpointHook", "PreemptionWatcher", "RestoredCheckpoint",
     "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter", "Ledger", "LoggingHook",
     "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
     "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",
