@@ -1,0 +1,348 @@
+"""Exact evaluation: up to K eval batches per device call, padded and masked.
+
+An eval step returns **per-example** values, never batch means::
+
+    def eval_step(state, batch):            # batch leaves [B, ...]
+      logits = model.apply(state["params"], batch["image"])
+      return {"accuracy": (logits.argmax(-1) == batch["label"]).astype(jnp.float32),
+              "loss": cross_entropy(logits, batch["label"])}   # each [B]
+
+:class:`Evaluator` pads every batch to the static global batch B (the short
+last batch, and on multi-host the extra batches of short processes) with zero
+rows and a per-example mask, stacks up to K batches into one chunk
+``[K, B, ...]`` (prefetched by :class:`loopkit.feeding.ChunkFeeder`), and runs
+one compiled program per chunk that accumulates ``sum(mask * value)`` and
+``sum(mask)``. Padded rows never count, even when their values are NaN. The
+program sums across devices (for per-device steps with ``psum``), and the host
+adds the per-call sums in float64, so a metric is ``total / count`` over the
+real examples: never a mean of batch or device means (cases C15, C18).
+Every call length and every eval run reuses one executable.
+
+Multi-host: every process must run the same number of batches (a process
+that stops early would leave the others waiting at a collective): pass
+``num_batches=loopkit.sources.eval_batches_per_process(...)``; processes with
+fewer examples are padded with fully masked batches (case C27).
+
+:class:`EvalHook` runs an evaluator from a ``TrainLoop`` every N steps or
+every epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from loopkit.device_data import DeviceDataState
+from loopkit.feeding import ChunkFeeder
+from loopkit.hooks import Hook, LoopInfo
+
+log = logging.getLogger("loopkit")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+  """The outcome of one evaluation.
+
+  Attributes:
+    metrics: ``total / count`` per metric (float; ``nan`` when count is 0).
+    totals: masked sums of the per-example values over all examples and
+      devices (float, accumulated in float64 across calls).
+    num_examples: real (unmasked) examples counted, over all processes.
+    num_batches: batches this process fed, padded ones included.
+    num_calls: device calls made.
+  """
+
+  metrics: dict[str, float]
+  totals: dict[str, float]
+  num_examples: int
+  num_batches: int
+  num_calls: int
+
+
+class Evaluator:
+  """Runs an eval step over batches, K per device call, with exact counts.
+
+  Args:
+    eval_step: ``(state, batch) -> dict[str, per-example values]``, pure.
+      Global style: values ``[B]`` for a batch ``[B, ...]``; per-device style:
+      ``[B / D]`` for the device's slice. Values are cast to float32.
+    iterations_per_loop: K, the most eval batches per device call.
+    mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices).
+    data_axis: the mesh axis the batch is split over.
+    step_style: ``"global"`` or ``"per_device"`` (as in ``TrainLoop``).
+    global_batch_size: B, the static padded batch; must divide by the
+      data-parallel size and the process count. Default: the first batch's
+      global size rounded up to a multiple of the data-parallel size, then
+      fixed for the evaluator's lifetime.
+    prefetch: chunks prepared ahead by a background thread (0 = none).
+
+  Raises:
+    ValueError: K < 1; ``global_batch_size`` not divisible by the
+      data-parallel size (the message names both numbers) or the process
+      count; unknown ``data_axis`` or ``step_style``.
+
+  Attributes:
+    trace_count: times ``eval_step`` was traced (1 in a healthy run).
+
+  Not thread-safe. Multi-host-safe when every process passes the same
+  ``num_batches``.
+  """
+
+  def __init__(self, eval_step: Callable, *, iterations_per_loop: int = 1,
+               mesh: Mesh | None = None, data_axis: str = "data",
+               step_style: Literal["global", "per_device"] = "global",
+               global_batch_size: int | None = None, prefetch: int = 2):
+    if isinstance(iterations_per_loop, bool) or not isinstance(iterations_per_loop, int) \
+        or iterations_per_loop < 1:
+      raise ValueError(f"iterations_per_loop must be an int >= 1, got {iterations_per_loop!r}")
+    if step_style not in ("global", "per_device"):
+      raise ValueError(f"step_style must be 'global' or 'per_device', got {step_style!r}")
+    self.mesh = mesh if mesh is not None else jax.make_mesh((jax.device_count(),), (data_axis,))
+    if data_axis not in self.mesh.axis_names:
+      raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
+                       f"{self.mesh.axis_names}")
+    self.data_parallel_size = self.mesh.shape[data_axis]
+    self.eval_step = eval_step
+    self.k = iterations_per_loop
+    self.data_axis = data_axis
+    self.step_style = step_style
+    self.prefetch = prefetch
+    self.trace_count = 0
+    self.global_batch_size: int | None = None
+    self._template: Any = None  # one padded example row per leaf, for empty batches
+    if global_batch_size is not None:
+      self._set_batch_size(global_batch_size)
+    self._batch_sharding = NamedSharding(self.mesh, P(None, data_axis))
+    self._replicated = NamedSharding(self.mesh, P())
+    fn = self._loop
+    if step_style == "per_device":
+      fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(None, data_axis), P()),
+                         out_specs=P(), check_vma=False)
+    self._jitted = jax.jit(fn, out_shardings=self._replicated)
+
+  def _set_batch_size(self, b: int) -> None:
+    if b < 1 or b % self.data_parallel_size:
+      raise ValueError(f"global batch size {b} is not divisible by the data-parallel "
+                       f"size {self.data_parallel_size}")
+    if b % jax.process_count():
+      raise ValueError(f"global batch size {b} is not divisible by the process count "
+                       f"{jax.process_count()}")
+    self.global_batch_size = b
+
+  # -- traced ------------------------------------------------------------------
+
+  def _loop(self, state, chunk, num_batches):
+    """fori_loop over the chunk's first ``num_batches`` batches; masked sums."""
+    self.trace_count += 1
+    batches, mask = chunk["batch"], chunk["mask"]
+    take = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+    shapes = jax.eval_shape(self.eval_step, state, jax.tree.map(lambda x: take(x, 0), batches))
+    if not isinstance(shapes, dict):
+      raise TypeError(f"eval_step must return a dict of per-example values, got {type(shapes)}")
+    per_example = mask.shape[1:]
+    for name, s in shapes.items():
+      if tuple(s.shape) != per_example:
+        raise ValueError(
+            f"eval_step value {name!r} has shape {tuple(s.shape)}; it must be per-example, "
+            f"shape {per_example} (e.g. (pred == label).astype(jnp.float32), not its mean)")
+
+    def body(i, acc):
+      totals, count = acc
+      m = take(mask, i)
+      out = self.eval_step(state, jax.tree.map(lambda x: take(x, i), batches))
+      totals = {k: totals[k] + jnp.sum(jnp.where(m, out[k].astype(jnp.float32), 0.0))
+                for k in totals}
+      return totals, count + jnp.sum(m.astype(jnp.int32))
+
+    init = ({k: jnp.zeros((), jnp.float32) for k in shapes}, jnp.zeros((), jnp.int32))
+    totals, count = jax.lax.fori_loop(0, num_batches, body, init)
+    if self.step_style == "per_device":
+      totals, count = jax.lax.psum((totals, count), self.data_axis)
+    return totals, count
+
+  # -- host --------------------------------------------------------------------
+
+  def _pad(self, batch: Any) -> dict[str, Any]:
+    """Pads a process-local batch ``[b, ...]`` to ``[B / P, ...]``; adds the mask."""
+    local = self.global_batch_size // jax.process_count()
+    leaves = jax.tree.leaves(batch)
+    b = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else None
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+      if np.ndim(x) == 0 or np.shape(x)[0] != b:
+        raise ValueError(f"eval batch leaf {jax.tree_util.keystr(path)} has shape "
+                         f"{np.shape(x)}; every leaf needs the same leading batch dimension")
+    if b > local:
+      raise ValueError(f"an eval batch has {b} examples on this process, more than the "
+                       f"static batch of {local} (global batch {self.global_batch_size})")
+
+    def pad(x):
+      x = np.asarray(x)
+      if b == local:
+        return x
+      return np.concatenate([x, np.zeros((local - b,) + x.shape[1:], x.dtype)])
+
+    if self._template is None:
+      self._template = jax.tree.map(lambda x: np.zeros((0,) + np.shape(x)[1:],
+                                                       np.asarray(x).dtype), batch)
+    return {"batch": jax.tree.map(pad, batch), "mask": np.arange(local) < b}
+
+  def _padded(self, batches: Iterator, num_batches: int | None) -> Iterator[dict[str, Any]]:
+    fed = 0
+    for batch in batches:
+      if num_batches is not None and fed >= num_batches:
+        raise ValueError(f"the eval batches outnumber num_batches={num_batches}")
+      yield self._pad(batch)
+      fed += 1
+    while num_batches is not None and fed < num_batches:
+      if self._template is None:
+        raise ValueError("no eval batch seen yet to pad with: this process got no data; "
+                         "run one evaluation with data first or give it one example")
+      yield self._pad(self._template)
+      fed += 1
+
+  def evaluate(self, state: Any, batches: Iterable, *,
+               num_batches: int | None = None) -> EvalResult:
+    """Evaluates ``state`` on every example of ``batches`` exactly once.
+
+    Args:
+      state: the (train) state pytree passed to ``eval_step``; not donated.
+      batches: iterable of batches, pytrees of numpy arrays ``[b, ...]``
+        with ``b <= B / P`` (the process-local part on multi-host); short
+        and empty batches are padded and masked.
+      num_batches: run exactly this many batches, padding with fully masked
+        ones; required on multi-host so that all processes agree (see
+        :func:`loopkit.sources.eval_batches_per_process`).
+
+    Returns:
+      An :class:`EvalResult`.
+
+    Raises:
+      ValueError: a batch larger than the static batch or with ragged
+        leaves; more batches than ``num_batches``; ``num_batches`` missing on
+        multi-host; a non per-example eval output (names the metric).
+      Any exception raised by the source.
+    """
+    if num_batches is None and jax.process_count() > 1:
+      raise ValueError("on multi-host, pass num_batches (the same on every process) so no "
+                       "process waits at a collective; see eval_batches_per_process")
+    it = iter(batches)
+    if self.global_batch_size is None:
+      first = next(it, None)
+      if first is None:
+        return EvalResult({}, {}, 0, 0, 0)
+      b = np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count()
+      dp = self.data_parallel_size
+      self._set_batch_size(max(dp, -(-b // dp) * dp))
+      it = itertools.chain([first], it)
+    feeder = ChunkFeeder(self._padded(it, num_batches), itertools.repeat(self.k),
+                         iterations_per_loop=self.k, batch_sharding=self._batch_sharding,
+                         replicated=self._replicated,
+                         data_parallel_size=self.data_parallel_size, prefetch=self.prefetch)
+    outs, fed = [], 0
+    try:
+      while True:
+        chunk = feeder.next()
+        if chunk is None or chunk.length == 0:
+          break
+        outs.append(self._jitted(state, chunk.batches, chunk.num_steps))
+        fed += chunk.length
+        if chunk.exhausted:
+          break
+    finally:
+      feeder.close()
+    totals: dict[str, float] = {}
+    count = 0
+    for sums, n in jax.device_get(outs):
+      for k, v in sums.items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+      count += int(n)
+    metrics = {k: (v / count if count else float("nan")) for k, v in totals.items()}
+    return EvalResult(metrics, totals, count, fed, len(outs))
+
+  __call__ = evaluate
+
+  def compile_count(self) -> int:
+    """Executables compiled for the eval program (1 in a healthy run)."""
+    return self._jitted._cache_size()
+
+
+def evaluate(eval_step: Callable, state: Any, batches: Iterable, *,
+             num_batches: int | None = None, **evaluator_kwargs) -> EvalResult:
+  """One-off evaluation: ``Evaluator(eval_step, **evaluator_kwargs).evaluate(...)``.
+
+  Keep an :class:`Evaluator` instead when evaluating repeatedly (it compiles
+  once). Arguments and errors as in :class:`Evaluator` and
+  :meth:`Evaluator.evaluate`.
+  """
+  return Evaluator(eval_step, **evaluator_kwargs).evaluate(state, batches,
+                                                           num_batches=num_batches)
+
+
+def _default_state_fn(state: Any) -> Any:
+  return state.train_state if isinstance(state, DeviceDataState) else state
+
+
+class EvalHook(Hook):
+  """Runs an :class:`Evaluator` from a ``TrainLoop`` when its trigger fires.
+
+  Args:
+    evaluator: the evaluator (compiled once, reused at every firing).
+    batches: a re-iterable (list, Grain ``DataLoader``, ``TfDataSource``) or a
+      zero-argument callable returning a fresh iterable of eval batches.
+    num_batches: passed to :meth:`Evaluator.evaluate` (multi-host).
+    writer: optional object with ``write_scalars(step, scalars)``; gets
+      ``{prefix}/{metric}`` and ``{prefix}/num_examples``.
+    prefix: name prefix for the written scalars.
+    state_fn: maps the train state to the state ``eval_step`` takes (default:
+      unwraps a :class:`~loopkit.device_data.DeviceDataState`).
+    **trigger: ``every_steps``, ``every_epochs``, ``at_steps``,
+      ``every_secs``, ``at_end`` (see :class:`loopkit.hooks.Hook`).
+
+  Attributes:
+    results: ``[(step, EvalResult)]`` in firing order.
+
+  Raises:
+    ValueError: ``batches`` is a one-shot iterator (it would be empty at the
+      second firing).
+
+  Not thread-safe; on multi-host every process runs it (writes happen where
+  the writer writes).
+  """
+
+  needs_state = True
+
+  def __init__(self, evaluator: Evaluator, batches: Iterable | Callable[[], Iterable], *,
+               num_batches: int | None = None, writer: Any = None, prefix: str = "eval",
+               state_fn: Callable[[Any], Any] | None = None, **trigger):
+    super().__init__(**trigger)
+    if not callable(batches) and iter(batches) is batches:
+      raise ValueError("EvalHook needs re-iterable eval batches (a list, a Grain loader) or "
+                       "a callable returning a fresh iterable, not a one-shot iterator")
+    self.evaluator = evaluator
+    self.batches = batches
+    self.num_batches = num_batches
+    self.writer = writer
+    self.prefix = prefix
+    self.state_fn = state_fn if state_fn is not None else _default_state_fn
+    self.results: list[tuple[int, EvalResult]] = []
+
+  def after_call(self, info: LoopInfo, state: Any) -> None:
+    batches = self.batches() if callable(self.batches) else self.batches
+    result = self.evaluator.evaluate(self.state_fn(state), batches,
+                                     num_batches=self.num_batches)
+    self.results.append((info.end_step, result))
+    log.info("step %d eval: %s (%d examples)", info.end_step,
+             ", ".join(f"{k}={v:.6g}" for k, v in result.metrics.items()), result.num_examples)
+    if self.writer is not None:
+      scalars = {f"{self.prefix}/{k}": v for k, v in result.metrics.items()}
+      scalars[f"{self.prefix}/num_examples"] = result.num_examples
+      self.writer.write_scalars(info.end_step, scalars)
+    return None
