@@ -4,16 +4,20 @@ K train steps per device call, events landing exactly on their steps, and
 results that do not depend on K.
 """
 
-from loopkit import metrics
+from loopkit import goodput, metrics, tune
+from loopkit.goodput import GoodputHook, GoodputSummary
 from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
 from loopkit.ledger import Ledger
 from loopkit.loop import DataExhaustedWarning, TrainLoop
 from loopkit.preemption import PreemptionWatcher
-from loopkit.planner import next_call_length, plan_calls
+from loopkit.planner import TimeBasedK, next_call_length, plan_calls
+from loopkit.profiler import ProfilerHook
+from loopkit.progress import ProgressHook
 from loopkit.program import MultiStepProgram
 from loopkit.rng import step_key
 from loopkit.triggers import Trigger
-from loopkit.writers import JsonlWriter, MetricWriter
+from loopkit.writers import (AsyncWriter, ConsoleWriter, JsonlWriter, MetricWriter, MultiWriter,
+                             NullWriter, TensorBoardWriter, create_default_writer)
 
 __version__ = "0.1.0"
 
@@ -34,4 +38,7 @@ __all__ = [
     "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter", "Ledger", "LoggingHook",
     "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
     "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",
+    "AsyncWriter", "ConsoleWriter", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
+    "ProfilerHook", "ProgressHook", "TensorBoardWriter", "TimeBasedK", "create_default_writer",
+    "goodput", "tune",
 ]
