@@ -22,9 +22,12 @@ as they are. For exact resumes a source must replay the same sequence when
 re-opened (fixed seeds; tf.data with deterministic ordering).
 
 Per-process input on multi-host (case C27): :func:`process_shard_bounds`,
-:func:`tfds_split_for_process` and :func:`grain_shard_options` all split N
-examples the same way: contiguous, disjoint, complete, sizes differing by at
-most one, the first ``N % P`` processes one larger (10 over 4 -> [3, 3, 2, 2]).
+:func:`shard_for_process`, :func:`tfds_split_for_process` and
+:func:`grain_shard_for_process` all split N examples the same way: contiguous,
+disjoint, complete, sizes differing by at most one, the first ``N % P``
+processes one larger (10 over 4 -> [3, 3, 2, 2]). :func:`grain_shard_options`
+(``ShardByJaxProcess``) is for training with a Grain ``DataLoader``, which
+keeps only ``N // P`` records per process.
 :func:`eval_batches_per_process` gives the batch count every process must run
 so that none waits at a collective; :class:`loopkit.evaluation.Evaluator` pads
 the short processes with fully masked batches.
@@ -139,6 +142,26 @@ def grain_shard_options(*, process_index: int | None = None, process_count: int 
   index, count = _process(process_index, process_count)
   return grain.sharding.ShardOptions(shard_index=index, shard_count=count,
                                      drop_remainder=drop_remainder)
+
+
+def grain_shard_for_process(dataset: Any, *, process_index: int | None = None,
+                            process_count: int | None = None) -> Any:
+  """This process's contiguous slice of a Grain ``MapDataset`` (every example kept).
+
+  Use it for evaluation: a Grain ``DataLoader`` sharded with
+  ``ShardByJaxProcess`` yields ``N // P`` records per process even with
+  ``drop_remainder=False`` (grain 0.2.18: 10 records over 4 processes give
+  2 each, losing 2), while this slice gives ``[3, 3, 2, 2]``.
+
+  Args:
+    dataset: a ``grain.MapDataset`` (random access, known length).
+    process_index, process_count: default to JAX's.
+
+  Returns:
+    ``dataset[start:stop]`` with bounds from :func:`process_shard_bounds`.
+  """
+  start, stop = process_shard_bounds(len(dataset), process_index, process_count)
+  return dataset[start:stop]
 
 
 def eval_batches_per_process(num_examples: int, global_batch_size: int,
