@@ -189,8 +189,9 @@ class GoodputHook(Hook):
       self._first = False
       self._account_restart(ledger, info.start_step)
     s = summarize(ledger)
-    trained = ledger.step + ledger.lost_steps
-    record = {"step": ledger.step, "lost_steps": ledger.lost_steps,
+    # info.end_step: the last step known complete (ledger.step may be a call ahead).
+    trained = info.end_step + ledger.lost_steps
+    record = {"step": info.end_step, "lost_steps": ledger.lost_steps,
               "lost_secs": s.lost_secs,
               "secs_per_step": s.productive_secs / trained if trained else 0.0}
     os.makedirs(self.workdir, exist_ok=True)
@@ -217,7 +218,7 @@ class GoodputHook(Hook):
 
   def after_call(self, info: LoopInfo, state: Any) -> None:
     del state
-    if self.writer is not None:
+    if self.writer is not None and not info.is_last:  # the last is written by on_run_end
       self.writer.write_scalars(info.end_step, summarize(self._loop.ledger).as_scalars())
 
   def on_run_end(self, loop: Any, state: Any) -> None:

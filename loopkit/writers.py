@@ -109,6 +109,9 @@ class JsonlWriter:
       self._f = open(self.path, "a")
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    if "step" in scalars:
+      raise ValueError("a scalar named 'step' would overwrite the row's step field; "
+                       "rename the metric")
     if self._f is None:
       return
     row = {"step": int(step)}

@@ -1,0 +1,222 @@
+"""Metric writers: TensorBoard (read back with TensorBoard's reader), JSONL, console, multi,
+async, process 0 only; per-step traces at their true steps."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import loopkit
+from loopkit import writers as writers_lib
+
+# TensorBoard's reader imports TensorFlow when it can; the stub module below makes it use
+# its own TF-free implementation (the marker module some tensorboard builds ship).
+sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+
+def read_tb(logdir):
+  """{tag: [(step, value), ...]} from the event files in ``logdir``."""
+  acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+  acc.Reload()
+  return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def counting_step(state, batch):
+  """Metrics known exactly: ``s`` is the global step (1-based) of each step."""
+  step = state["step"] + 1
+  return ({"w": state["w"] + jnp.sum(batch["x"]), "step": step},
+          {"s": step.astype(jnp.float32), "x0": jnp.mean(batch["x"])})
+
+
+def int_batches(n, b=8):
+  return [{"x": np.full((b, 1), i + 0.25, np.float32)} for i in range(n)]
+
+
+def init():
+  return {"w": jnp.zeros((), jnp.float32), "step": jnp.zeros((), jnp.int32)}
+
+
+class Recorder:
+  def __init__(self):
+    self.rows = []
+    self.flushed = 0
+    self.closed = False
+
+  def write_scalars(self, step, scalars):
+    self.rows.append((step, dict(scalars)))
+
+  def flush(self):
+    self.flushed += 1
+
+  def close(self):
+    self.closed = True
+
+
+def test_tensorboard_writer_round_trip(tmp_path):
+  w = loopkit.TensorBoardWriter(tmp_path)
+  w.write_scalars(3, {"loss": np.float32(0.1234567), "acc": 0.5})
+  w.write_scalars(7, {"loss": jnp.float32(2.5)})
+  w.close()
+  got = read_tb(tmp_path)
+  assert got["loss"] == [(3, float(np.float32(0.1234567))), (7, 2.5)]
+  assert got["acc"] == [(3, 0.5)]
+
+
+def test_loop_writes_tensorboard_and_per_step_traces_at_true_steps(tmp_path):
+  """K=4, 10 steps: reports at [4, 8, 10] (means of the calls' steps), per-step values at 1..10."""
+  writer = loopkit.create_default_writer(tmp_path, console=False)
+  loop = loopkit.TrainLoop(counting_step, iterations_per_loop=4,
+                           hooks=[loopkit.LoggingHook(writer, per_step=True)])
+  loop.run(init(), int_batches(10), num_steps=10)
+  writer.close()
+  got = read_tb(tmp_path)
+  assert got["s"] == [(4, 2.5), (8, 6.5), (10, 9.5)]
+  assert got["s_per_step"] == [(s, float(s)) for s in range(1, 11)]
+  assert got["x0_per_step"] == [(s, s - 1 + 0.25) for s in range(1, 11)]
+  assert got["examples_seen"] == [(4, 32.0), (8, 64.0), (10, 80.0)]
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  reports = [r for r in rows if "s_per_step" not in r]
+  assert [(r["step"], r["s"], r["x0"]) for r in reports] == [
+      (4, 2.5, 1.75), (8, 6.5, 5.75), (10, 9.5, 8.75)]
+  per_step = [(r["step"], r["s_per_step"]) for r in rows if "s_per_step" in r]
+  assert per_step == [(s, float(s)) for s in range(1, 11)]
+
+
+def test_tensorboard_writer_does_not_import_tensorflow(tmp_path):
+  code = ("import sys, loopkit\n"
+          f"w = loopkit.create_default_writer({str(tmp_path)!r}, console=False)\n"
+          "w.write_scalars(1, {'a': 1.0}); w.close()\n"
+          "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
+          "print('ok')\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "ok"
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+
+
+def test_jsonl_writer_rows(tmp_path):
+  w = loopkit.JsonlWriter(tmp_path / "sub" / "m.jsonl")
+  w.write_scalars(1, {"a": np.float32(0.5), "n": np.int64(3), "ok": True})
+  w.write_scalars(2, {"a": float("nan")})
+  w.close()
+  lines = open(tmp_path / "sub" / "m.jsonl").read().splitlines()
+  assert lines[0] == '{"step": 1, "a": 0.5, "n": 3, "ok": true}'
+  assert lines[1] == '{"step": 2, "a": NaN}'
+
+
+def test_writers_reject_arrays_and_a_step_column(tmp_path):
+  w = loopkit.JsonlWriter(tmp_path / "m.jsonl")
+  with pytest.raises(ValueError, match=r"scalars, got an array of shape \(2,\)"):
+    w.write_scalars(1, {"a": np.zeros(2)})
+  with pytest.raises(ValueError, match="named 'step'"):
+    w.write_scalars(1, {"step": 1.0})
+
+
+def test_console_writer_lines(caplog):
+  with caplog.at_level(logging.INFO, logger="loopkit"):
+    loopkit.ConsoleWriter().write_scalars(12, {"loss": np.float32(0.25), "n": 3,
+                                               "bad": float("nan")})
+  assert caplog.messages == ["step 12: loss=0.25, n=3, bad=nan"]
+
+
+def test_multi_writer_fans_out_in_order():
+  a, b = Recorder(), Recorder()
+  m = loopkit.MultiWriter([a, b])
+  m.write_scalars(5, {"x": 1.0})
+  m.flush()
+  m.close()
+  assert a.rows == b.rows == [(5, {"x": 1.0})]
+  assert a.flushed == b.flushed == 1 and a.closed and b.closed
+
+
+class SlowRecorder(Recorder):
+  def __init__(self, delay):
+    super().__init__()
+    self.delay = delay
+    self.threads = set()
+
+  def write_scalars(self, step, scalars):
+    time.sleep(self.delay)
+    self.threads.add(threading.current_thread().name)
+    super().write_scalars(step, scalars)
+
+
+def test_async_writer_does_not_block_and_keeps_order():
+  slow = SlowRecorder(0.05)
+  w = loopkit.AsyncWriter(slow)
+  t0 = time.perf_counter()
+  for s in range(1, 6):
+    w.write_scalars(s, {"v": jnp.float32(s)})  # a device value: converted off-thread
+  enqueue = time.perf_counter() - t0
+  assert enqueue < 0.05, enqueue  # five writes of 50 ms each did not wait
+  w.flush()
+  assert [r[0] for r in slow.rows] == [1, 2, 3, 4, 5]
+  assert slow.flushed == 1
+  assert slow.threads == {"loopkit-writer"}
+  w.close()
+  assert slow.closed
+  with pytest.raises(RuntimeError, match="closed"):
+    w.write_scalars(6, {"v": 1.0})
+
+
+def test_async_writer_surfaces_errors():
+  class Broken(Recorder):
+    def write_scalars(self, step, scalars):
+      raise OSError("disk full")
+
+  w = loopkit.AsyncWriter(Broken())
+  w.write_scalars(1, {"v": 1.0})
+  with pytest.raises(RuntimeError, match="disk full"):
+    w.flush()
+  w.close()
+
+
+def test_only_process_zero_writes(tmp_path, monkeypatch):
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  w = loopkit.create_default_writer(tmp_path / "p1")
+  assert isinstance(w, writers_lib.NullWriter)
+  tb = loopkit.TensorBoardWriter(tmp_path / "tb")
+  js = loopkit.JsonlWriter(tmp_path / "j" / "m.jsonl")
+  for x in (w, tb, js):
+    x.write_scalars(1, {"a": 1.0})
+    x.close()
+  assert not (tmp_path / "p1").exists()
+  assert not (tmp_path / "tb").exists()
+  assert not (tmp_path / "j").exists()
+
+
+def test_default_writer_console_only(caplog):
+  w = loopkit.create_default_writer(None)
+  assert isinstance(w, loopkit.ConsoleWriter)
+  with caplog.at_level(logging.INFO, logger="loopkit"):
+    w.write_scalars(2, {"a": 1.5})
+  assert caplog.messages == ["step 2: a=1.5"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: loopkit.TensorBoardWriter(d / "tb"),
+    lambda d: loopkit.JsonlWriter(d / "m.jsonl"),
+    lambda d: loopkit.ConsoleWriter(),
+    lambda d: loopkit.MultiWriter([loopkit.JsonlWriter(d / "m.jsonl")]),
+    lambda d: loopkit.AsyncWriter(loopkit.JsonlWriter(d / "m.jsonl")),
+    lambda d: writers_lib.NullWriter(),
+], ids=["tensorboard", "jsonl", "console", "multi", "async", "null"])
+def test_writer_conformance(tmp_path, make):
+  """Every writer takes python/numpy/JAX scalars at int steps, flushes, closes twice."""
+  w = make(tmp_path)
+  w.write_scalars(1, {"a": 1.0, "b": np.float32(2.0), "c": jnp.int32(3), "d": np.int64(4)})
+  w.flush()
+  w.close()
+  w.close()
