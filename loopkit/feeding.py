@@ -214,7 +214,12 @@ class ChunkFeeder:
       return jax.make_array_from_process_local_data(self._batch_sharding, arr, global_shape)
 
     batches = jax.tree.map(stack, *got)
-    num = jax.device_put(np.int32(len(got)), self._replicated)
+    # Not jax.device_put: on several processes, device_put of a host value to a
+    # global sharding runs a cross-process equality check (a collective); from
+    # this thread it would interleave with the main thread's collectives (e.g.
+    # the preemption all-gather) in a different order on each process.
+    n = np.int32(len(got))
+    num = jax.make_array_from_callback((), self._replicated, lambda _: n)
     return Chunk(batches, num, len(got), position, exhausted, self.global_batch_size)
 
   def _produce(self) -> None:
