@@ -1,0 +1,191 @@
+"""Exact evaluation: C15, C18 (eval tail), C27 (equal eval steps), counts on 1/2/8 devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import loopkit
+from loopkit.evaluation import EvalHook, Evaluator, evaluate
+from loopkit.sources import batch_arrays, eval_batches_per_process, shard_for_process
+
+
+def mesh_of(n):
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def accuracy_step(state, batch):
+  """Per-example correctness and a value that is NaN on padded rows (valid == 0)."""
+  correct = (batch["pred"] == batch["label"]).astype(jnp.float32)
+  x = batch["x"].astype(jnp.float32) * state["w"]
+  nan_if_padding = jnp.where(batch["valid"] > 0, x, jnp.nan)
+  return {"accuracy": correct, "x": nan_if_padding}
+
+
+def c15_batches():
+  out, start = [], 0
+  for size, correct in zip([4, 4, 2], [4, 0, 2]):
+    label = np.zeros(size, np.int32)
+    pred = np.where(np.arange(size) < correct, 0, 1).astype(np.int32)
+    out.append({"pred": pred, "label": label, "x": np.arange(start, start + size, dtype=np.int32),
+                "valid": np.ones(size, np.int32)})
+    start += size
+  return out
+
+
+STATE = {"w": jnp.float32(2.0)}
+
+
+@pytest.mark.parametrize("style", ["global", "per_device"])
+@pytest.mark.parametrize("ndev", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_c15_per_example_weighting(ndev, style, k):
+  ev = Evaluator(accuracy_step, iterations_per_loop=k, mesh=mesh_of(ndev), step_style=style)
+  r = ev.evaluate(STATE, c15_batches())
+  assert r.metrics["accuracy"] == 0.6  # the mean of batch means would be 0.667
+  assert r.num_examples == 10 and r.totals["accuracy"] == 6.0
+  assert r.totals["x"] == 2.0 * sum(range(10))  # padded NaN rows never count
+  assert r.num_batches == 3 and r.num_calls == -(-3 // k)
+  assert ev.compile_count() == 1
+
+
+def test_c18_batch_not_divisible_raises_naming_numbers():
+  with pytest.raises(ValueError, match=r"global batch size 12 .* data-parallel size 8"):
+    Evaluator(accuracy_step, mesh=mesh_of(8), global_batch_size=12)
+  with pytest.raises(ValueError, match=r"global batch size 12 .* data-parallel size 8"):
+    loopkit.TrainLoop(lambda s, b: (s, {}), iterations_per_loop=2, mesh=mesh_of(8),
+                      global_batch_size=12)
+
+
+def _examples(n, correct_every=3):
+  """Examples 0..n-1; example i is correct iff i % correct_every == 0."""
+  ids = np.arange(n, dtype=np.int32)
+  return {"pred": (ids % correct_every != 0).astype(np.int32), "label": np.zeros(n, np.int32),
+          "x": ids, "valid": np.ones(n, np.int32)}
+
+
+def test_c18_eval_tail_one_padded_batch_compiled_once():
+  ev = Evaluator(accuracy_step, iterations_per_loop=4, mesh=mesh_of(8), global_batch_size=16)
+  r = ev.evaluate(STATE, batch_arrays(_examples(10), 16))
+  assert r.num_batches == 1 and r.num_calls == 1
+  assert r.num_examples == 10  # the mask sums to 10
+  assert r.totals["accuracy"] == 4.0 and r.metrics["accuracy"] == 0.4  # ids 0, 3, 6, 9
+  assert ev.compile_count() == 1 and ev.trace_count == 1
+  r2 = ev.evaluate(STATE, batch_arrays(_examples(37), 16))  # 3 batches, last one short
+  assert (r2.num_examples, r2.num_batches) == (37, 3)
+  assert ev.compile_count() == 1 and ev.trace_count == 1
+
+
+@pytest.mark.parametrize("style", ["global", "per_device"])
+@pytest.mark.parametrize("ndev", [1, 2, 8])
+def test_eval_counts_exact_on_1_2_8_devices(ndev, style):
+  n = 37
+  ev = Evaluator(accuracy_step, iterations_per_loop=3, mesh=mesh_of(ndev), step_style=style,
+                 global_batch_size=8)
+  r = ev.evaluate(STATE, batch_arrays(_examples(n), 8))
+  assert r.num_examples == n and r.num_batches == 5 and r.num_calls == 2
+  assert r.totals["accuracy"] == float(sum(i % 3 == 0 for i in range(n))) == 13.0
+  assert r.totals["x"] == 2.0 * sum(range(n))
+  assert r.metrics["accuracy"] == 13.0 / 37
+
+
+def test_inferred_batch_size_rounds_up_to_devices():
+  ev = Evaluator(accuracy_step, mesh=mesh_of(8))
+  r = ev.evaluate(STATE, batch_arrays(_examples(10), 10))
+  assert ev.global_batch_size == 16 and r.num_examples == 10
+
+
+def test_c27_equal_eval_steps_per_process_simulated():
+  """10 examples over 4 processes, global batch 8: every process runs 2 batches."""
+  data = _examples(10)
+  n = eval_batches_per_process(10, 8, 4)
+  results = []
+  for p in range(4):
+    shard = shard_for_process(data, p, 4)
+    # the process-local part of the global batch: 8 / 4 = 2 rows, on 2 local devices
+    ev = Evaluator(accuracy_step, iterations_per_loop=3, mesh=mesh_of(2), global_batch_size=2)
+    results.append(ev.evaluate(STATE, batch_arrays(shard, 2), num_batches=n))
+  assert [r.num_batches for r in results] == [2, 2, 2, 2]  # nobody waits at a collective
+  assert [r.num_calls for r in results] == [1, 1, 1, 1]
+  assert [r.num_examples for r in results] == [3, 3, 2, 2]
+  assert sum(r.totals["accuracy"] for r in results) == 4.0  # ids 0, 3, 6, 9
+  assert sum(r.totals["x"] for r in results) == 2.0 * sum(range(10))
+
+
+def test_num_batches_pads_with_empty_batches_and_rejects_excess():
+  ev = Evaluator(accuracy_step, iterations_per_loop=2, mesh=mesh_of(2), global_batch_size=4)
+  r = ev.evaluate(STATE, batch_arrays(_examples(5), 4), num_batches=5)
+  assert (r.num_batches, r.num_calls, r.num_examples) == (5, 3, 5)
+  with pytest.raises(ValueError, match="outnumber num_batches=1"):
+    ev.evaluate(STATE, batch_arrays(_examples(5), 4), num_batches=1)
+
+
+def test_errors():
+  ev = Evaluator(accuracy_step, mesh=mesh_of(2), global_batch_size=4)
+  with pytest.raises(ValueError, match="6 examples on this process, more than the static batch"):
+    ev.evaluate(STATE, [_examples(6)])
+
+  def mean_step(state, batch):
+    return {"accuracy": jnp.mean((batch["pred"] == batch["label"]).astype(jnp.float32))}
+
+  with pytest.raises(ValueError, match="'accuracy' has shape \\(\\); it must be per-example"):
+    Evaluator(mean_step, mesh=mesh_of(2)).evaluate(STATE, c15_batches())
+
+  def failing():
+    yield _examples(4)
+    raise RuntimeError("eval source broke")
+
+  with pytest.raises(RuntimeError, match="eval source broke"):
+    ev.evaluate(STATE, failing())
+
+
+def test_evaluate_function():
+  r = evaluate(accuracy_step, STATE, c15_batches(), mesh=mesh_of(2), iterations_per_loop=2)
+  assert r.metrics["accuracy"] == 0.6 and r.num_examples == 10
+
+
+# -- EvalHook from a TrainLoop ----------------------------------------------------
+
+
+def train_step(state, batch):
+  return {"step": state["step"] + 1, "w": state["w"] + 1.0}, {"w": state["w"]}
+
+
+def _train_batches(n):
+  return [{"u": np.zeros(2, np.float32)} for _ in range(n)]
+
+
+def test_eval_hook_every_steps_and_at_end():
+  mesh = mesh_of(2)
+  ev = Evaluator(accuracy_step, iterations_per_loop=2, mesh=mesh, global_batch_size=4)
+  data = _examples(10)
+  hook = EvalHook(ev, lambda: batch_arrays(data, 4), every_steps=4)
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=3, mesh=mesh, hooks=[hook])
+  loop.run({"step": jnp.zeros((), jnp.int32), "w": jnp.float32(0.0)}, _train_batches(10),
+           num_steps=10)
+  assert [s for s, _ in hook.results] == [4, 8, 10]
+  for step, r in hook.results:  # the state at that step: w == step
+    assert r.num_examples == 10 and r.totals["x"] == step * sum(range(10))
+  assert ev.compile_count() == 1
+
+
+def test_eval_hook_every_epoch_with_device_data():
+  from loopkit.device_data import DeviceDataset
+
+  mesh = mesh_of(2)
+  ds = DeviceDataset({"u": np.zeros(20, np.float32)}, 4, mesh=mesh, seed=0)  # 5 steps/epoch
+  ev = Evaluator(accuracy_step, iterations_per_loop=4, mesh=mesh, global_batch_size=4)
+  eval_batches = list(batch_arrays(_examples(10), 4))  # a list: re-iterable
+  hook = EvalHook(ev, eval_batches, every_epochs=1, at_end=False)
+  loop = loopkit.TrainLoop(ds.wrap_step(train_step), iterations_per_loop=3, mesh=mesh,
+                           steps_per_epoch=ds.steps_per_epoch, hooks=[hook])
+  loop.run(ds.attach({"step": jnp.zeros((), jnp.int32), "w": jnp.float32(0.0)}), ds,
+           num_epochs=3)
+  assert [s for s, _ in hook.results] == [5, 10, 15]
+  assert [r.totals["x"] for _, r in hook.results] == [s * 45.0 for s in (5, 10, 15)]
+
+
+def test_eval_hook_rejects_one_shot_iterator():
+  ev = Evaluator(accuracy_step, mesh=mesh_of(2), global_batch_size=4)
+  with pytest.raises(ValueError, match="re-iterable"):
+    EvalHook(ev, iter(c15_batches()), every_steps=2)
