@@ -5,6 +5,8 @@ results that do not depend on K.
 """
 
 from loopkit import goodput, metrics, tune
+from loopkit.device_data import DeviceDataset, DeviceDataState
+from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate
 from loopkit.goodput import GoodputHook, GoodputSummary
 from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
 from loopkit.ledger import Ledger
@@ -15,6 +17,9 @@ from loopkit.profiler import ProfilerHook
 from loopkit.progress import ProgressHook
 from loopkit.program import MultiStepProgram
 from loopkit.rng import step_key
+from loopkit.sources import (ArraySource, TfDataSource, batch_arrays, eval_batches_per_process,
+                             grain_shard_for_process, grain_shard_options, process_shard_bounds,
+                             shard_for_process, tfds_split_for_process)
 from loopkit.triggers import Trigger
 from loopkit.writers import (AsyncWriter, ConsoleWriter, JsonlWriter, MetricWriter, MultiWriter,
                              NullWriter, TensorBoardWriter, create_default_writer)
@@ -41,4 +46,8 @@ __all__ = [
     "AsyncWriter", "ConsoleWriter", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
     "ProfilerHook", "ProgressHook", "TensorBoardWriter", "TimeBasedK", "create_default_writer",
     "goodput", "tune",
+    "ArraySource", "DeviceDataState", "DeviceDataset", "EvalHook", "EvalResult", "Evaluator",
+    "TfDataSource", "batch_arrays", "eval_batches_per_process", "evaluate",
+    "grain_shard_for_process", "grain_shard_options", "process_shard_bounds",
+    "shard_for_process", "tfds_split_for_process",
 ]
