@@ -1,0 +1,1 @@
+"""loopkit examples (run from the repository root, e.g. ``python -m examples.digits.main``)."""

@@ -1,0 +1,1 @@
+"""Handwritten digits (scikit-learn ``load_digits``) trained with ``loopkit.TrainLoop``."""

@@ -1,0 +1,1 @@
+"""Configurations of the digits example (``ml_collections.ConfigDict``)."""
