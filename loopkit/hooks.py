@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from loopkit import metrics as metrics_lib
@@ -184,7 +185,7 @@ class LoggingHook(Hook):
   Args:
     writer: optional object with ``write_scalars(step: int, scalars: dict)``
       (e.g. :class:`loopkit.writers.JsonlWriter`); metrics are also logged to
-      the ``loopkit`` Python logger at INFO.
+      the ``loopkit`` Python logger at INFO (by process 0 only on multi-host).
     per_step: also write every step's value at its true step number.
     **trigger: see :class:`Hook` (default: every call).
   """
@@ -212,8 +213,9 @@ class LoggingHook(Hook):
     self._acc = {}
     scalars.update(epoch=info.epoch, examples_seen=info.examples_seen)
     self.records.append((info.end_step, scalars))
-    log.info("step %d: %s", info.end_step,
-             ", ".join(f"{k}={v:.6g}" if isinstance(v, float) and not math.isnan(v)
-                       else f"{k}={v}" for k, v in scalars.items()))
+    if jax.process_index() == 0:  # multi-host: one log line per boundary, not one per process
+      log.info("step %d: %s", info.end_step,
+               ", ".join(f"{k}={v:.6g}" if isinstance(v, float) and not math.isnan(v)
+                         else f"{k}={v}" for k, v in scalars.items()))
     if self.writer is not None:
       self.writer.write_scalars(info.end_step, scalars)
