@@ -57,6 +57,7 @@ import base64
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,7 +116,7 @@ class CheckpointHook(Hook):
     every_steps, every_epochs, at_steps, every_secs: when to save (see
       :class:`loopkit.triggers.Trigger`); the planner cuts device calls so step
       marks land exactly. The final step of a run, an early stop and a
-      preemption are always saved.
+      preemption are always saved; with none set, only those are.
     max_to_keep: keep the newest N checkpoints (None: keep all).
     best_metric: name of a metric in ``LoopInfo.metrics`` (the values of the
       call that ends at the saved step) used to rank checkpoints.
@@ -142,6 +143,8 @@ class CheckpointHook(Hook):
                every_secs: float | None = None, max_to_keep: int | None = None,
                best_metric: str | None = None, best_mode: str = "min",
                keep_best: int | None = None, async_save: bool = True, restore: bool = True):
+    if every_steps is None and every_epochs is None and every_secs is None and at_steps is None:
+      at_steps = ()  # no cadence: save only at the end of a run (and at a preemption)
     super().__init__(every_steps=every_steps, every_epochs=every_epochs, at_steps=at_steps,
                      every_secs=every_secs, at_end=True)
     if max_to_keep is not None and max_to_keep < 1:
@@ -244,6 +247,7 @@ class CheckpointHook(Hook):
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
+      _drain_writers(self._manager)
       raise CheckpointError(f"asynchronous save of step {step} to {self.directory} failed: "
                             f"{type(e).__name__}: {e}") from e
 
@@ -412,6 +416,34 @@ class CheckpointHook(Hook):
 # -- helpers -------------------------------------------------------------------
 
 
+def _drain_writers(manager: ocp.CheckpointManager, timeout_s: float = 60.0) -> None:
+  """After a failed save, waits (best effort) for that save's other writers.
+
+  Orbax raises the first failing item's error while the other items' writes
+  may still run; waiting for them keeps them from writing into a directory
+  that is about to be removed or reused. Uses Orbax internals when present.
+  """
+  checkpointer = getattr(manager, "_checkpointer", None)
+  async_manager = getattr(checkpointer, "_async_manager", None)
+  for f in getattr(async_manager, "_commit_futures", None) or ():
+    try:
+      f.result(timeout=timeout_s)
+    except Exception:  # pylint: disable=broad-except  # the first error was raised already
+      pass
+
+
+def _rmtree(p: epath.Path, attempts: int = 20) -> None:
+  """Removes a directory, retrying while a stray writer still adds files."""
+  for i in range(attempts):
+    try:
+      p.rmtree(missing_ok=True)
+      return
+    except OSError:
+      if i == attempts - 1:
+        raise
+      time.sleep(0.05 * (i + 1))
+
+
 def _remove_unfinished(directory: epath.Path) -> None:
   """Deletes unfinished step directories (process 0), then syncs the processes."""
   if jax.process_index() == 0 and directory.exists():
@@ -421,7 +453,7 @@ def _remove_unfinished(directory: epath.Path) -> None:
                     or (name.isdigit() and p.is_dir() and not (p / _COMMIT_FILE).exists()))
       if unfinished:
         log.warning("loopkit: removing unfinished checkpoint directory %s", p)
-        p.rmtree(missing_ok=True) if p.is_dir() else p.unlink(missing_ok=True)
+        _rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("loopkit_checkpoint_remove_unfinished")
@@ -534,9 +566,9 @@ def _encode_positions(position: Any) -> dict[str, Any]:
   lengths = multihost_utils.process_allgather(np.asarray(raw.size, np.int32))
   padded = np.zeros(int(np.max(lengths)), np.uint8)
   padded[:raw.size] = raw
-  gathered = multihost_utils.process_allgather(padded)
+  rows = np.asarray(multihost_utils.process_allgather(padded))
   return {"per_process": [json.loads(bytes(row[:n]).decode())
-                          for row, n in zip(np.asarray(gathered), np.asarray(lengths))]}
+                          for row, n in zip(rows, np.asarray(lengths), strict=True)]}
 
 
 def _decode_positions(d: dict[str, Any]) -> Any:
