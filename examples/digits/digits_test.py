@@ -126,3 +126,14 @@ def test_default_config_reaches_97_percent(tmp_path):
   results = train.train_and_evaluate(_config(), str(tmp_path))
   assert results["step"] == 660
   assert results["test_accuracy"] >= 0.97, results["test_correct"]
+
+
+def test_readme_usage_snippet_runs(tmp_path):
+  """The top-level README's usage snippet stays true to the code (its asserts run here)."""
+  import re
+
+  with open(os.path.join(REPO_ROOT, "README.md")) as f:
+    readme = f.read()
+  code = re.search(r"## Usage\n\n```python\n(.*?)```", readme, re.S).group(1)
+  exec(compile(code.replace("/tmp/loopkit-usage", str(tmp_path)), "README.md", "exec"), {})
+  assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == [25, 50, 75, 100]
