@@ -1,0 +1,317 @@
+"""Functions run by every process of the multi-process tests (tests/test_multihost.py).
+
+Each runs either inside a child of :func:`loopkit.testing.run_processes` (P
+processes x D devices under ``jax.distributed``) or directly in the test
+process (1 process x 8 devices), so the two can be compared. They return
+plain picklable values (numpy arrays, lists, dicts).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+
+import loopkit
+from loopkit import sources
+from tests import toy
+
+GLOBAL_BATCH = 16
+NUM_EXAMPLES = 160  # 10 steps per epoch at GLOBAL_BATCH
+
+
+def dataset(num_examples: int = NUM_EXAMPLES, seed: int = 0) -> dict[str, np.ndarray]:
+  """The toy regression data (the whole dataset, identical on every process)."""
+  rng = np.random.default_rng(seed)
+  true_w = rng.normal(size=(4, 2)).astype(np.float32)
+  x = rng.normal(size=(num_examples, 4)).astype(np.float32)
+  return {"x": x, "y": (x @ true_w).astype(np.float32)}
+
+
+def host_value(x: jax.Array) -> np.ndarray:
+  """A replicated (possibly not fully addressable) array as numpy."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    assert x.is_fully_replicated, x.sharding
+    return np.asarray(x.addressable_data(0))
+  return np.asarray(x)
+
+
+def summary(loop: loopkit.TrainLoop, state, losses, seen) -> dict:
+  return {
+      "process_index": jax.process_index(),
+      "process_count": jax.process_count(),
+      "device_count": jax.device_count(),
+      "local_device_count": jax.local_device_count(),
+      "params": {k: host_value(v) for k, v in state["params"].items()},
+      "step": int(host_value(state["step"])),
+      "ledger_step": loop.ledger.step,
+      "examples_seen": loop.ledger.examples_seen,
+      "status": loop.status,
+      "losses": losses,
+      "seen": seen,
+      "compiles": loop.program.compile_count(),
+  }
+
+
+class RecordingSource:
+  """An :class:`~loopkit.sources.ArraySource` that records which examples it served."""
+
+  def __init__(self, src: sources.ArraySource):
+    self.src = src
+    self.steps_per_epoch = src.steps_per_epoch
+    self.served: list[list[int]] = []
+
+  def batch_at(self, step: int):
+    self.served.append(self.src.indices_at(step).tolist())
+    return self.src.batch_at(step)
+
+
+def train(num_steps: int = 12, iterations_per_loop: int = 5, style: str = "global", *,
+          extra_hooks=(), loops: list | None = None) -> dict:
+  """Trains the toy model on :class:`~loopkit.sources.ArraySource` batches.
+
+  Every process passes the same arrays; each feeds its ``B / P`` rows of each
+  global batch. Returns the final parameters, per-step losses and the example
+  indices this process fed, per step. ``loops``, if given, receives the loop
+  (so hooks can reach it).
+  """
+  step = toy.make_global_step() if style == "global" else toy.make_per_device_step()
+  src = RecordingSource(sources.ArraySource(dataset(), GLOBAL_BATCH, seed=3))
+  losses: list[float] = []
+  hook = loopkit.CallbackHook(lambda info, _: losses.extend(info.traces["loss"].tolist()),
+                              needs_state=False)
+  loop = loopkit.TrainLoop(step, iterations_per_loop=iterations_per_loop, step_style=style,
+                           hooks=[hook, *extra_hooks], steps_per_epoch=src.steps_per_epoch)
+  if loops is not None:
+    loops.append(loop)
+  state = loop.run(toy.init_state(), src, num_steps=num_steps)
+  return summary(loop, state, losses, src.served)
+
+
+# -- harness -----------------------------------------------------------------------
+
+
+def topology(tag: str, *, scale: int = 1) -> dict:
+  """What a process sees of the distributed runtime, plus a cross-process all-gather."""
+  from jax.experimental import multihost_utils
+
+  gathered = multihost_utils.process_allgather(np.int32(jax.process_index() * scale))
+  return {"tag": tag, "process_index": jax.process_index(),
+          "process_count": jax.process_count(), "device_count": jax.device_count(),
+          "local_is_slice": jax.local_devices() == jax.devices()[
+              jax.process_index() * jax.local_device_count():
+              (jax.process_index() + 1) * jax.local_device_count()],
+          "device_processes": [d.process_index for d in jax.devices()],
+          "platform": jax.devices()[0].platform, "gathered": np.asarray(gathered).tolist(),
+          "collectives": jax.config.jax_cpu_collectives_implementation}
+
+
+def fail_on(process_id: int, message: str) -> str:
+  """Raises on ``process_id``; the others wait (the harness must kill them)."""
+  if jax.process_index() == process_id:
+    raise ValueError(message)
+  time.sleep(120)
+  return "not reached"
+
+
+def sleep(secs: float) -> None:
+  time.sleep(secs)
+
+
+# -- training variants, writers ----------------------------------------------------------
+
+
+class _Lines:
+  """Collects the ``loopkit`` logger's messages."""
+
+  def __init__(self):
+    import logging
+    self.lines: list[str] = []
+    self.logger = logging.getLogger("loopkit")
+    self.handler = logging.Handler()
+    self.handler.emit = lambda record: self.lines.append(record.getMessage())
+    self.logger.addHandler(self.handler)
+    self.level = self.logger.level
+    self.logger.setLevel(logging.INFO)
+
+  def close(self) -> list[str]:
+    self.logger.removeHandler(self.handler)
+    self.logger.setLevel(self.level)
+    return self.lines
+
+
+def train_observed(logdir: str, num_steps: int = 12, iterations_per_loop: int = 5) -> dict:
+  """:func:`train` with the usual observers: writers, LoggingHook, ProgressHook.
+
+  Every process passes the *same* ``logdir``; the progress stream of process i
+  goes to ``logdir/progress_<i>.txt`` (so an empty file shows it stayed quiet).
+  """
+  from loopkit.progress import ProgressHook
+  from loopkit.writers import create_default_writer
+
+  lines = _Lines()
+  writer = create_default_writer(logdir, asynchronous=True, console=True)
+  with open(os.path.join(logdir, f"progress_{jax.process_index()}.txt"), "w") as stream:
+    hooks = [loopkit.LoggingHook(writer, every_steps=5),
+             ProgressHook(stream=stream, use_bar=False, log_every_secs=0.0)]
+    out = train(num_steps, iterations_per_loop, extra_hooks=hooks)
+  writer.close()
+  out["log_lines"] = lines.close()
+  return out
+
+
+def train_variants(variants: list[tuple], logdir: str | None = None) -> list[dict]:
+  """Several :func:`train` runs in one process group (saves start-up time).
+
+  Args:
+    variants: ``(num_steps, iterations_per_loop, style)`` tuples.
+    logdir: if given, the first run is :func:`train_observed` into it.
+  """
+  out = []
+  for i, (n, k, style) in enumerate(variants):
+    if i == 0 and logdir is not None:
+      assert style == "global"
+      out.append(train_observed(logdir, n, k))
+    else:
+      out.append(train(n, k, style))
+  return out
+
+
+# -- data shards and exact evaluation (C27) -------------------------------------------------
+
+
+def shards_and_eval(num_examples: int = 10, global_batch: int = 8) -> dict:
+  """Each process's shard of ``num_examples`` and an exact evaluation over all of them.
+
+  The eval step returns per-example ``2 * x`` and ``x`` (x = the example index),
+  so the totals are exact: sum(2 * x) over 0..N-1 and the count N.
+  """
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from loopkit.evaluation import Evaluator
+
+  data = {"x": np.arange(num_examples, dtype=np.float32)}
+  bounds = sources.process_shard_bounds(num_examples)
+  mine = sources.shard_for_process(data)
+  num_batches = sources.eval_batches_per_process(num_examples, global_batch)
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  state = jax.device_put(np.float32(2.0), NamedSharding(mesh, P()))
+
+  def eval_step(scale, batch):
+    return {"scaled": batch["x"] * scale, "x": batch["x"]}
+
+  evaluator = Evaluator(eval_step, iterations_per_loop=1, mesh=mesh,
+                        global_batch_size=global_batch)
+  local = global_batch // jax.process_count()
+  results = []
+  for _ in range(2):  # a second evaluation reuses the executable
+    r = evaluator.evaluate(state, sources.batch_arrays(mine, local, num_batches=num_batches),
+                           num_batches=num_batches)
+    results.append({"metrics": r.metrics, "totals": r.totals, "num_examples": r.num_examples,
+                    "num_batches": r.num_batches, "num_calls": r.num_calls})
+  return {"process_index": jax.process_index(), "bounds": bounds,
+          "examples": mine["x"].astype(int).tolist(), "num_batches": num_batches,
+          "eval": results, "compiles": evaluator.compile_count()}
+
+
+# -- checkpoints and preemption -----------------------------------------------------------
+
+
+def _state_like():
+  """The toy state placed on this run's global mesh (what a restore fills in)."""
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=1)
+  return loop.program.place_state(toy.init_state())
+
+
+def train_checkpointed(directory: str, num_steps: int, iterations_per_loop: int = 3,
+                       every_steps: int = 6) -> dict:
+  """Trains to ``num_steps`` with a :class:`~loopkit.checkpoint.CheckpointHook`.
+
+  Resumes from the latest checkpoint in ``directory`` if there is one (written
+  by any number of processes). Also returns what the latest checkpoint held
+  before the run (``restored``: params as numpy, or None).
+  """
+  from loopkit.checkpoint import CheckpointHook
+
+  probe = CheckpointHook(directory)
+  before = probe.latest_step()
+  restored = None
+  if before is not None:
+    r = probe.restore(_state_like())
+    restored = {"step": r.step, "data_position": r.data_position,
+                "params": {k: host_value(v) for k, v in r.state["params"].items()}}
+  probe.close()
+  ckpt = CheckpointHook(directory, every_steps=every_steps)
+  out = train(num_steps, iterations_per_loop, extra_hooks=[ckpt])
+  out.update(restored=restored, restored_step=ckpt.restored_step,
+             saved_steps=list(ckpt.saved_steps), all_steps=ckpt.all_steps())
+  ckpt.close()
+  return out
+
+
+def train_until_sigterm(directory: str, marker_dir: str, wait_step: int = 4,
+                        num_steps: int = 12, iterations_per_loop: int = 3) -> dict:
+  """Trains with checkpoints every 6 steps; process 1 waits at ``wait_step`` for SIGTERM.
+
+  At ``wait_step`` process 1 writes ``marker_dir/ready`` and blocks until its
+  preemption flag is set (the test sends SIGTERM to it alone). Process 0 goes
+  on and meets process 1 at the next boundary's agreement, so both must stop
+  at ``wait_step`` and save it, although 6 is the cadence.
+  """
+  from loopkit.checkpoint import CheckpointHook
+
+  loops: list[loopkit.TrainLoop] = []
+
+  def wait_for_sigterm(info, state):
+    del state
+    if jax.process_index() != 1:
+      return None
+    with open(os.path.join(marker_dir, "ready"), "w") as f:
+      f.write(str(info.end_step))
+    deadline = time.monotonic() + 60
+    while not loops[0].preemption.requested:
+      if time.monotonic() > deadline:
+        raise TimeoutError("no SIGTERM arrived within 60 s")
+      time.sleep(0.01)
+    return None
+
+  ckpt = CheckpointHook(directory, every_steps=6)
+  waiter = loopkit.CallbackHook(wait_for_sigterm, at_steps=[wait_step], at_end=False)
+  out = train(num_steps, iterations_per_loop, extra_hooks=[waiter, ckpt], loops=loops)
+  watcher = loops[0].preemption
+  out.update(saved_steps=list(ckpt.saved_steps), all_steps=ckpt.all_steps(),
+             signal_received=watcher.signal_received, requested=watcher.requested,
+             sigterm_handler_restored=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+  return out
+
+
+def train_and_die(die_process: int, die_step: int = 4, exit_code: int = 17) -> dict:
+  """Trains; ``die_process`` exits abruptly (``os._exit``) after step ``die_step``."""
+  def die(info, state):
+    del state
+    if jax.process_index() == die_process:
+      print(f"process {die_process} exits at step {info.end_step}", flush=True)
+      os._exit(exit_code)
+
+  hook = loopkit.CallbackHook(die, at_steps=[die_step], at_end=False)
+  return train(1000, 3, extra_hooks=[hook])
+
+
+def main(argv: list[str]) -> None:
+  """A ``python -m`` entry point: writes ``<dir>/main_<process>.json``; ``argv = [dir, tag]``."""
+  import json
+
+  out_dir, tag = argv
+  with open(os.path.join(out_dir, f"main_{jax.process_index()}.json"), "w") as f:
+    json.dump(topology(tag), f)
+  raise SystemExit(0)  # what absl.app.run does at the end
+
+
+if __name__ == "__main__":
+  import sys
+
+  main(sys.argv[1:])

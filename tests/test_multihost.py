@@ -1,0 +1,361 @@
+"""Multi-host: real processes on localhost under jax.distributed (CPU collectives via gloo).
+
+2 processes x 4 devices are compared with 1 process x 8 devices (this pytest
+process, see conftest.py). The functions the processes run are in
+tests/multihost_workers.py. Slow tests (a hung peer, the coordinator dying,
+the ResNet-50 example) are marked ``slow``.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from loopkit import testing
+from loopkit.testing import cpu_devices  # noqa: F401  (the fixture)
+from tests import multihost_workers as workers
+
+# Bitwise equality between 2 x 4 and 1 x 8 does not hold: the gradient and loss
+# all-reduce over 8 devices adds the same 8 float32 partial sums, but XLA's
+# in-process CPU all-reduce and the cross-process gloo all-reduce associate
+# them differently, so they round differently (a few ulp per step; step 3's
+# loss already differs in the last bit). Everything else is identical (data
+# order, program, per-process halves), so the trajectories stay within float32
+# noise: measured max |diff| after 12 Adam steps is 6e-8 for params of size
+# ~0.5 (1 ulp); after 30 steps 1.7e-7. ATOL = 1e-6 leaves a 6x-15x margin and is
+# still 1e4 below the size of one Adam update (lr 0.05). Within one process
+# count, results are bitwise equal (across processes and across K).
+ATOL = 1e-6
+
+
+def assert_params_bitwise(a, b, what):
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}: leaf {k}")
+
+
+def assert_params_close(a, b, what):
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(a[k], b[k], rtol=0, atol=ATOL, err_msg=f"{what}: leaf {k}")
+
+
+# -- fake devices ----------------------------------------------------------------------
+
+
+def test_fake_cpu_devices_in_this_process():
+  assert len(jax.devices()) == 8  # conftest.py
+  assert testing.fake_cpu_devices(8) == jax.devices()
+  assert testing.fake_cpu_devices(3) == jax.devices()[:3]
+  testing.set_cpu_device_count(8)  # already so: nothing to do
+  with pytest.raises(RuntimeError, match=r"already initialised with 8 CPU device\(s\); 16 are"):
+    testing.fake_cpu_devices(16)
+  with pytest.raises(RuntimeError, match="set_cpu_device_count\\(3\\) at the top of conftest"):
+    testing.set_cpu_device_count(3)
+  with pytest.raises(ValueError, match="must be >= 1, got 0"):
+    testing.fake_cpu_devices(0)
+
+
+@pytest.mark.parametrize("cpu_devices", [2], indirect=True)
+def test_cpu_devices_fixture(cpu_devices):  # noqa: F811
+  assert cpu_devices == jax.devices()[:2]
+
+
+def test_fake_cpu_devices_in_a_fresh_process():
+  code = ("import jax; from loopkit import testing; testing.set_cpu_device_count(3); "
+          "a = jax.device_count(); d = testing.fake_cpu_devices(2); "
+          "print(a, len(d), jax.devices()[0].platform)")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, check=True)
+  assert out.stdout.split() == ["3", "2", "cpu"]  # the flag in XLA_FLAGS was replaced
+
+
+# -- the launcher ------------------------------------------------------------------------
+
+
+def test_run_processes_topology_and_arguments():
+  t0 = time.monotonic()
+  out = testing.run_processes(workers.topology, num_processes=2, devices_per_process=4,
+                              args=("hello",), kwargs={"scale": 10}, timeout_s=120)
+  print(f"2 x 4 start-up and all-gather: {time.monotonic() - t0:.1f} s")
+  for i, r in enumerate(out):
+    assert r["tag"] == "hello"
+    assert (r["process_index"], r["process_count"], r["device_count"]) == (i, 2, 8)
+    assert r["device_processes"] == [0] * 4 + [1] * 4 and r["local_is_slice"]
+    assert r["platform"] == "cpu" and r["collectives"] == "gloo"
+    assert r["gathered"] == [0, 10]
+
+
+def test_run_processes_accepts_a_string_target_and_a_module(tmp_path):
+  out = testing.run_processes("tests.multihost_workers:topology", num_processes=2,
+                              args=("s",), timeout_s=120)
+  assert [r["process_index"] for r in out] == [0, 1]
+  assert testing.run_processes("tests.multihost_workers", num_processes=2,
+                               args=(str(tmp_path), "m"), timeout_s=120) == [None, None]
+  for i in range(2):
+    r = json.loads((tmp_path / f"main_{i}.json").read_text())
+    assert (r["tag"], r["process_index"], r["device_count"]) == ("m", i, 2)
+
+
+def test_a_failing_process_is_named_with_its_traceback_and_the_others_killed():
+  t0 = time.monotonic()
+  with pytest.raises(testing.MultiProcessError) as e:
+    testing.run_processes(workers.fail_on, num_processes=2, args=(1, "bad shard 7"),
+                          timeout_s=120)
+  elapsed = time.monotonic() - t0
+  msg = str(e.value)
+  assert "process 1: exit 1 after" in msg and "ValueError: bad shard 7" in msg
+  assert "process 0: killed by loopkit.testing" in msg  # it was sleeping for 120 s
+  assert "--- process 1 stderr" in msg and 'raise ValueError(message)' in msg
+  r0, r1 = e.value.results
+  assert r0.killed and not r1.killed and r1.returncode == 1 and "bad shard 7" in r1.error
+  assert elapsed < 60, elapsed
+  assert not isinstance(e.value, testing.MultiProcessTimeout)
+
+
+def test_timeout_kills_and_reports():
+  t0 = time.monotonic()
+  with pytest.raises(testing.MultiProcessTimeout, match=r"timed out after 4 s") as e:
+    testing.run_processes(workers.sleep, num_processes=1, args=(600,), timeout_s=4)
+  assert time.monotonic() - t0 < 20
+  assert e.value.results[0].killed and e.value.results[0].returncode == -signal.SIGKILL
+
+
+def test_unimportable_targets_are_rejected_before_launch():
+  with pytest.raises(ValueError, match="cannot be imported by a child process"):
+    testing.run_processes(lambda: 1)
+
+  def local():
+    return 1
+
+  with pytest.raises(ValueError, match="module level"):
+    testing.ProcessGroup(local)
+
+
+# -- training: 2 processes x 4 devices vs 1 process x 8 --------------------------------------
+
+VARIANTS = [(12, 5, "global"), (12, 1, "global"), (12, 5, "per_device")]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+  """One launch, three trainings (global K=5 observed by writers, global K=1, per-device)."""
+  logdir = tmp_path_factory.mktemp("logs")
+  t0 = time.monotonic()
+  runs = testing.run_processes(workers.train_variants, num_processes=2, devices_per_process=4,
+                               args=(VARIANTS, str(logdir)), timeout_s=300)
+  print(f"2 x 4, three 12-step trainings: {time.monotonic() - t0:.1f} s")
+  return {"runs": runs, "logdir": logdir}
+
+
+def test_training_equivalence_2x4_vs_1x8(two_process_runs):
+  p0, p1 = (r[0] for r in two_process_runs["runs"])
+  single = workers.train(12, 5, "global")
+  for r in (p0, p1):
+    assert (r["process_count"], r["device_count"], r["local_device_count"]) == (2, 8, 4)
+    assert r["step"] == r["ledger_step"] == 12
+    assert r["examples_seen"] == single["examples_seen"] == 12 * workers.GLOBAL_BATCH
+    assert r["status"] == "completed" and r["compiles"] == 1
+  assert_params_bitwise(p0["params"], p1["params"], "process 0 vs process 1")
+  assert_params_close(p0["params"], single["params"], "2 x 4 vs 1 x 8")
+  np.testing.assert_array_equal(p0["losses"], p1["losses"])
+  np.testing.assert_allclose(p0["losses"], single["losses"], rtol=1e-6)
+  assert len(p0["losses"]) == 12
+
+
+def test_training_equivalence_per_device_style(two_process_runs):
+  p0, p1 = (r[2] for r in two_process_runs["runs"])
+  single = workers.train(12, 5, "per_device")
+  assert_params_bitwise(p0["params"], p1["params"], "process 0 vs process 1")
+  assert_params_close(p0["params"], single["params"], "2 x 4 vs 1 x 8 (per_device)")
+  assert p0["step"] == 12 and p0["compiles"] == 1
+
+
+def test_multi_process_result_does_not_depend_on_k(two_process_runs):
+  k5, k1 = (two_process_runs["runs"][0][0], two_process_runs["runs"][0][1])
+  assert_params_bitwise(k5["params"], k1["params"], "2 x 4: K=5 vs K=1")
+  np.testing.assert_array_equal(k5["losses"], k1["losses"])
+
+
+def test_training_data_order_and_per_process_halves(two_process_runs):
+  """Each process feeds its half of every global batch; together exactly the 1 x 8 batches."""
+  p0, p1 = (r[0] for r in two_process_runs["runs"])
+  single = workers.train(12, 5, "global")
+  half = workers.GLOBAL_BATCH // 2
+  assert len(p0["seen"]) == len(p1["seen"]) == len(single["seen"]) == 12
+  for step, (a, b, whole) in enumerate(zip(p0["seen"], p1["seen"], single["seen"], strict=True)):
+    assert len(a) == len(b) == half
+    assert a + b == whole, f"step {step}"
+    assert not set(a) & set(b)
+  # The first epoch (10 steps x 16 = all 160 examples): disjoint and complete.
+  epoch0 = [i for s in range(10) for i in p0["seen"][s] + p1["seen"][s]]
+  assert sorted(epoch0) == list(range(workers.NUM_EXAMPLES))
+
+
+def test_only_process_zero_writes_logs_tensorboard_and_progress(two_process_runs):
+  logdir = two_process_runs["logdir"]
+  p0, p1 = (r[0] for r in two_process_runs["runs"])
+  files = sorted(os.listdir(logdir))
+  events = [f for f in files if f.startswith("events.out.tfevents")]
+  assert len(events) == 1, files  # one TensorBoard writer, not one per process
+  rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [5, 10, 12]  # written once each
+  assert rows[-1]["examples_seen"] == 192
+  np.testing.assert_allclose(rows[0]["loss"], np.mean(p0["losses"][:5]), rtol=1e-6)
+  progress0 = (logdir / "progress_0.txt").read_text().splitlines()
+  assert [line.split(" ")[1] for line in progress0] == ["5/12", "10/12", "12/12"]
+  assert (logdir / "progress_1.txt").read_text() == ""
+  metric_lines = lambda r: [m for m in r["log_lines"] if m.startswith("step ")]
+  assert metric_lines(p1) == []
+  assert [m.split(":")[0] for m in metric_lines(p0)] == ["step 5"] * 2 + ["step 10"] * 2 + [
+      "step 12"] * 2  # LoggingHook's line and the ConsoleWriter's
+
+
+# -- data shards and evaluation (C27) ------------------------------------------------------
+
+
+def test_c27_shards_disjoint_complete_and_eval_exact():
+  t0 = time.monotonic()
+  out = testing.run_processes(workers.shards_and_eval, num_processes=4, devices_per_process=1,
+                              args=(10, 8), timeout_s=180)
+  print(f"4 x 1 shards + 2 evaluations: {time.monotonic() - t0:.1f} s")
+  assert [len(r["examples"]) for r in out] == [3, 3, 2, 2]
+  assert [r["bounds"] for r in out] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+  everything = [i for r in out for i in r["examples"]]
+  assert sorted(everything) == list(range(10)) and len(set(everything)) == 10
+  # Every process runs the same number of eval batches (short ones padded and masked).
+  assert {r["num_batches"] for r in out} == {2}
+  single = workers.shards_and_eval(10, 8)  # 1 process x 8 devices
+  for r in out + [single]:
+    assert r["compiles"] == 1
+    for e in r["eval"]:
+      assert e["num_examples"] == 10 and e["num_batches"] == 2
+      assert e["totals"] == {"scaled": 90.0, "x": 45.0}
+      assert e["metrics"] == {"scaled": 9.0, "x": 4.5}
+
+
+# -- checkpoints and preemption -------------------------------------------------------------
+
+
+def test_preemption_sigterm_to_one_process_both_stop_and_save_the_same_step(tmp_path):
+  """SIGTERM reaches process 1 only; both stop at step 4 (cadence 6) and save it.
+
+  Then 1 process x 8 devices resumes from that checkpoint (saved by 2 processes).
+  """
+  ckpt, marker = tmp_path / "ckpt", tmp_path / "marker"
+  marker.mkdir()
+  t0 = time.monotonic()
+  with testing.ProcessGroup(workers.train_until_sigterm, num_processes=2,
+                            devices_per_process=4, args=(str(ckpt), str(marker))) as group:
+    while not (marker / "ready").exists():  # process 1 waits at step 4
+      assert all(c is None for c in group.poll()), group.check(group.wait(1))
+      assert time.monotonic() - t0 < 120, "process 1 never reached step 4"
+      time.sleep(0.02)
+    group.send_signal(1, signal.SIGTERM)
+    results = group.wait(timeout_s=120)
+    p0, p1 = group.check(results)  # both exited 0: a clean stop, not a crash
+  print(f"2 x 4 preemption run: {time.monotonic() - t0:.1f} s")
+  assert (p1["signal_received"], p1["requested"]) == (signal.SIGTERM, True)
+  assert (p0["signal_received"], p0["requested"]) == (None, False)  # told by agreement
+  for r in (p0, p1):
+    assert r["status"] == "preempted"
+    assert r["step"] == r["ledger_step"] == 4
+    assert r["saved_steps"] == [4] and r["all_steps"] == [4]
+    assert r["sigterm_handler_restored"]
+  assert_params_bitwise(p0["params"], p1["params"], "process 0 vs process 1")
+
+  resumed = workers.train_checkpointed(str(ckpt), 12)  # 1 x 8 restores the 2 x 4 checkpoint
+  assert resumed["restored"]["step"] == 4 and resumed["restored_step"] == 4
+  assert resumed["restored"]["data_position"] == 4
+  assert_params_bitwise(resumed["restored"]["params"], p0["params"], "restored vs saved")
+  assert resumed["step"] == 12 and resumed["examples_seen"] == 192
+  assert resumed["saved_steps"] == [6, 12] and resumed["compiles"] == 1
+  assert resumed["seen"] == workers.train(12, 3)["seen"][4:]  # the next unconsumed batch
+  assert_params_close(resumed["params"], workers.train(12, 3)["params"],
+                      "preempted 2 x 4 + resumed 1 x 8 vs uninterrupted 1 x 8")
+
+
+def test_checkpoint_1x8_to_2x4_and_back(tmp_path):
+  """1 x 8 saves step 6; 2 x 4 restores it and saves 12; 1 x 8 restores 12 exactly."""
+  first = workers.train_checkpointed(str(tmp_path), 6)
+  assert first["all_steps"] == [6]
+  t0 = time.monotonic()
+  p0, p1 = testing.run_processes(workers.train_checkpointed, num_processes=2,
+                                 devices_per_process=4, args=(str(tmp_path), 12),
+                                 timeout_s=300)
+  print(f"2 x 4 restore + 6 steps + save: {time.monotonic() - t0:.1f} s")
+  for r in (p0, p1):
+    assert r["restored_step"] == 6 and r["restored"]["data_position"] == 6
+    assert_params_bitwise(r["restored"]["params"], first["params"], "2 x 4 restored vs saved")
+    assert r["step"] == 12 and r["saved_steps"] == [12] and r["all_steps"] == [6, 12]
+  assert_params_bitwise(p0["params"], p1["params"], "process 0 vs process 1")
+  whole = workers.train(12, 3)
+  assert [p0["seen"][s] + p1["seen"][s] for s in range(6)] == whole["seen"][6:]
+  back = workers.train_checkpointed(str(tmp_path), 12)  # nothing left to run
+  assert back["restored"]["step"] == 12 and back["step"] == 12
+  assert_params_bitwise(back["restored"]["params"], p0["params"], "1 x 8 restored vs 2 x 4")
+  assert_params_close(p0["params"], whole["params"], "1x8 + 2x4 vs uninterrupted 1x8")
+
+
+# -- a process dies ------------------------------------------------------------------------
+
+
+def test_one_process_dies_the_other_fails_quickly_with_a_clear_error():
+  t0 = time.monotonic()
+  with testing.ProcessGroup(workers.train_and_die, num_processes=2, devices_per_process=4,
+                            args=(1,), heartbeat_timeout_s=5) as group:
+    results = group.wait(timeout_s=120, stop_on_failure=False)  # let process 0 fail by itself
+  print(f"process 1 died at {results[1].wall_s:.1f} s, process 0 failed at "
+        f"{results[0].wall_s:.1f} s (total {time.monotonic() - t0:.1f} s)")
+  r0, r1 = results
+  assert r1.returncode == 17 and "process 1 exits at step 4" in r1.stdout
+  assert not r0.killed and r0.returncode not in (0, None)
+  assert r0.wall_s - r1.wall_s < 5 + 15  # heartbeat timeout + margin
+  # Process 0 was in the boundary's all-gather: gloo sees the peer's socket close.
+  assert "Gloo" in r0.stderr and "Connection reset by peer" in r0.stderr
+  with pytest.raises(testing.MultiProcessError, match="process 1: exit 17") as e:
+    group.check(results)
+  assert "process 0: exit 1" in str(e.value) and "Gloo AllGather failed" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_hung_process_is_detected_by_heartbeat(tmp_path):
+  """SIGSTOP (a frozen host: sockets stay open) -> JAX terminates the other process."""
+  marker = tmp_path / "marker"
+  marker.mkdir()
+  with testing.ProcessGroup(workers.train_until_sigterm, num_processes=2,
+                            devices_per_process=4, heartbeat_timeout_s=5,
+                            args=(str(tmp_path / "ckpt"), str(marker))) as group:
+    t0 = time.monotonic()
+    while not (marker / "ready").exists():
+      assert time.monotonic() - t0 < 120
+      time.sleep(0.02)
+    group.send_signal(1, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    results = group.wait(timeout_s=180, failure_grace_s=0)
+    detected = time.monotonic() - t_stop
+  print(f"hung process detected after {detected:.1f} s (heartbeat timeout 5 s)")
+  r0, r1 = results
+  assert r0.returncode == -signal.SIGABRT and not r0.killed
+  assert "detected fatal errors" in r0.stderr and "stopped sending heartbeats" in r0.stderr
+  assert r1.killed
+  assert detected < 5 + 20
+
+
+@pytest.mark.slow
+def test_the_coordinator_process_dies():
+  with testing.ProcessGroup(workers.train_and_die, num_processes=2, devices_per_process=4,
+                            args=(0,), heartbeat_timeout_s=5) as group:
+    results = group.wait(timeout_s=120, stop_on_failure=False)
+  r0, r1 = results
+  assert r0.returncode == 17
+  assert not r1.killed and r1.returncode not in (0, None)
+  assert r1.wall_s - r0.wall_s < 5 + 15
