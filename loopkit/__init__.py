@@ -36,6 +36,9 @@ def __getattr__(name):
   if name in _LAZY:
     import importlib  # pylint: disable=g-import-not-at-top
     return getattr(importlib.import_module(_LAZY[name]), name)
+  if name == "testing":  # test helpers, imported on first use (they import pytest if present)
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module("loopkit.testing")
   raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
 
 __all__ = [
