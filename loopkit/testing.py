@@ -666,3 +666,69 @@ def _child_main() -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(0)  # skip atexit handlers that could wait on threads the target left running
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m loopkit.testing -n 2 -d 4 [--timeout_s S] -- MODULE [ARGS...]``.
+
+  Runs ``python -m MODULE ARGS...`` as P local processes under
+  ``jax.distributed`` (as :func:`run_processes` with a module target) and
+  echoes their output as it comes, each line prefixed with ``[i]``.
+
+  Returns:
+    0 if every process succeeded, else 1 (after printing the failure report).
+  """
+  import argparse  # pylint: disable=g-import-not-at-top
+
+  parser = argparse.ArgumentParser(
+      prog="python -m loopkit.testing",
+      description="Run a Python module as P local JAX processes (CPU devices, gloo).")
+  parser.add_argument("-n", "--num_processes", type=int, default=2)
+  parser.add_argument("-d", "--devices_per_process", type=int, default=1)
+  parser.add_argument("--timeout_s", type=float, default=3600.0)
+  parser.add_argument("--heartbeat_timeout_s", type=int, default=100)
+  parser.add_argument("module", help="the module to run as __main__, e.g. examples.resnet50.main")
+  parser.add_argument("args", nargs=argparse.REMAINDER, help="the module's arguments")
+  a = parser.parse_args(argv)
+  group = ProcessGroup(a.module, num_processes=a.num_processes,
+                       devices_per_process=a.devices_per_process, args=a.args,
+                       heartbeat_timeout_s=a.heartbeat_timeout_s)
+  with group:
+    offsets: dict[tuple[int, str], int] = {}
+
+    def echo() -> None:
+      for i in range(group.num_processes):
+        for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+          path = os.path.join(group._dir, f"{name}_{i}.txt")  # pylint: disable=protected-access
+          with open(path, "rb") as f:
+            f.seek(offsets.get((i, name), 0))
+            data = f.read()
+          end = data.rfind(b"\n") + 1  # whole lines only
+          offsets[(i, name)] = offsets.get((i, name), 0) + end
+          for line in data[:end].decode("utf-8", "replace").splitlines():
+            if not _NOISE.match(line):
+              stream.write(f"[{i}] {line}\n")
+          stream.flush()
+
+    deadline = time.monotonic() + a.timeout_s
+    while time.monotonic() < deadline:
+      codes = group.poll()
+      if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+        break
+      echo()
+      time.sleep(0.2)
+    results = group.wait(a.timeout_s)  # kills the rest after a failure or at the deadline
+    echo()
+    try:
+      group.check(results)
+    except MultiProcessError as e:
+      print(e, file=sys.stderr)
+      return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
