@@ -110,7 +110,10 @@ class SlowSource:
   def __next__(self):
     if self.i >= len(self.batches):
       raise StopIteration
-    if self.sleep_s and self.sleep_at in (-1, self.i):
+    if self.sleep_s and self.sleep_at == self.i:
+      print(f"SLEEPING {self.i}", flush=True)  # the parent may signal now
+      time.sleep(self.sleep_s)
+    elif self.sleep_s and self.sleep_at == -1:
       time.sleep(self.sleep_s)
     b = self.batches[self.i]
     self.i += 1
@@ -141,6 +144,7 @@ class Ready(loopkit.Hook):
 
   def on_run_start(self, loop, state):
     step = -1 if self.ckpt is None or self.ckpt.restored_step is None else self.ckpt.restored_step
+    self.devices = sorted({len(x.sharding.device_set) for x in jax.tree.leaves(state)})
     print(f"READY {step} {digest(state) if step >= 0 else '-'}", flush=True)
 
 
@@ -189,7 +193,8 @@ def main(args):
     hooks.append(loopkit.CallbackHook(
         lambda info, s: digests.__setitem__(info.end_step, digest(s)),
         every_steps=args.every_steps))
-  hooks.append(Ready(ckpt))
+  ready = Ready(ckpt)
+  hooks.append(ready)
   loop = loopkit.TrainLoop(train_step, iterations_per_loop=args.k, hooks=hooks, mesh=mesh,
                            prefetch=args.prefetch)
   final = loop.run(state, source, num_steps=args.num_steps)
@@ -198,7 +203,9 @@ def main(args):
           "saved_steps": [] if ckpt is None else ckpt.saved_steps,
           "all_steps": [] if ckpt is None else ckpt.all_steps(),
           "digests": digests, "compile_count": loop.program.compile_count(),
-          "final_digest": digest(final)}
+          "final_digest": digest(final), "state_devices": ready.devices,
+          "finite": bool(all(np.isfinite(np.asarray(x)).all()
+                             for x in jax.tree.leaves(jax.device_get(final))))}
   write(args.out, final, info)
 
 

@@ -56,10 +56,15 @@ class Recorder(loopkit.Hook):
 # -- resume equivalence ---------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def ref12():
+  """The uninterrupted 12-step run (the same for every K: invariant 1)."""
+  return make_loop(4).run(toy.init_state(), toy.batches(12), num_steps=12)
+
+
 @pytest.mark.parametrize("k", [1, 3, 4])
-def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, k):
-  data = toy.batches(12)
-  ref = make_loop(k).run(toy.init_state(), data, num_steps=12)
+def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, k, ref12):
+  data, ref = toy.batches(12), ref12
   for stop in (2, 5, 8):
     d = tmp_path / f"stop{stop}"
     first = CheckpointHook(d)
@@ -74,10 +79,9 @@ def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, k):
     assert_bitwise(final, ref)
 
 
-def test_resume_chain_and_change_of_k(tmp_path):
+def test_resume_chain_and_change_of_k(tmp_path, ref12):
   """Stop at 3 (K=4), at 7 (K=3), finish at 12 (K=1): still bitwise equal."""
-  data = toy.batches(12)
-  ref = make_loop(4).run(toy.init_state(), data, num_steps=12)
+  data, ref = toy.batches(12), ref12
   for k, stop in ((4, 3), (3, 7), (1, 12)):
     hook = CheckpointHook(tmp_path, every_steps=5)
     init = toy.init_state(seed=0 if stop == 3 else 3)  # later runs must restore
@@ -216,9 +220,8 @@ def test_retention_max_to_keep_and_best_max(tmp_path):
 
 
 @pytest.mark.parametrize("leftover", ["orbax_tmp", "no_commit_file"])
-def test_c21_unfinished_directory_is_invisible_and_removed(tmp_path, leftover):
-  data = toy.batches(12)
-  ref = make_loop(4).run(toy.init_state(), data, num_steps=12)
+def test_c21_unfinished_directory_is_invisible_and_removed(tmp_path, leftover, ref12):
+  data, ref = toy.batches(12), ref12
   first = CheckpointHook(tmp_path, every_steps=4)
   make_loop(4, [first]).run(toy.init_state(), data, num_steps=8)
   assert first.all_steps() == [4, 8]
