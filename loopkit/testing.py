@@ -578,9 +578,19 @@ def run_processes(target: Callable | str, *, num_processes: int = 2,
   ``jax.distributed.shutdown()`` (a barrier: all end together).
 
   Args:
-    target, num_processes, devices_per_process, args, kwargs, env, cwd,
-      heartbeat_timeout_s, init_timeout_s: see :class:`ProcessGroup`.
+    target: a module-level function, ``"package.module:function"``, or
+      ``"package.module"`` (run as ``__main__``); see :class:`ProcessGroup`.
+    num_processes: P >= 1.
+    devices_per_process: D >= 1 CPU devices per process.
+    args: positional arguments of ``target`` (picklable).
+    kwargs: keyword arguments of ``target`` (picklable).
     timeout_s: wall-clock limit for the whole group (seconds, from launch).
+    env: extra environment variables for the children.
+    cwd: the children's working directory.
+    heartbeat_timeout_s: JAX's heartbeat timeout (seconds): a process silent
+      that long is declared dead and JAX terminates the others.
+    init_timeout_s: how long ``jax.distributed.initialize`` waits for all
+      processes to connect (seconds).
     port_retries: relaunches with a new port when the coordinator's port was
       taken in the meantime.
 
