@@ -148,6 +148,7 @@ class ChunkFeeder:
     self._count = start_position
     self._step = first_step
     self._spec = None
+    self._nums: dict[int, jax.Array] = {}
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
     self._thread = None
@@ -161,7 +162,8 @@ class ChunkFeeder:
     get_state = getattr(self._it, "get_state", None)
     return get_state() if callable(get_state) else self._count
 
-  def _check(self, batch: Any, step: int) -> None:
+  def _check(self, batch: Any, step: int) -> list:
+    """Checks a batch against the first one; returns its leaves (flattened once)."""
     if self._spec is None:
       leaves = jax.tree.leaves(batch)
       if not leaves:
@@ -179,12 +181,22 @@ class ChunkFeeder:
             f"size {self._dp}")
       self._spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 batch)
+      spec_leaves, self._spec_def = jax.tree.flatten(self._spec)
+      self._leaf_specs = [(s.shape, s.dtype) for s in spec_leaves]
       self.global_batch_size = b_global
-      return
+      return jax.tree.leaves(batch)
+    # Fast path (per batch, on the prefetch thread): one flatten and a shape and
+    # dtype compare per leaf; tree_mismatch only to word the error.
+    leaves, treedef = jax.tree.flatten(batch)
+    if treedef == self._spec_def and all(
+        getattr(x, "shape", None) == shape and getattr(x, "dtype", None) == dtype
+        for x, (shape, dtype) in zip(leaves, self._leaf_specs)):
+      return leaves
     problem = tree_mismatch(self._spec, jax.tree.map(np.asarray, batch),
                             what=f"batch for step {step + 1} differs from the first batch")
     if problem:
       raise ValueError(problem)
+    return jax.tree.leaves(batch)
 
   def _form(self, n: int) -> Chunk:
     got = []
@@ -197,29 +209,34 @@ class ChunkFeeder:
       except StopIteration:
         exhausted = True
         break
-      self._check(batch, self._step + len(got))
-      got.append(batch)
+      got.append(self._check(batch, self._step + len(got)))
       self._count += 1
     self._step += len(got)
     position = self._position()
     if not got:
       return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0))
 
-    def stack(*xs):
-      arr = np.stack([np.asarray(x) for x in xs])
-      if arr.shape[0] < self._k:
-        pad = np.zeros((self._k - arr.shape[0],) + arr.shape[1:], arr.dtype)
-        arr = np.concatenate([arr, pad])
-      global_shape = (self._k, arr.shape[1] * jax.process_count()) + arr.shape[2:]
+    def stack(xs, spec):
+      shape, dtype = spec
+      if len(xs) == self._k:
+        arr = np.stack(xs)
+      else:  # a short call: zero padding slots after the real batches
+        arr = np.zeros((self._k,) + shape, dtype)
+        np.stack(xs, out=arr[:len(xs)])
+      global_shape = (self._k, shape[0] * jax.process_count()) + shape[1:]
       return jax.make_array_from_process_local_data(self._batch_sharding, arr, global_shape)
 
-    batches = jax.tree.map(stack, *got)
+    batches = jax.tree.unflatten(self._spec_def, [
+        stack(xs, spec) for xs, spec in zip(zip(*got), self._leaf_specs)])
     # Not jax.device_put: on several processes, device_put of a host value to a
     # global sharding runs a cross-process equality check (a collective); from
     # this thread it would interleave with the main thread's collectives (e.g.
     # the preemption all-gather) in a different order on each process.
-    n = np.int32(len(got))
-    num = jax.make_array_from_callback((), self._replicated, lambda _: n)
+    num = self._nums.get(len(got))
+    if num is None:  # one placed scalar per distinct length (never donated, so reusable)
+      n = np.int32(len(got))
+      num = self._nums[len(got)] = jax.make_array_from_callback((), self._replicated,
+                                                                lambda _: n)
     return Chunk(batches, num, len(got), position, exhausted, self.global_batch_size)
 
   def _produce(self) -> None:
