@@ -308,7 +308,7 @@ def plot(result: TuneResult, path: str, *, title: str | None = None) -> None:
   ks = [r.iterations_per_loop for r in result.rows]
   sps = [r.steps_per_sec for r in result.rows]
   best = max(sps)
-  fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+  fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=120)
   ax.plot(ks, sps, "o-", color="tab:blue", label="steps/s")
   ax.axhline((1 - result.tolerance) * best, color="tab:gray", ls=":", lw=1,
              label=f"{100 * (1 - result.tolerance):g}% of best")
@@ -328,10 +328,11 @@ def plot(result: TuneResult, path: str, *, title: str | None = None) -> None:
   ax2.set_ylabel("host overhead fraction")
   lines = ax.get_legend_handles_labels()
   lines2 = ax2.get_legend_handles_labels()
-  ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="center right", fontsize=8)
+  fig.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower center", ncol=4,
+             fontsize=8, frameon=False)
   ax.set_title(title or f"throughput vs iterations_per_loop (recommended K="
                f"{result.recommended})", fontsize=10)
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.07, 1, 1))
   fig.savefig(path)
   plt.close(fig)
 
