@@ -121,6 +121,28 @@ def test_restore_keeps_live_shardings(tmp_path):
     assert x.sharding.is_equivalent_to(sh, x.ndim) and len(x.sharding.device_set) == 2
 
 
+def test_async_write_does_not_race_with_the_next_donating_call(tmp_path):
+  """Save every 2 steps while the next call donates the state: every file equals its step."""
+  n = 1 << 16
+
+  def step(s, b):
+    return {"w": s["w"] * 1.0001 + b["x"].mean(), "step": s["step"] + 1}, {"m": s["w"][0]}
+
+  def init():
+    return {"w": jnp.arange(n, dtype=jnp.float32), "step": jnp.zeros((), jnp.int32)}
+
+  data = [{"x": np.full((8,), i, np.float32)} for i in range(12)]
+  seen = {}
+  record = loopkit.CallbackHook(lambda i, s: seen.__setitem__(i.end_step, np.asarray(s["w"])),
+                                every_steps=2)
+  make_loop(2, [record], step=step).run(init(), data, num_steps=12)
+  hook = CheckpointHook(tmp_path, every_steps=2)
+  make_loop(2, [hook], step=step).run(init(), data, num_steps=12)
+  assert hook.all_steps() == list(range(2, 13, 2))
+  for s in hook.all_steps():
+    assert np.array_equal(np.asarray(hook.restore(init(), s).state["w"]), seen[s]), s
+
+
 # -- field cases ------------------------------------------------------------------------------
 
 
