@@ -1,0 +1,414 @@
+"""Side-by-side benchmark: loopkit against a per-step loop, Keras and the limit.
+
+Usage (from the repository root)::
+
+  python benchmarks/run.py                 # full run, writes benchmarks/RESULTS.md
+  python benchmarks/run.py --quick         # short smoke run, prints only
+  nox -s bench
+
+The runner starts one worker process per device count (1 and 8 fake CPU
+devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and
+``KERAS_BACKEND=jax`` are set in the worker's environment before JAX or Keras
+is imported). A worker builds every system for a workload, runs each once to
+compile and warm it, then times ``--repeats`` rounds with the systems
+interleaved inside each round and keeps each system's best round, so that a
+load spike on a shared machine hurts every system alike. The runner prints one
+markdown report and (unless ``--no-save``) writes it with the date, machine,
+load average, command and package versions to ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+PACKAGES = ["jax", "jaxlib", "flax", "optax", "keras", "numpy", "loopkit"]
+KS = (1, 10, 100)
+# Steps per timed run, S, by (workload, device count): the same for every system.
+DEFAULT_STEPS = {("mlp", 1): 5000, ("mlp", 8): 1000, ("cnn", 1): 100, ("cnn", 8): 100}
+
+# Targets from the issue (CPU, MLP workload).
+TARGET_LIMIT = 0.95   # loopkit K=100 / limit
+TARGET_STEP_1 = 5.0   # loopkit K=100 / per-step loop, 1 device
+TARGET_STEP_8 = 3.0   # loopkit K=100 / per-step loop, 8 devices
+TARGET_KERAS = 6.0    # loopkit K=100 / Keras steps_per_execution=100
+FLAT_RSS_MB = 5.0     # RSS growth over 500 calls counted as flat
+
+
+# -- worker ----------------------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> dict:
+  """Measures every system at this process's device count; returns a JSON-able dict."""
+  sys.path.insert(0, ROOT)
+  import jax  # noqa: PLC0415  (after XLA_FLAGS is set by the parent)
+
+  from benchmarks import systems as sy  # noqa: PLC0415
+  from benchmarks import workloads as wl  # noqa: PLC0415
+
+  n_dev = jax.device_count()
+  counter = sy.CompileCounter()
+  out = {"devices": n_dev, "rows": [], "mechanism": []}
+  for wname in args.workloads:
+    steps = args.steps.get((wname, n_dev)) or DEFAULT_STEPS[wname, 1 if n_dev == 1 else 8]
+    w = wl.get(wname, steps)
+    data = wl.make_data(w)
+    systems = [sy.Limit(w, data)] + [sy.Loopkit(w, data, k) for k in KS]
+    if n_dev > 1:
+      systems.append(sy.Loopkit(w, data, 100, style="per_device"))
+    systems += [sy.PerStepJit(w, data, prefetch=True), sy.PerStepJit(w, data, prefetch=False)]
+    if n_dev > 1:
+      systems.append(sy.PerStepPmap(w, data))
+    if not args.no_keras:
+      systems.append(sy.KerasFit(w, data))
+    first = {}
+    for s in systems:
+      c0 = counter.count
+      s.warm()
+      first[s.name] = counter.count - c0
+      _log(f"[{n_dev} dev {wname}] warmed {s.name}: {first[s.name]} XLA compiles")
+    times = {s.name: [] for s in systems}
+    peaks = {s.name: 0.0 for s in systems}
+    timed_compiles = {s.name: 0 for s in systems}
+    for r in range(args.repeats):
+      order = systems if r % 2 == 0 else systems[::-1]
+      for s in order:
+        sy.reset_peak_rss()
+        c0 = counter.count
+        times[s.name].append(s.timed())
+        timed_compiles[s.name] += counter.count - c0
+        peaks[s.name] = max(peaks[s.name], sy.peak_rss_mb())
+      _log(f"[{n_dev} dev {wname}] round {r + 1}: " + ", ".join(
+          f"{s.name} {w.num_steps / times[s.name][-1]:.0f}" for s in systems))
+    growth = {}
+    if wname == "mlp" and args.rss_calls:
+      for s in systems:
+        if isinstance(s, sy.Limit):
+          continue
+        # 500 calls, or fewer where they would take longer than --rss-secs (K=100 and
+        # Keras on 8 fake devices): the number of calls is reported with the growth.
+        rate = w.num_steps / min(times[s.name])
+        calls = max(20, min(args.rss_calls, int(args.rss_secs * rate / s.steps_per_call)))
+        growth[s.name] = (sy.rss_growth(s, calls), calls)
+        _log(f"[{n_dev} dev {wname}] RSS growth {s.name}: {growth[s.name][0]:+.2f} MiB "
+             f"over {calls} calls")
+    for s in systems:
+      out["rows"].append({
+          "workload": wname, "devices": n_dev, "system": s.name, "steps": w.num_steps,
+          "calls": s.calls_per_run, "times": times[s.name],
+          "train_compiles": s.train_compiles(), "first_run_compiles": first[s.name],
+          "timed_compiles": timed_compiles[s.name], "peak_rss_mb": peaks[s.name],
+          "rss_growth_mb": growth.get(s.name, (None, None))[0],
+          "rss_calls": growth.get(s.name, (None, None))[1]})
+    if wname == "mlp" and args.mechanism_calls:
+      for k in (10, 100):
+        m = sy.mechanism_cost(w, data, k, calls=args.mechanism_calls, repeats=args.repeats)
+        out["mechanism"].append({"devices": n_dev, "workload": wname, "k": k, **m})
+        _log(f"[{n_dev} dev {wname}] mechanism K={k}: {m}")
+    del systems, data
+  return out
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+# -- report ----------------------------------------------------------------------
+
+def _best_rate(row: dict) -> float:
+  return row["steps"] / min(row["times"])
+
+
+def _find(rows, workload, devices, system):
+  for r in rows:
+    if (r["workload"], r["devices"], r["system"]) == (workload, devices, system):
+      return r
+  return None
+
+
+def _fmt_ratio(a: dict | None, b: dict | None) -> str:
+  if a is None or b is None:
+    return ""
+  return f"{_best_rate(a) / _best_rate(b):.2f}"
+
+
+PER_STEP = ("per-step jit + prefetch", "per-step jit, numpy in", "per-step pmap")
+
+
+def _fastest_per_step(rows, workload, devices):
+  found = [r for r in (_find(rows, workload, devices, n) for n in PER_STEP) if r is not None]
+  return max(found, key=_best_rate) if found else None
+
+
+def render_table(rows: list[dict]) -> str:
+  """The main table: one row per (workload, devices, system)."""
+  head = ("| workload | dev | system | S | calls | steps/s (best) | worst/best | / limit | "
+          "loopkit / fastest per-step | loopkit / Keras | train-program executables | "
+          "XLA compiles: warm-up / timed runs | peak RSS MiB | RSS growth MiB (calls) |")
+  lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+  for r in rows:
+    wkl, dev, name = r["workload"], r["devices"], r["system"]
+    rates = [r["steps"] / t for t in r["times"]]
+    is_lk = name.startswith("loopkit")
+    cols = [
+        wkl, str(dev), name, str(r["steps"]), str(r["calls"]), f"{max(rates):,.0f}",
+        f"{min(rates) / max(rates):.2f}",
+        _fmt_ratio(r, _find(rows, wkl, dev, "limit (one scan)")),
+        _fmt_ratio(r, _fastest_per_step(rows, wkl, dev)) if is_lk else "",
+        _fmt_ratio(r, _find(rows, wkl, dev, "Keras spe=100")) if is_lk else "",
+        "n/a" if r["train_compiles"] is None else str(r["train_compiles"]),
+        f"{r['first_run_compiles']} / {r['timed_compiles']}", f"{r['peak_rss_mb']:.0f}",
+        "" if r["rss_growth_mb"] is None else f"{r['rss_growth_mb']:+.2f} ({r['rss_calls']})",
+    ]
+    lines.append("| " + " | ".join(cols) + " |")
+  return "\n".join(lines)
+
+
+def render_mechanism(mech: list[dict]) -> str:
+  """The tail/event mechanism table (device-resident chunk, no host feeding)."""
+  lines = ["| dev | K | unmasked lax.scan µs/call | loopkit fori_loop n=K µs/call | cost "
+           "(loopkit / scan) | loopkit n=K/2 µs/call | compiles |",
+           "|---|---|---|---|---|---|---|"]
+  for m in mech:
+    lines.append(f"| {m['devices']} | {m['k']} | {m['scan_us']:.1f} | {m['loopkit_us']:.1f} | "
+                 f"{m['loopkit_us'] / m['scan_us']:.3f} | {m['loopkit_half_us']:.1f} | "
+                 f"{m['loopkit_compiles']} |")
+  return "\n".join(lines)
+
+
+def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
+  """Evaluates the issue's targets on the MLP: (target, met or None if not measured, detail)."""
+  out = []
+
+  def rate(dev, system, wkl="mlp"):
+    r = _find(rows, wkl, dev, system)
+    return None if r is None else _best_rate(r)
+
+  for dev in (1, 8):
+    k100 = rate(dev, "loopkit K=100")
+    if k100 is None:
+      continue
+    lim = rate(dev, "limit (one scan)")
+    if lim is not None:
+      ratio = k100 / lim
+      out.append((f"MLP, {dev} dev: loopkit K=100 >= {TARGET_LIMIT} x limit",
+                  ratio >= TARGET_LIMIT if dev == 1 else None,
+                  f"{ratio:.2f} ({k100:,.0f} vs {lim:,.0f} steps/s)"
+                  + ("" if dev == 1 else "; the target is stated for 1 device, shown for scale")))
+    fastest = _fastest_per_step(rows, "mlp", dev)
+    if fastest is not None:
+      best = _best_rate(fastest)
+      goal = TARGET_STEP_1 if dev == 1 else TARGET_STEP_8
+      out.append((f"MLP, {dev} dev: loopkit K=100 >= {goal:g}x the fastest per-step loop",
+                  k100 / best >= goal,
+                  f"{k100 / best:.2f}x ({fastest['system']}: {best:,.0f} steps/s)"))
+    ker = rate(dev, "Keras spe=100")
+    if ker:
+      out.append((f"MLP, {dev} dev: loopkit K=100 >= {TARGET_KERAS:g}x Keras "
+                  "steps_per_execution=100", k100 / ker >= TARGET_KERAS,
+                  f"{k100 / ker:.2f}x ({ker:,.0f} steps/s)"))
+  lk = [r for r in rows if r["system"].startswith("loopkit")]
+  if lk:
+    ok = all(r["train_compiles"] == 1 and r["timed_compiles"] == 0 for r in lk)
+    out.append(("loopkit: exactly 1 train-program compilation per run, none when re-run", ok,
+                ", ".join(sorted({f"{r['train_compiles']}" for r in lk})) + " executable(s); "
+                f"{sum(r['timed_compiles'] for r in lk)} XLA compiles in all timed runs"))
+  grown = [r for r in lk if r["rss_growth_mb"] is not None]
+  if grown:
+    worst = max(grown, key=lambda r: abs(r["rss_growth_mb"]))
+    out.append((f"loopkit: flat RSS (|growth| < {FLAT_RSS_MB:g} MiB over {worst['rss_calls']} "
+                "calls)", abs(worst["rss_growth_mb"]) < FLAT_RSS_MB,
+                f"largest {worst['rss_growth_mb']:+.2f} MiB ({worst['system']}, "
+                f"{worst['devices']} dev)"))
+  return out
+
+
+def render_targets(targets) -> str:
+  lines = ["| target | met | measured |", "|---|---|---|"]
+  for name, ok, detail in targets:
+    lines.append(f"| {name} | {'—' if ok is None else ('yes' if ok else '**no**')} | {detail} |")
+  return "\n".join(lines)
+
+
+def machine() -> dict:
+  """nproc, CPU model (/proc/cpuinfo), RAM (/proc/meminfo), kernel."""
+  cpu = "unknown"
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  ram = "unknown"
+  try:
+    with open("/proc/meminfo") as f:
+      kb = int(f.readline().split()[1])
+      ram = f"{kb / 2**20:.1f} GiB"
+  except OSError:
+    pass
+  return {"nproc": os.cpu_count(), "cpu": cpu, "ram": ram, "kernel": platform.release(),
+          "python": platform.python_version()}
+
+
+def versions() -> dict:
+  out = {}
+  for p in PACKAGES:
+    try:
+      out[p] = importlib.metadata.version(p)
+    except importlib.metadata.PackageNotFoundError:
+      out[p] = "not installed"
+  return out
+
+
+def render_report(results: list[dict], meta: dict) -> str:
+  rows = [r for res in results for r in res["rows"]]
+  mech = [m for res in results for m in res["mechanism"]]
+  m = meta["machine"]
+  parts = [
+      "# loopkit benchmarks: side by side",
+      "",
+      "Generated by `benchmarks/run.py`; see `benchmarks/README.md` for what each system is "
+      "and how the figures are measured.",
+      "",
+      f"- date: {meta['date']}",
+      f"- command: `{meta['command']}`",
+      f"- machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram']} RAM, Linux {m['kernel']}, "
+      f"Python {m['python']}",
+      f"- load average (1/5/15 min) at start: {meta['load_start']}; at end: {meta['load_end']}",
+      f"- packages: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+      f"- repeats: best of {meta['repeats']} interleaved rounds per system; S (steps per run, "
+      "the same for every system) in the table; batch 32, SGD 0.01",
+      f"- wall time of the whole run: {meta['wall_s']:.0f} s",
+      "",
+      "## Targets (MLP workload)",
+      "",
+      render_targets(check_targets(rows)),
+      "",
+      "## Steps per second, ratios, compilations, memory",
+      "",
+      render_table(rows),
+      "",
+  ]
+  if mech:
+    parts += [
+        "## Cost of loopkit's tail/event mechanism (MLP, chunk already on device)",
+        "",
+        "loopkit's program runs a `fori_loop` with a traced trip count over a fixed `[K, B, ...]` "
+        "chunk, so every call length reuses one executable; the reference is an unmasked "
+        "`lax.scan` of exactly K steps over the same chunk, also returning the `[K]` loss trace.",
+        "",
+        render_mechanism(mech),
+        "",
+    ]
+  return "\n".join(parts)
+
+
+# -- main ------------------------------------------------------------------------
+
+def _loadavg() -> str:
+  try:
+    with open("/proc/loadavg") as f:
+      return " ".join(f.read().split()[:3])
+  except OSError:
+    return "unknown"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--devices", type=int, nargs="+", default=[1, 8])
+  p.add_argument("--workloads", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
+  p.add_argument("--repeats", type=int, default=3, help="timed rounds per system (best kept)")
+  p.add_argument("--mlp-steps", type=int, help="S for the MLP (default 5000 on 1 device, "
+                 "1000 on 8)")
+  p.add_argument("--cnn-steps", type=int, help="S for the CNN (default 100)")
+  p.add_argument("--rss-calls", type=int, default=500, help="calls for the RSS growth (0: skip)")
+  p.add_argument("--rss-secs", type=float, default=4.0,
+                 help="fewer RSS calls where 500 would take longer than this")
+  p.add_argument("--mechanism-calls", type=int, default=100,
+                 help="calls per timing of the tail/event mechanism (0: skip)")
+  p.add_argument("--no-keras", action="store_true", help="skip the Keras system")
+  p.add_argument("--quick", action="store_true",
+                 help="small smoke run (S=1000/20, 2 repeats, 20 RSS calls); implies --no-save")
+  p.add_argument("--no-save", action="store_true", help="print only, do not write RESULTS.md")
+  p.add_argument("--json", help="also write the raw measurements to this JSON file")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.quick:
+    args.mlp_steps, args.cnn_steps, args.repeats = args.mlp_steps or 500, args.cnn_steps or 10, 2
+    args.rss_calls, args.mechanism_calls, args.no_save = 20, 10, True
+  args.steps = {}
+  for n in (1, 8):
+    if args.mlp_steps:
+      args.steps["mlp", n] = args.mlp_steps
+    if args.cnn_steps:
+      args.steps["cnn", n] = args.cnn_steps
+  return args
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+  argv = [sys.executable, os.path.abspath(__file__), "--worker", "--workloads", *args.workloads,
+          "--repeats", str(args.repeats), "--rss-calls", str(args.rss_calls),
+          "--rss-secs", str(args.rss_secs), "--mechanism-calls", str(args.mechanism_calls)]
+  if args.mlp_steps:
+    argv += ["--mlp-steps", str(args.mlp_steps)]
+  if args.cnn_steps:
+    argv += ["--cnn-steps", str(args.cnn_steps)]
+  if args.no_keras:
+    argv.append("--no-keras")
+  return argv
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.worker:
+    print("RESULT " + json.dumps(worker(args)), flush=True)
+    return 0
+  t0 = time.time()
+  meta = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+          "command": " ".join(["python", os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
+          "machine": machine(), "versions": versions(), "load_start": _loadavg(),
+          "repeats": args.repeats}
+  results = []
+  for n in args.devices:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (" ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                 if "xla_force_host_platform_device_count" not in f)
+                        + f" --xla_force_host_platform_device_count={n}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["KERAS_BACKEND"] = "jax"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    _log(f"== worker: {n} device(s), load {_loadavg()}")
+    proc = subprocess.run(_worker_argv(args), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                          text=True, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+      _log(f"worker for {n} device(s) failed with exit code {proc.returncode}")
+      return 1
+    results.append(json.loads(lines[-1][len("RESULT "):]))
+  meta["load_end"] = _loadavg()
+  meta["wall_s"] = time.time() - t0
+  report = render_report(results, meta)
+  print(report)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"meta": meta, "results": results}, f, indent=1)
+  if not args.no_save:
+    with open(RESULTS, "w") as f:
+      f.write(report + "\n")
+    _log(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

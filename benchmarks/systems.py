@@ -1,0 +1,414 @@
+"""The systems compared by the benchmark, each timed on the same workload.
+
+Every system follows one protocol: ``warm()`` runs the whole workload once
+(compiling whatever it compiles), ``timed()`` runs it again from the initial
+state and returns wall seconds up to the final state being ready, and
+``train_compiles()`` counts the executables of its train program.
+
+Systems:
+  * :class:`Loopkit`: ``loopkit.TrainLoop(step, iterations_per_loop=K)`` fed by
+    an iterator of numpy batches (its own prefetch thread stacks and places
+    ``[K, B, ...]`` chunks).
+  * :class:`PerStepJit`: a Flax-example loop, one ``jax.jit`` call per step,
+    the state donated, batches placed two ahead (``jax.device_put`` into a
+    deque, like ``flax.jax_utils.prefetch_to_device``) and metrics fetched every
+    100 steps (the examples' ``log_every_steps``).
+  * :class:`PerStepPmap`: the same with ``jax.pmap`` and
+    ``flax.jax_utils.prefetch_to_device(it, 2)`` (the Flax ImageNet example).
+  * :class:`KerasFit`: Keras 3 on the JAX backend,
+    ``fit(steps_per_execution=100)``, data-parallel over all devices.
+  * :class:`Limit`: one jitted ``lax.scan`` over all S steps with the whole
+    data set ``[S, B, ...]`` already on the devices: no host work at all.
+
+Runs in a worker process whose device count was fixed before JAX started.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import loopkit
+from benchmarks import workloads as wl
+
+LOG_EVERY_STEPS = 100  # Flax examples' default; the per-step loops fetch metrics this often.
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+# -- process measurements -----------------------------------------------------
+
+def _status_kb(field: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1])
+  raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_mb() -> float:
+  """Resident set size of this process now, MiB (``VmRSS``)."""
+  return _status_kb("VmRSS") / 1024
+
+
+def peak_rss_mb() -> float:
+  """Peak resident set size since the last :func:`reset_peak_rss`, MiB (``VmHWM``)."""
+  return _status_kb("VmHWM") / 1024
+
+
+def reset_peak_rss() -> bool:
+  """Resets ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5); False if not allowed."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+class CompileCounter:
+  """Counts XLA backend compilations (``jax.monitoring`` duration events) in this process."""
+
+  def __init__(self):
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event: str, duration_secs: float, **kwargs) -> None:
+    del duration_secs, kwargs
+    if event == BACKEND_COMPILE_EVENT:
+      self.count += 1
+
+
+# -- helpers -------------------------------------------------------------------
+
+def data_mesh() -> jax.sharding.Mesh:
+  """1-D mesh ``("data",)`` over all devices of this process."""
+  return jax.make_mesh((jax.device_count(),), ("data",))
+
+
+def device_prefetch(batches: Iterable, sharding: Any, size: int = 2) -> Iterator:
+  """Places batches on the devices ``size`` ahead (double buffering for size 2).
+
+  Like ``flax.jax_utils.prefetch_to_device`` for ``jit``: the batch axis is laid
+  out by ``sharding`` instead of a leading device axis.
+  """
+  queue = collections.deque()
+  it = iter(batches)
+
+  def enqueue(n):
+    for b in itertools.islice(it, n):
+      queue.append(jax.device_put(b, sharding))
+
+  enqueue(size)
+  while queue:
+    yield queue.popleft()
+    enqueue(1)
+
+
+class System:
+  """Protocol of a benchmarked system (see module docstring)."""
+
+  name: str = "?"
+  calls_per_run: int = 0
+  steps_per_call: int = 1
+
+  def warm(self) -> None:
+    """Compiles and warms on a short run (a full call and a short one where that applies)."""
+    raise NotImplementedError
+
+  def timed(self) -> float:
+    raise NotImplementedError
+
+  def train_compiles(self) -> int | None:
+    return None
+
+  def run_calls(self, calls: int) -> None:
+    """Runs ``calls`` device calls on cycled data (for the RSS growth figure)."""
+    raise NotImplementedError
+
+
+# -- systems ---------------------------------------------------------------------
+
+class Loopkit(System):
+  """loopkit ``TrainLoop`` with ``iterations_per_loop=K``, global-array step."""
+
+  def __init__(self, w: wl.Workload, data: dict[str, np.ndarray], k: int,
+               style: str = "global"):
+    self.name = f"loopkit K={k}" + (" per-device" if style == "per_device" else "")
+    self.k = self.steps_per_call = k
+    self.w = w
+    self.batches = wl.batch_list(data)
+    step = wl.make_train_step(w, axis_name="data" if style == "per_device" else None)
+    self.loop = loopkit.TrainLoop(step, iterations_per_loop=k, mesh=data_mesh(),
+                                  step_style=style)
+    self.calls_per_run = -(-len(self.batches) // k)
+
+  def warm(self) -> None:
+    n = min(len(self.batches), self.k + max(1, self.k // 2))  # a full call and a short one
+    jax.block_until_ready(self.loop.run(wl.init_state(self.w), iter(self.batches), num_steps=n))
+
+  def timed(self) -> float:
+    state = wl.init_state(self.w)
+    t0 = time.perf_counter()
+    state = self.loop.run(state, iter(self.batches), num_steps=len(self.batches))
+    jax.block_until_ready(state)
+    return time.perf_counter() - t0
+
+  def train_compiles(self) -> int:
+    return self.loop.program.compile_count()
+
+  def run_calls(self, calls: int) -> None:
+    n = calls * self.k
+    src = itertools.islice(itertools.cycle(self.batches), n)
+    jax.block_until_ready(self.loop.run(wl.init_state(self.w), src, num_steps=n))
+
+
+class PerStepJit(System):
+  """One ``jax.jit`` call per step, Flax-example style.
+
+  With ``prefetch`` the batches are placed two ahead with ``jax.device_put``;
+  without, the numpy batch goes straight into the jitted call (JAX transfers it
+  on dispatch), which on CPU is the cheaper of the two.
+  """
+
+  def __init__(self, w: wl.Workload, data: dict[str, np.ndarray], prefetch: bool = True):
+    self.name = "per-step jit + prefetch" if prefetch else "per-step jit, numpy in"
+    self.prefetch = prefetch
+    self.w = w
+    self.batches = wl.batch_list(data)
+    mesh = data_mesh()
+    self.replicated = NamedSharding(mesh, P())
+    self.batch_sharding = NamedSharding(mesh, P("data"))
+    self.step = jax.jit(wl.make_train_step(w), donate_argnums=(0,))
+    self.calls_per_run = len(self.batches)
+
+  def _train(self, batches: Iterable) -> Any:
+    state = jax.device_put(wl.init_state(self.w), self.replicated)
+    train_metrics = []
+    if self.prefetch:
+      batches = device_prefetch(batches, self.batch_sharding)
+    for i, batch in enumerate(batches, 1):
+      state, metrics = self.step(state, batch)
+      train_metrics.append(metrics)
+      if i % LOG_EVERY_STEPS == 0:
+        jax.device_get(train_metrics)
+        train_metrics = []
+    jax.device_get(train_metrics)
+    return jax.block_until_ready(state)
+
+  def warm(self) -> None:
+    self._train(self.batches[:2])
+
+  def timed(self) -> float:
+    t0 = time.perf_counter()
+    self._train(self.batches)
+    return time.perf_counter() - t0
+
+  def train_compiles(self) -> int:
+    return self.step._cache_size()
+
+  def run_calls(self, calls: int) -> None:
+    self._train(itertools.islice(itertools.cycle(self.batches), calls))
+
+
+class PerStepPmap(System):
+  """One ``jax.pmap`` call per step with ``flax.jax_utils.prefetch_to_device(it, 2)``."""
+
+  name = "per-step pmap"
+
+  def __init__(self, w: wl.Workload, data: dict[str, np.ndarray]):
+    from flax import jax_utils  # noqa: PLC0415
+
+    self.jax_utils = jax_utils
+    self.w = w
+    n = jax.local_device_count()
+    self.sharded = [jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), b)
+                    for b in wl.batch_list(data)]
+    self.step = jax.pmap(wl.make_train_step(w, axis_name="batch"), axis_name="batch",
+                         donate_argnums=(0,))
+    self.calls_per_run = len(self.sharded)
+
+  def _train(self, batches: Iterable) -> Any:
+    state = self.jax_utils.replicate(wl.init_state(self.w))
+    train_metrics = []
+    for i, batch in enumerate(self.jax_utils.prefetch_to_device(iter(batches), 2), 1):
+      state, metrics = self.step(state, batch)
+      train_metrics.append(metrics)
+      if i % LOG_EVERY_STEPS == 0:
+        jax.device_get(train_metrics)
+        train_metrics = []
+    jax.device_get(train_metrics)
+    return jax.block_until_ready(state)
+
+  def warm(self) -> None:
+    self._train(self.sharded[:2])
+
+  def timed(self) -> float:
+    t0 = time.perf_counter()
+    self._train(self.sharded)
+    return time.perf_counter() - t0
+
+  def train_compiles(self) -> int | None:
+    cache_size = getattr(self.step, "_cache_size", None)  # absent on pmap: see XLA counts
+    return cache_size() if callable(cache_size) else None
+
+  def run_calls(self, calls: int) -> None:
+    self._train(itertools.islice(itertools.cycle(self.sharded), calls))
+
+
+class KerasFit(System):
+  """Keras 3, JAX backend, ``fit(steps_per_execution=100)``; data-parallel on >1 device."""
+
+  name = "Keras spe=100"
+
+  def __init__(self, w: wl.Workload, data: dict[str, np.ndarray]):
+    import keras  # noqa: PLC0415
+
+    if keras.backend.backend() != "jax":
+      raise RuntimeError("KERAS_BACKEND=jax must be set before keras is imported")
+    if jax.device_count() > 1:
+      keras.distribution.set_distribution(keras.distribution.DataParallel(
+          devices=jax.devices()))
+    self.w = w
+    s, b = data["y"].shape
+    self.x = data["x"].reshape((s * b,) + data["x"].shape[2:])
+    self.y = data["y"].reshape(s * b)
+    self.params = jax.device_get(wl.init_params(w))
+    self.model = wl.make_keras_model(w, self.params)
+    self.initial = [v.numpy() for v in self.model.trainable_variables]
+    self.calls_per_run = -(-s // 100)
+    self.steps_per_call = 100
+
+  def warm(self) -> None:
+    n = min(len(self.y), 150 * wl.BATCH)  # one execution of 100 steps and one of 50
+    self._fit(self.x[:n], self.y[:n])
+
+  def _fit(self, x, y) -> None:
+    for v, init in zip(self.model.trainable_variables, self.initial):
+      v.assign(init)  # same starting point every run; the optimizer (plain SGD) has no slots
+    self.model.fit(x, y, batch_size=wl.BATCH, epochs=1, shuffle=False, verbose=0)
+    jax.block_until_ready([v.value for v in self.model.trainable_variables])
+
+  def timed(self) -> float:
+    t0 = time.perf_counter()
+    self._fit(self.x, self.y)
+    return time.perf_counter() - t0
+
+  def train_compiles(self) -> int | None:
+    fn = getattr(self.model, "train_function", None)
+    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
+    for c in cells:  # iterator_step closes over the jitted train_step
+      if hasattr(c, "_cache_size"):
+        return c._cache_size()
+    return None
+
+  def run_calls(self, calls: int) -> None:
+    n = calls * 100 * wl.BATCH
+    reps = -(-n // len(self.y))
+    self._fit(np.concatenate([self.x] * reps)[:n], np.concatenate([self.y] * reps)[:n])
+
+
+class Limit(System):
+  """One jitted ``lax.scan`` over all S steps, the data ``[S, B, ...]`` already on device."""
+
+  name = "limit (one scan)"
+  calls_per_run = 1
+
+  def __init__(self, w: wl.Workload, data: dict[str, np.ndarray]):
+    self.w = w
+    mesh = data_mesh()
+    self.replicated = NamedSharding(mesh, P())
+    self.data = jax.block_until_ready(
+        jax.device_put(data, NamedSharding(mesh, P(None, "data"))))
+    self.fn = jax.jit(lambda state, d: jax.lax.scan(wl.make_train_step(w), state, d),
+                      donate_argnums=(0,))
+    self.steps_per_call = data["y"].shape[0]
+
+  def _state(self) -> Any:
+    return jax.block_until_ready(jax.device_put(wl.init_state(self.w), self.replicated))
+
+  def warm(self) -> None:
+    # Compiled ahead of time, not run (a run is all S steps); timed runs reuse it.
+    self.compiled = self.fn.lower(self._state(), self.data).compile()
+
+  def timed(self) -> float:
+    state = self._state()
+    t0 = time.perf_counter()
+    jax.block_until_ready(self.compiled(state, self.data))
+    return time.perf_counter() - t0
+
+  def train_compiles(self) -> int:
+    return int(hasattr(self, "compiled")) + self.fn._cache_size()
+
+
+# -- the tail/event mechanism ----------------------------------------------------
+
+def mechanism_cost(w: wl.Workload, data: dict[str, np.ndarray], k: int, calls: int,
+                   repeats: int) -> dict[str, float]:
+  """Device time per call of loopkit's program against an unmasked ``lax.scan`` of K steps.
+
+  Both run on the same device-resident chunk ``[K, B, ...]`` (no host feeding),
+  ``calls`` calls back to back, best of ``repeats``; both return the state and
+  the ``[K]`` loss trace. loopkit's program (``fori_loop`` with a traced trip
+  count, the metric reduction over the first n slots) is timed at n = K and at
+  n = K // 2 (a tail call: half the steps, the same chunk).
+
+  Returns:
+    ``{"scan_us": ..., "loopkit_us": ..., "loopkit_half_us": ...}``, microseconds
+    per call.
+  """
+  mesh = data_mesh()
+  replicated = NamedSharding(mesh, P())
+  chunk = jax.device_put({k_: v[:k] for k_, v in data.items()},
+                         NamedSharding(mesh, P(None, "data")))
+  step = wl.make_train_step(w)
+  program = loopkit.MultiStepProgram(step, iterations_per_loop=k, mesh=mesh)
+
+  def scan_k(state, batches):
+    state, m = jax.lax.scan(step, state, batches)
+    return state, (m, m["loss"].mean(), state["step"])
+
+  scan = jax.jit(scan_k, donate_argnums=(0,))
+  n_full = jax.device_put(np.int32(k), replicated)
+  n_half = jax.device_put(np.int32(max(1, k // 2)), replicated)
+
+  def once(fn) -> float:
+    state = jax.block_until_ready(jax.device_put(wl.init_state(w), replicated))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      state, out = fn(state)
+    jax.block_until_ready((state, out))
+    return (time.perf_counter() - t0) / calls * 1e6
+
+  program.place_state(wl.init_state(w))
+  fns = {"scan_us": lambda s: scan(s, chunk),
+         "loopkit_us": lambda s: program(s, chunk, n_full),
+         "loopkit_half_us": lambda s: program(s, chunk, n_half)}
+  for fn in fns.values():
+    once(fn)  # compile and warm
+  results = {name: float("inf") for name in fns}
+  for _ in range(repeats):  # interleaved, best of `repeats`
+    for name, fn in fns.items():
+      results[name] = min(results[name], once(fn))
+  results["loopkit_compiles"] = program.compile_count()
+  return results
+
+
+def rss_growth(system: System, calls: int) -> float:
+  """RSS growth in MiB over ``calls`` device calls, after a first round of ``calls // 5`` to warm.
+
+  Data are cycled from the workload's batches, so the source itself holds no new memory.
+  """
+  system.run_calls(max(10, calls // 5))
+  gc.collect()
+  before = rss_mb()
+  system.run_calls(calls)
+  gc.collect()
+  return rss_mb() - before
