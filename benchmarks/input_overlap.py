@@ -12,7 +12,8 @@ Usage (from the repository root)::
   python benchmarks/input_overlap.py --steps 400 --sleep-ms 5 --k 10
 
 Measured, each after a warm-up run (compilation excluded):
-  * data:    reading the source alone (steps x sleep);
+  * data:    the host side alone: the source (steps x sleep), stacking the
+    chunks and transferring them (a ``ChunkFeeder`` drained with no compute);
   * compute: the loop fed from batches already in memory;
   * serial:  the slow source, ``prefetch=0`` and a hook that blocks on the
     state after every call (no overlap: expect about data + compute);
@@ -30,6 +31,7 @@ to ``--sleep-ms`` first (a chain of ``tanh(x @ w)`` matmuls).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -52,6 +54,7 @@ def main(argv=None) -> dict:
   import numpy as np
 
   import loopkit
+  from loopkit.feeding import ChunkFeeder
 
   sleep_s = args.sleep_ms / 1000
   rng = np.random.default_rng(0)
@@ -102,6 +105,17 @@ def main(argv=None) -> dict:
   t0 = time.perf_counter()
   for _ in slow_source(args.steps):
     pass
+  sleep_only = time.perf_counter() - t0
+  # the whole host side without compute: source + stacking + transfer, per chunk
+  t0 = time.perf_counter()
+  feeder = ChunkFeeder(slow_source(args.steps), itertools.repeat(args.k),
+                       iterations_per_loop=args.k, batch_sharding=loop.program.batch_sharding,
+                       replicated=loop.program.replicated, data_parallel_size=1, prefetch=0)
+  while (chunk := feeder.next()) is not None and chunk.length:
+    jax.block_until_ready(chunk.batches)
+    if chunk.exhausted:
+      break
+  feeder.close()
   data = time.perf_counter() - t0
 
   class BlockEveryCall(loopkit.Hook):
@@ -119,21 +133,25 @@ def main(argv=None) -> dict:
   serial = timed_run(warmed(0, [BlockEveryCall()]), slow_source(args.steps))
   async_only = timed_run(warmed(0), slow_source(args.steps))
   overlap = min(timed_run(loop, slow_source(args.steps)) for _ in range(2))
+  buckets = {k: round(v, 3) for k, v in loop.ledger.seconds.items()}
 
   best, total = max(data, compute), data + compute
   result = {
       "steps": args.steps, "k": args.k, "sleep_ms": args.sleep_ms, "matmul_reps": reps,
-      "device": str(jax.devices()[0]), "data_s": data, "compute_s": compute,
+      "device": str(jax.devices()[0]), "sleep_only_s": sleep_only, "data_s": data,
+      "compute_s": compute, "prefetch2_ledger_seconds": buckets,
       "serial_s": serial, "async_dispatch_only_s": async_only, "overlap_s": overlap,
       "ratio_to_max": overlap / best, "ratio_to_sum": overlap / total,
   }
   print(f"{args.steps} steps, K={args.k}, {args.sleep_ms:g} ms sleep per batch, "
         f"step = {reps} x tanh(x @ w) [{args.batch}x{args.hidden}] on {jax.devices()[0]}")
-  rows = [("data alone", data), ("compute alone", compute),
+  rows = [("sleeps alone", sleep_only), ("data alone (+ stack, transfer)", data),
+          ("compute alone", compute),
           ("serial (prefetch=0, block each call)", serial),
           ("async dispatch only (prefetch=0)", async_only), ("prefetch=2", overlap)]
   for name, t in rows:
     print(f"  {name:38s} {t:7.3f} s  {t / best:5.2f} x max  {t / total:5.2f} x sum")
+  print(f"  ledger seconds of the last prefetch=2 run: {buckets}")
   print(f"overlap ratio (prefetch=2 wall / max(data, compute)): {overlap / best:.3f}")
   return result
 
