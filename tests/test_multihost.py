@@ -359,3 +359,42 @@ def test_the_coordinator_process_dies():
   assert r0.returncode == 17
   assert not r1.killed and r1.returncode not in (0, None)
   assert r1.wall_s - r0.wall_s < 5 + 15
+
+
+# -- the ResNet example ----------------------------------------------------------------------
+
+_RESNET_MAIN = os.path.join(os.path.dirname(__file__), "..", "examples", "resnet50", "main.py")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(_RESNET_MAIN), reason="examples/resnet50 not present")
+def test_resnet_example_cpu_config_on_two_processes(tmp_path):
+  """examples/resnet50 (configs/cpu.py) as 2 processes x 4 devices, a few steps.
+
+  The same as ``python -m loopkit.testing -n 2 -d 4 examples.resnet50.main --workdir=...``.
+  """
+  pytest.importorskip("tensorflow_datasets")
+  from examples.resnet50 import digits_tfds
+
+  data_dir = str(tmp_path / "tfds")
+  digits_tfds.ensure_prepared(data_dir)  # once, not by two processes at the same time
+  workdir = tmp_path / "work"
+  args = [f"--workdir={workdir}", f"--config.data_dir={data_dir}",
+          "--config.num_train_steps=4", "--config.iterations_per_loop=2",
+          "--config.eval_every_epochs=0", "--config.checkpoint_every_epochs=0",
+          "--config.checkpoint_every_steps=2"]
+  t0 = time.monotonic()
+  assert testing.run_processes("examples.resnet50.main", num_processes=2, devices_per_process=4,
+                               args=args, timeout_s=1200, heartbeat_timeout_s=100) == [None, None]
+  print(f"ResNet example, 2 x 4, 4 steps + eval: {time.monotonic() - t0:.1f} s")
+  r = json.loads((workdir / "results.json").read_text())
+  assert (r["step"], r["num_devices"], r["status"], r["compile_count"]) == (4, 8, "completed", 1)
+  assert r["eval_count"] == 360  # every test digit exactly once across the 2 processes' splits
+  assert r["ledger"]["examples_seen"] == 4 * r["global_batch_size"]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+  assert len([f for f in os.listdir(workdir) if f.startswith("events.out")]) == 1
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  train_steps = [row["step"] for row in rows if "loss" in row]
+  eval_steps = [row["step"] for row in rows if "eval/accuracy" in row]
+  assert eval_steps == [4] and train_steps == sorted(set(train_steps))  # written once, by 1
+  assert [row["eval/num_examples"] for row in rows if "eval/accuracy" in row] == [360]
