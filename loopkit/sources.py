@@ -5,17 +5,17 @@ axis (the global batch on one process, the process-local part on multi-host).
 How each kind is resumed at a saved position (see
 :func:`loopkit.feeding.open_source`):
 
-=====================================  =========================================
-source                                 saved position / resume
-=====================================  =========================================
-plain iterable (list, re-iterable)     batch count; counted skip on a fresh
-                                       ``iter()`` (reads skipped batches once)
-Grain ``DataLoader`` / ``IterDataset`` the iterator's ``get_state()``;
-                                       ``set_state`` (no batches re-read)
-:class:`TfDataSource` (tf.data, TFDS)  ``{"tf_batches": n}``; ``Dataset.skip(n)``
-step-indexed (``batch_at(step)``),     the global step; nothing to save
+========================================  ==========================================
+source                                    saved position / resume
+========================================  ==========================================
+plain iterable (list, re-iterable)        batch count; counted skip on a fresh
+                                          ``iter()`` (reads skipped batches once)
+Grain ``DataLoader`` / ``IterDataset``    the iterator's ``get_state()``;
+                                          ``set_state`` (no batches re-read)
+:class:`TfDataSource` (tf.data, TFDS)     ``{"tf_batches": n}``; ``Dataset.skip(n)``
+step-indexed (``batch_at(step)``),        the global step; nothing to save
 e.g. :class:`ArraySource`
-=====================================  =========================================
+========================================  ==========================================
 
 Grain loaders and datasets need no adapter: pass them to ``TrainLoop.run``
 as they are. For exact resumes a source must replay the same sequence when
@@ -213,8 +213,8 @@ def batch_arrays(arrays: Any, batch_size: int, *,
     raise ValueError(f"{n} examples need {needed} batches of {batch_size}, "
                      f"but num_batches={num_batches}")
   total = needed if num_batches is None else num_batches
-  for i in range(total):
-    yield jax.tree.map(lambda x: np.asarray(x[i * batch_size:(i + 1) * batch_size]), arrays)
+  for start in range(0, total * batch_size, batch_size):
+    yield jax.tree.map(lambda x, s=start: np.asarray(x[s:s + batch_size]), arrays)
 
 
 def _num_examples(arrays: Any) -> int:

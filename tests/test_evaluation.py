@@ -24,7 +24,7 @@ def accuracy_step(state, batch):
 
 def c15_batches():
   out, start = [], 0
-  for size, correct in zip([4, 4, 2], [4, 0, 2]):
+  for size, correct in zip([4, 4, 2], [4, 0, 2], strict=True):
     label = np.zeros(size, np.int32)
     pred = np.where(np.arange(size) < correct, 0, 1).astype(np.int32)
     out.append({"pred": pred, "label": label, "x": np.arange(start, start + size, dtype=np.int32),
