@@ -263,8 +263,9 @@ def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS
       returning it (called once).
     ks: the values of K to try (ints >= 1).
     calls, warmup_calls, min_secs: see :func:`measure`.
-    repeats: measure each K this many times and keep the fastest (best-of-n
-      filters out interference from other processes on a shared machine).
+    repeats: rounds over all of ``ks``; each K keeps its fastest measurement
+      (best-of-n, in interleaved rounds, filters out interference from other
+      processes on a shared machine).
     tolerance: see :func:`recommend`.
     plot_path: if given, a PNG of throughput against K is written there.
     verbose: print each row as it is measured (to stderr).
@@ -277,16 +278,18 @@ def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS
   if callable(init_state):
     init_state = init_state()
   init_state = jax.device_get(init_state)
-  rows = []
-  for k in ks:
-    row = max((measure(train_step, init_state, batches, iterations_per_loop=int(k),
-                       calls=calls, warmup_calls=warmup_calls, min_secs=min_secs,
-                       **loop_kwargs) for _ in range(repeats)),
-              key=lambda r: r.steps_per_sec)
-    rows.append(row)
-    if verbose:
-      print(f"K={row.iterations_per_loop}: {row.steps_per_sec:,.0f} steps/s, host overhead "
-            f"{row.host_overhead:.2f}, compile {row.compile_secs:.2f} s", file=sys.stderr)
+  best: dict[int, TuneRow] = {}
+  for rep in range(repeats):  # rounds over all K: slow drifts of the machine hit every K alike
+    for k in ks:
+      row = measure(train_step, init_state, batches, iterations_per_loop=int(k), calls=calls,
+                    warmup_calls=warmup_calls, min_secs=min_secs, **dict(loop_kwargs))
+      if int(k) not in best or row.steps_per_sec > best[int(k)].steps_per_sec:
+        best[int(k)] = row
+      if verbose:
+        print(f"[{rep + 1}/{repeats}] K={row.iterations_per_loop}: {row.steps_per_sec:,.0f} "
+              f"steps/s, host overhead {row.host_overhead:.2f}, compile "
+              f"{row.compile_secs:.2f} s", file=sys.stderr)
+  rows = [best[int(k)] for k in ks]
   result = TuneResult(rows=rows, recommended=recommend(rows, tolerance), tolerance=tolerance)
   if plot_path is not None:
     plot(result, plot_path)
