@@ -15,7 +15,7 @@ from loopkit.preemption import PreemptionWatcher
 from loopkit.planner import TimeBasedK, next_call_length, plan_calls
 from loopkit.profiler import ProfilerHook
 from loopkit.progress import ProgressHook
-from loopkit.program import MultiStepProgram
+from loopkit.program import MultiStepProgram, data_parallel_mesh
 from loopkit.rng import step_key
 from loopkit.sources import (ArraySource, TfDataSource, batch_arrays, eval_batches_per_process,
                              grain_shard_for_process, grain_shard_options, process_shard_bounds,
@@ -45,6 +45,7 @@ __all__ = [
     "CheckpointError", "CheckpointHook", "PreemptionWatcher", "RestoredCheckpoint",
     "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter", "Ledger", "LoggingHook",
     "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
+    "data_parallel_mesh",
     "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",
     "AsyncWriter", "ConsoleWriter", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
     "ProfilerHook", "ProgressHook", "TensorBoardWriter", "TimeBasedK", "create_default_writer",

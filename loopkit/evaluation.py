@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from loopkit.device_data import DeviceDataState
 from loopkit.feeding import ChunkFeeder
 from loopkit.hooks import Hook, LoopInfo
+from loopkit.program import data_parallel_mesh
 
 log = logging.getLogger("loopkit")
 
@@ -105,7 +106,7 @@ class Evaluator:
       raise ValueError(f"iterations_per_loop must be an int >= 1, got {iterations_per_loop!r}")
     if step_style not in ("global", "per_device"):
       raise ValueError(f"step_style must be 'global' or 'per_device', got {step_style!r}")
-    self.mesh = mesh if mesh is not None else jax.make_mesh((jax.device_count(),), (data_axis,))
+    self.mesh = mesh if mesh is not None else data_parallel_mesh(data_axis)
     if data_axis not in self.mesh.axis_names:
       raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
                        f"{self.mesh.axis_names}")

@@ -25,7 +25,13 @@ from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger
 from loopkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.planner import TimeBasedK, parse_duration, plan_calls
-from loopkit.program import MultiStepProgram, StepStyle, default_step_of, tree_mismatch
+from loopkit.program import (
+    MultiStepProgram,
+    StepStyle,
+    data_parallel_mesh,
+    default_step_of,
+    tree_mismatch,
+)
 
 log = logging.getLogger("loopkit")
 
@@ -126,7 +132,7 @@ class TrainLoop:
       raise ValueError(f"iterations_per_loop must be >= 1, got {iterations_per_loop}")
     if steps_per_epoch is not None and steps_per_epoch < 1:
       raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
-    self.mesh = mesh if mesh is not None else jax.make_mesh((jax.device_count(),), (data_axis,))
+    self.mesh = mesh if mesh is not None else data_parallel_mesh(data_axis)
     if data_axis not in self.mesh.axis_names:
       raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
                        f"{self.mesh.axis_names}")

@@ -74,6 +74,18 @@ def tree_mismatch(expected: Any, got: Any, *, what: str,
   return None
 
 
+def data_parallel_mesh(data_axis: str = "data", devices: Any = None) -> Mesh:
+  """A 1-D mesh over ``devices`` (default: all devices) with one ``Auto`` axis.
+
+  ``Auto`` (GSPMD propagation, as in the Flax examples) rather than jax's newer
+  default ``Explicit`` axis type, so global-style steps written for ``jit``
+  (gathers, scatters, reductions over the batch) work without ``reshard``.
+  """
+  devices = jax.devices() if devices is None else list(devices)
+  return jax.make_mesh((len(devices),), (data_axis,), devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def _dtype(x: Any) -> np.dtype:
   dtype = getattr(x, "dtype", None)
   return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
