@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +35,24 @@ from loopkit.program import (
 )
 
 log = logging.getLogger("loopkit")
+
+GPU_WHILE_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+
+
+def _warn_gpu_while_dispatch(mesh: Mesh) -> None:
+  """On GPU, says once how to keep dispatch asynchronous.
+
+  The program's loop has a traced trip count; without XLA command buffers for
+  while loops, the GPU runtime evaluates its condition on the host, so a
+  dispatch returns only when the call has finished (measured on an H200: 2.96 s
+  of a 3.24 s run spent in dispatch, 0.08 s with the flag). The prefetch
+  thread still hides input work; the flag restores host/device overlap.
+  """
+  platforms = {d.platform for d in mesh.devices.flat}
+  if "gpu" in platforms or "cuda" in platforms or "rocm" in platforms:
+    if "+WHILE" not in os.environ.get("XLA_FLAGS", ""):
+      log.warning("loopkit on GPU: set XLA_FLAGS=%s before JAX starts so device calls "
+                  "dispatch asynchronously (see docs/tuning.md)", GPU_WHILE_FLAG)
 
 
 class DataExhaustedWarning(UserWarning):
@@ -149,6 +168,7 @@ class TrainLoop:
     self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
                                     mesh=self.mesh, data_axis=data_axis, style=step_style,
                                     step_of=step_of)
+    _warn_gpu_while_dispatch(self.mesh)
     self.ledger: Ledger | None = None
     self.status: str | None = None
     self.data_position: Any = None
