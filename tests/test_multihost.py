@@ -8,6 +8,7 @@ the ResNet-50 example) are marked ``slow``.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,9 @@ from tests import multihost_workers as workers
 # still 1e4 below the size of one Adam update (lr 0.05). Within one process
 # count, results are bitwise equal (across processes and across K).
 ATOL = 1e-6
+# How a process learns that its peer is gone: a failed gloo collective, or JAX's
+# coordination service terminating it.
+_PEER_GONE = r"Gloo \w+ failed|another task died|stopped sending heartbeats"
 
 
 def assert_params_bitwise(a, b, what):
@@ -319,11 +323,13 @@ def test_one_process_dies_the_other_fails_quickly_with_a_clear_error():
   assert r1.returncode == 17 and "process 1 exits at step 4" in r1.stdout
   assert not r0.killed and r0.returncode not in (0, None)
   assert r0.wall_s - r1.wall_s < 5 + 15  # heartbeat timeout + margin
-  # Process 0 was in the boundary's all-gather: gloo sees the peer's socket close.
-  assert "Gloo" in r0.stderr and "Connection reset by peer" in r0.stderr
+  # Process 0 waits in the boundary's all-gather: gloo sees the peer's socket close
+  # ("Gloo AllGather failed: ... Connection reset by peer" in our runs); failing that,
+  # JAX's coordination service terminates it.
+  assert re.search(_PEER_GONE, r0.stderr), r0.stderr[-3000:]
   with pytest.raises(testing.MultiProcessError, match="process 1: exit 17") as e:
     group.check(results)
-  assert "process 0: exit 1" in str(e.value) and "Gloo AllGather failed" in str(e.value)
+  assert re.search(_PEER_GONE, str(e.value))
 
 
 @pytest.mark.slow
