@@ -11,9 +11,10 @@ excluded) and each into a fresh directory:
   * sync:  the same with ``async_save=False`` (the hook returns when the files
     are committed), for comparison.
 
-Printed per mode: wall time per step (ms, including the wait for the last
-write at the end of the run), the time the loop spent inside the hook per
-save (ms: the blocking part, plus the wait for the last write at the end),
+The modes are interleaved over ``--repeats`` rounds (so clock or load drifts
+hit all alike) and the best run of each is kept. Printed per mode: wall time
+per step (ms, including the wait for the last write at the end of the run),
+the median time a save blocks the loop (ms, inside the hook's ``after_call``),
 and the ratio ``step time / step time without checkpoints``. The ratio
 printed last, ``async ratio``, is the headline.
 
@@ -42,9 +43,10 @@ def main(argv=None) -> dict:
   p.add_argument("--steps", type=int, default=240, help="measured steps per mode")
   p.add_argument("--k", type=int, default=10, help="iterations_per_loop")
   p.add_argument("--every", type=int, default=40, help="checkpoint every this many steps")
-  p.add_argument("--hidden", type=int, default=1024, help="MLP width (4 layers)")
+  p.add_argument("--hidden", type=int, default=1024, help="MLP width (4 layers: d-h-h-h-d)")
   p.add_argument("--batch", type=int, default=64)
-  p.add_argument("--repeats", type=int, default=2, help="measured runs per mode (best kept)")
+  p.add_argument("--in-dim", type=int, default=64, help="input and target width")
+  p.add_argument("--repeats", type=int, default=3, help="measured runs per mode (best kept)")
   p.add_argument("--dir", default=None, help="checkpoint root (default: a temp dir)")
   args = p.parse_args(argv)
 
@@ -57,8 +59,8 @@ def main(argv=None) -> dict:
   import loopkit
 
   tx = optax.adam(1e-3)
-  h = args.hidden
-  sizes = [(h, h)] * 4
+  h, d = args.hidden, args.in_dim
+  sizes = [(d, h), (h, h), (h, h), (h, d)]  # small input and target: compute-bound, not input-bound
 
   def init_state():
     keys = jax.random.split(jax.random.key(0), len(sizes))
@@ -78,8 +80,8 @@ def main(argv=None) -> dict:
              "step": state["step"] + 1}, {"loss": loss})
 
   rng = np.random.default_rng(0)
-  batch = {"x": rng.normal(size=(args.batch, h)).astype(np.float32),
-           "y": rng.normal(size=(args.batch, h)).astype(np.float32)}
+  batch = {"x": rng.normal(size=(args.batch, d)).astype(np.float32),
+           "y": rng.normal(size=(args.batch, d)).astype(np.float32)}
   n_params = sum(int(np.prod(s)) + s[1] for s in sizes)
   state_mb = 3 * n_params * 4 / 2**20
   root = args.dir or tempfile.mkdtemp(prefix="loopkit_ckpt_cost_")
@@ -88,40 +90,54 @@ def main(argv=None) -> dict:
         f"K={args.k}; {args.steps} steps; save every {args.every} -> "
         f"{args.steps // args.every} saves per run; dir {root}", flush=True)
 
-  results = {}
+  loops, hooks, after_call_s = {}, {}, {}
   for mode in ("none", "async", "sync"):
-    hooks = []
+    hook = None
     if mode != "none":
-      ckpt = loopkit.CheckpointHook(os.path.join(root, mode, "warmup"), every_steps=args.every,
+      hook = loopkit.CheckpointHook(os.path.join(root, mode, "warmup"), every_steps=args.every,
                                     async_save=mode == "async", restore=False)
-      hooks = [ckpt]
-    loop = loopkit.TrainLoop(train_step, iterations_per_loop=args.k, hooks=hooks)
-    state = loop.run(init_state(), iter(lambda: batch, None), num_steps=args.k)  # compile
-    best = None
-    for r in range(args.repeats):
-      if hooks:
-        hooks[0].directory = hooks[0].directory.parent / f"run{r}"
-      start = int(state["step"])
-      hook_s0 = loop.ledger.seconds.get("checkpoint", 0.0)
-      saved0 = len(hooks[0].saved_steps) if hooks else 0
-      jax.block_until_ready(state)
+      after_call_s[mode] = []
+
+      def timed(info, state, _hook=hook, _orig=hook.after_call, _log=after_call_s[mode]):
+        t0 = time.perf_counter()
+        _orig(info, state)
+        _log.append(time.perf_counter() - t0)
+      hook.after_call = timed
+    hooks[mode] = hook
+    loops[mode] = loopkit.TrainLoop(train_step, iterations_per_loop=args.k,
+                                    hooks=[hook] if hook else [])
+  states = {m: loop.run(init_state(), iter(lambda: batch, None), num_steps=args.k)  # compile
+            for m, loop in loops.items()}
+  walls = {m: [] for m in loops}
+  per_save = {m: [] for m in loops}
+  for r in range(args.repeats):  # modes interleaved, so drifts (clocks, load) hit all alike
+    for mode, loop in loops.items():
+      hook = hooks[mode]
+      if hook is not None:
+        hook.directory = hook.directory.parent / f"run{r}"
+        after_call_s[mode].clear()
+      start = int(states[mode]["step"])
+      jax.block_until_ready(states[mode])
       t0 = time.perf_counter()
-      state = loop.run(state, iter(lambda: batch, None), num_steps=start + args.steps)
-      jax.block_until_ready(state)
-      wall = time.perf_counter() - t0
-      saves = len(hooks[0].saved_steps) - saved0 if hooks else 0
-      hook_ms = 1e3 * (loop.ledger.seconds.get("checkpoint", 0.0) - hook_s0) / max(saves, 1)
-      if best is None or wall < best[0]:
-        best = (wall, hook_ms, saves)
-    wall, hook_ms, saves = best
-    results[mode] = {"ms_per_step": 1e3 * wall / args.steps, "hook_ms_per_save": hook_ms,
-                     "saves": saves}
+      states[mode] = loop.run(states[mode], iter(lambda: batch, None),
+                              num_steps=start + args.steps)
+      jax.block_until_ready(states[mode])
+      walls[mode].append(time.perf_counter() - t0)
+      if hook is not None:
+        per_save[mode].append(1e3 * float(np.median(after_call_s[mode])))
+  results = {}
+  for mode in loops:
+    wall = min(walls[mode])
+    results[mode] = {"ms_per_step": 1e3 * wall / args.steps,
+                     "ms_per_step_all": [round(1e3 * w / args.steps, 2) for w in walls[mode]],
+                     "hook_ms_per_save": float(np.median(per_save[mode] or [0.0])),
+                     "saves": len(after_call_s.get(mode, []))}
   base = results["none"]["ms_per_step"]
   for mode, r in results.items():
     r["ratio"] = r["ms_per_step"] / base
-    print(f"{mode:>5}: {r['ms_per_step']:.2f} ms/step, {r['saves']} saves, "
-          f"{r['hook_ms_per_save']:.1f} ms in the hook per save, ratio {r['ratio']:.3f}",
-          flush=True)
+    print(f"{mode:>5}: {r['ms_per_step']:.2f} ms/step (runs: {r['ms_per_step_all']}), "
+          f"{r['saves']} saves per run, {r['hook_ms_per_save']:.1f} ms blocking per save "
+          f"(median), ratio {r['ratio']:.3f}", flush=True)
   print(f"async ratio: {results['async']['ratio']:.3f} "
         f"(sync ratio: {results['sync']['ratio']:.3f})", flush=True)
   if args.dir is None:
