@@ -227,13 +227,18 @@ class Evaluator:
 
     Raises:
       ValueError: a batch larger than the static batch or with ragged
-        leaves; more batches than ``num_batches``; ``num_batches`` missing on
-        multi-host; a non per-example eval output (names the metric).
+        leaves; more batches than ``num_batches``; ``num_batches`` or the
+        Evaluator's ``global_batch_size`` missing on multi-host; a non per-example eval output (names the metric).
       Any exception raised by the source.
     """
     if num_batches is None and jax.process_count() > 1:
       raise ValueError("on multi-host, pass num_batches (the same on every process) so no "
                        "process waits at a collective; see eval_batches_per_process")
+    if self.global_batch_size is None and jax.process_count() > 1:
+      # Guessing B from each process's first batch differs between processes
+      # when shards are uneven (10 examples over 4 processes: 3 vs 2 local).
+      raise ValueError("on multi-host, give the Evaluator global_batch_size (the same on every "
+                       "process): it cannot be inferred from uneven per-process batches")
     it = iter(batches)
     if self.global_batch_size is None:
       first = next(it, None)
