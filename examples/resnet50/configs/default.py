@@ -1,0 +1,74 @@
+"""The ResNet-50 ImageNet recipe: every value with its source.
+
+Not meant to be run as is on a particular machine: ``imagenet_tpu.py`` (a TPU
+pod slice), ``cpu.py`` (digits on this CPU), ``cpu_resnet50.py`` and
+``smoke.py`` start from it. Sources cited:
+
+* [He16]    He, Zhang, Ren, Sun 2016, "Deep Residual Learning for Image Recognition".
+* [Goyal17] Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour".
+* [Szegedy15/16] "Going Deeper with Convolutions" / "Rethinking the Inception Architecture".
+* [Tricks19] He et al. 2019, "Bag of Tricks for Image Classification with CNNs".
+* [Flax]    the Flax ImageNet example (``flax/examples/imagenet``).
+* [MLPerf]  the MLPerf Training ResNet-50 v1.5 reference.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """ResNet-50 v1.5 on ImageNet for 90 epochs (see the module docstring for sources)."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  # -- data ---------------------------------------------------------------------
+  config.dataset = "imagenet2012"      # TFDS name; prepared in data_dir beforehand
+  config.data_dir = ""                 # "": $TFDS_DATA_DIR or ~/tensorflow_datasets
+  config.train_split = "train"         # 1,281,167 images
+  config.eval_split = "validation"     # 50,000 images
+  config.num_classes = 1000
+  config.num_train_examples = 0        # 0: from the TFDS metadata
+  config.num_eval_examples = 0
+  config.mock_data = False             # wrap the run in tfds.testing.mock_data (smoke tests)
+  config.mock_num_examples = 0
+  config.image_size = 224              # [He16]
+  config.random_resized_crop = True    # Inception crop [Szegedy15], as [Flax], [MLPerf]
+  config.area_range = (0.08, 1.0)      # [Szegedy15] via [Flax]/[MLPerf]
+  config.aspect_ratio_range = (3 / 4, 4 / 3)  # [Szegedy15] via [Flax]/[MLPerf]
+  config.flip = True                   # random horizontal flip [He16]
+  config.crop_fraction = 0.875         # eval: center crop 224 of 256 [Flax], [MLPerf]
+  config.resize_method = "bicubic"     # [Flax]
+  config.shuffle_buffer = 16_384       # examples per process; [Flax] uses 16 x batch
+
+  # -- model --------------------------------------------------------------------
+  config.model = ml_collections.ConfigDict()
+  config.model.depth = 50              # ResNet-50 v1.5 [He16], [MLPerf]
+  config.model.num_filters = 64        # [He16]
+  config.model.loop_friendly_conv = False  # XLA:CPU workaround (loop_conv.py); CPU configs only
+  config.half_precision = True         # bfloat16 compute, float32 params [Flax] (TPU)
+
+  # -- optimisation -------------------------------------------------------------
+  config.global_batch_size = 1024      # [Flax] TPU config; lr scales with it [Goyal17]
+  config.num_epochs = 90               # [He16], [Goyal17], [Flax]
+  config.num_train_steps = -1          # > 0 overrides num_epochs (smoke tests)
+  config.base_learning_rate = 0.1      # per 256 examples: lr = 0.1 * B / 256 [Goyal17]
+  config.warmup_epochs = 5             # linear warmup from 0 [Goyal17]
+  # After warmup: cosine decay to 0 [Tricks19], [Flax] (He16/Goyal17 used steps at 30/60/80).
+  config.momentum = 0.9                # [He16], [Goyal17]
+  config.nesterov = True               # Nesterov momentum [Goyal17], [Flax]
+  config.weight_decay = 1e-4           # [He16], [Goyal17]; not on BN [Goyal17] nor biases [Tricks19]
+  config.label_smoothing = 0.1         # [Szegedy16], [Tricks19], [MLPerf]
+
+  # -- loopkit ------------------------------------------------------------------
+  config.step_style = "global"         # BN statistics over the global batch (see models.py)
+  config.iterations_per_loop = 100     # K: train steps per device call
+  config.prefetch = 2                  # input chunks [K, B, ...] prepared ahead
+  config.log_every_steps = 100
+  config.progress_every_secs = 30.0
+  config.eval_every_epochs = 1         # 0: only at the end
+  config.eval_batch_size = 1024
+  config.eval_iterations_per_loop = 16  # eval batches per device call
+  config.checkpoint_every_epochs = 1   # 0 and checkpoint_every_steps 0: no checkpoints
+  config.checkpoint_every_steps = 0
+  config.max_checkpoints_to_keep = 3
+  config.distributed = False           # call jax.distributed.initialize() (multi-host)
+  return config

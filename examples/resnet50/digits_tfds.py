@@ -1,0 +1,80 @@
+"""scikit-learn's handwritten digits as a local TFDS dataset (``sklearn_digits``).
+
+The CPU configurations train the ResNet on the 1,797 8x8 grey-scale digits that
+ship inside scikit-learn (``sklearn.datasets.load_digits``; nothing is
+downloaded). Exposing them as a TFDS dataset means the CPU run goes through the
+same ``tfds.builder(...).as_dataset(...)`` code path, per-process split and
+preprocessing as ``imagenet2012`` (PNG instead of JPEG bytes).
+
+The dataset is generated into ``data_dir`` at first use (a few seconds, about
+1 MB of TFRecords); later runs read the prepared files.
+
+Splits (fixed, stratified by label with ``random_state=0``, as the digits MLP
+example): ``train`` 1,437 examples, ``test`` 360 examples. Features:
+``image`` uint8 ``[8, 8, 1]`` (the 0..16 pixel values scaled to 0..255 and
+rounded), ``label`` int64 0..9.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+NAME = "sklearn_digits"
+TEST_SIZE = 360
+SPLIT_SEED = 0
+
+
+class SklearnDigits(tfds.core.GeneratorBasedBuilder):
+  """TFDS builder for ``sklearn.datasets.load_digits`` (no download)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release: 1,437 train / 360 test, stratified, seed 0."}
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="UCI optical recognition of handwritten digits (scikit-learn copy), "
+                    "8x8 grey-scale, 10 classes.",
+        features=tfds.features.FeaturesDict({
+            "image": tfds.features.Image(shape=(8, 8, 1), encoding_format="png"),
+            "label": tfds.features.ClassLabel(num_classes=10),
+        }),
+        supervised_keys=("image", "label"),
+        homepage="https://scikit-learn.org/stable/modules/generated/"
+                 "sklearn.datasets.load_digits.html",
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # the data ships with scikit-learn
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    data = load_digits()
+    images = np.round(data.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
+    labels = data.target.astype(np.int64)
+    idx = np.arange(len(labels))
+    train_idx, test_idx = train_test_split(idx, test_size=TEST_SIZE, random_state=SPLIT_SEED,
+                                           stratify=labels)
+    return {
+        "train": self._generate_examples(images, labels, np.sort(train_idx)),
+        "test": self._generate_examples(images, labels, np.sort(test_idx)),
+    }
+
+  def _generate_examples(self, images, labels, indices):
+    for i in indices:
+      yield int(i), {"image": images[i], "label": int(labels[i])}
+
+
+def ensure_prepared(data_dir: str | None) -> tfds.core.DatasetBuilder:
+  """Returns the ``sklearn_digits`` builder, generating the files on first use.
+
+  Args:
+    data_dir: TFDS data directory (None: TFDS's default, ``$TFDS_DATA_DIR`` or
+      ``~/tensorflow_datasets``).
+
+  Returns:
+    The prepared builder (``builder.as_dataset(split=...)`` works).
+  """
+  builder = SklearnDigits(data_dir=data_dir)
+  builder.download_and_prepare()
+  return builder

@@ -1,0 +1,402 @@
+"""TFDS input pipeline for ImageNet-style classification (``imagenet2012``, ``sklearn_digits``).
+
+Training: Inception-style random-resized crop (Szegedy et al. 2015, "Going
+Deeper with Convolutions"; the crop of the TF/Flax/MLPerf ResNet references:
+area 8%..100% of the image, aspect ratio 3/4..4/3, 10 attempts, then a center
+crop) resized to ``image_size`` and a random horizontal flip. Evaluation:
+center crop of ``crop_fraction`` (224/256 = 0.875 for ImageNet) of the shorter
+side, resized to ``image_size``. JPEG bytes are decoded only inside the crop
+window (``tf.io.decode_and_crop_jpeg``); other formats (the digits' PNGs) are
+decoded whole and then cropped.
+
+Images leave the pipeline as **uint8** ``[B, S, S, 3]`` (4x fewer bytes to the
+device than float32); :func:`normalize` runs on the device inside the train
+and eval steps.
+
+Determinism and resume: the training order and augmentation are a pure
+function of ``(seed, epoch, process)``: each epoch's file order and shuffle use
+a seed derived from them, every example's crop/flip use a stateless seed
+``(epoch seed, position in the epoch)``, and tf.data runs deterministically.
+:class:`TrainBatches` resumes at any step by rebuilding that epoch's pipeline
+and skipping the consumed examples *before* decoding (cheap even for
+ImageNet), so a resumed run sees exactly the batches an uninterrupted run
+would.
+
+Multi-host: each process reads its own contiguous shard of the split
+(``tfds.split_for_jax_process`` / ``tfds.even_splits``: sizes differing by at
+most one, case C27). Training drops the shard's remainder so every process runs
+the same number of steps per epoch; evaluation keeps every example, and every
+process runs the same number of (padded, masked) batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+# ImageNet channel means and standard deviations on the 0..255 scale (the Flax
+# ImageNet example, torchvision, MLPerf).
+MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+def normalize(images: Any, dtype: Any = None) -> Any:
+  """On-device normalisation of uint8 images: ``(x - mean) / std`` per channel.
+
+  Args:
+    images: uint8 ``[..., 3]`` (a ``jax.Array``).
+    dtype: output dtype (default float32; bfloat16 for bf16 compute).
+
+  Returns:
+    ``[..., 3]`` array of ``dtype``.
+  """
+  import jax.numpy as jnp  # the pipeline itself is TF-only
+
+  x = images.astype(jnp.float32)
+  x = (x - jnp.asarray(MEAN_RGB, jnp.float32)) / jnp.asarray(STDDEV_RGB, jnp.float32)
+  return x.astype(dtype or jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+  """How images become ``[image_size, image_size, 3]`` uint8 tensors.
+
+  Attributes:
+    image_size: output height and width S in pixels (224 for ImageNet).
+    random_resized_crop: train with the Inception-style random crop (False:
+      train on the whole image resized, as for the 8x8 digits).
+    area_range: fraction of the image area a random crop covers (Inception:
+      0.08..1.0).
+    aspect_ratio_range: width / height of a random crop (Inception: 3/4..4/3).
+    flip: random horizontal flip in training (not for digits).
+    crop_fraction: eval center crop as a fraction of the shorter side
+      (0.875 = 224 / (224 + 32), the Flax/TF ImageNet examples).
+    resize_method: ``tf.image.resize`` method (bicubic in the Flax example).
+  """
+
+  image_size: int = 224
+  random_resized_crop: bool = True
+  area_range: tuple[float, float] = (0.08, 1.0)
+  aspect_ratio_range: tuple[float, float] = (3 / 4, 4 / 3)
+  flip: bool = True
+  crop_fraction: float = 0.875
+  resize_method: str = "bicubic"
+
+
+# -- TF image functions (traced by tf.data) ------------------------------------
+
+
+def _image_shape(image_bytes):
+  """Height, width, channels of encoded image bytes (int32 ``[3]``)."""
+  import tensorflow as tf
+
+  return tf.cond(
+      tf.io.is_jpeg(image_bytes),
+      lambda: tf.io.extract_jpeg_shape(image_bytes, output_type=tf.int32),
+      lambda: tf.shape(tf.io.decode_image(image_bytes, channels=3, expand_animations=False),
+                       out_type=tf.int32))
+
+
+def _decode_and_crop(image_bytes, window):
+  """Decodes the ``window = [y, x, h, w]`` crop of encoded bytes to uint8 ``[h, w, 3]``."""
+  import tensorflow as tf
+
+  def jpeg():
+    return tf.io.decode_and_crop_jpeg(image_bytes, window, channels=3)
+
+  def other():
+    image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
+    return image[window[0]:window[0] + window[2], window[1]:window[1] + window[3], :]
+
+  image = tf.cond(tf.io.is_jpeg(image_bytes), jpeg, other)
+  image.set_shape([None, None, 3])
+  return image
+
+
+def _center_window(shape, crop_fraction: float):
+  import tensorflow as tf
+
+  h, w = shape[0], shape[1]
+  size = tf.cast(crop_fraction * tf.cast(tf.minimum(h, w), tf.float32), tf.int32)
+  size = tf.maximum(size, 1)
+  return tf.stack([(h - size + 1) // 2, (w - size + 1) // 2, size, size])
+
+
+def _random_window(shape, seed, p: Preprocessing):
+  """Inception-style crop window; the center crop when 10 attempts fail."""
+  import tensorflow as tf
+
+  bbox = tf.constant([0.0, 0.0, 1.0, 1.0], tf.float32, shape=[1, 1, 4])
+  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      shape, bounding_boxes=bbox, seed=seed, min_object_covered=0.1,
+      aspect_ratio_range=p.aspect_ratio_range, area_range=p.area_range, max_attempts=10,
+      use_image_if_no_bounding_boxes=True)
+  window = tf.stack([begin[0], begin[1], size[0], size[1]])
+  # sample_distorted_bounding_box returns the whole image when every attempt
+  # failed; the references then take the eval center crop instead.
+  failed = tf.logical_and(tf.equal(size[0], shape[0]), tf.equal(size[1], shape[1]))
+  return tf.cond(failed, lambda: _center_window(shape, p.crop_fraction), lambda: window)
+
+
+def _resize_uint8(image, p: Preprocessing):
+  import tensorflow as tf
+
+  image = tf.image.resize(image, [p.image_size, p.image_size], method=p.resize_method)
+  return tf.cast(tf.clip_by_value(tf.round(image), 0.0, 255.0), tf.uint8)
+
+
+def preprocess_train(image_bytes, seed, p: Preprocessing):
+  """Training crop + flip of one encoded image.
+
+  Args:
+    image_bytes: scalar ``tf.string``, the encoded image (JPEG or PNG).
+    seed: int32/int64 ``[2]`` stateless seed of this example.
+    p: the preprocessing settings.
+
+  Returns:
+    uint8 ``[S, S, 3]``.
+  """
+  import tensorflow as tf
+
+  crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  shape = _image_shape(image_bytes)
+  if p.random_resized_crop:
+    window = _random_window(shape, crop_seed, p)
+  else:
+    window = tf.stack([0, 0, shape[0], shape[1]])
+  image = _resize_uint8(_decode_and_crop(image_bytes, window), p)
+  if p.flip:
+    image = tf.image.stateless_random_flip_left_right(image, flip_seed)
+  return image
+
+
+def preprocess_eval(image_bytes, p: Preprocessing):
+  """Eval center crop of one encoded image: uint8 ``[S, S, 3]``."""
+  window = _center_window(_image_shape(image_bytes), p.crop_fraction)
+  return _resize_uint8(_decode_and_crop(image_bytes, window), p)
+
+
+# -- datasets ------------------------------------------------------------------
+
+
+def shard_size(num_examples: int, process_index: int, process_count: int) -> int:
+  """Examples in a process's shard (``tfds.even_splits``: the first N % P get one more).
+
+  Example:
+    >>> [shard_size(10, p, 4) for p in range(4)]
+    [3, 3, 2, 2]
+  """
+  base, extra = divmod(num_examples, process_count)
+  return base + (1 if process_index < extra else 0)
+
+
+def num_examples(builder: Any, split: str, override: int | None = None) -> int:
+  """Examples in ``split`` from the builder's metadata (or ``override``).
+
+  Raises:
+    ValueError: the metadata has no such split (e.g. under
+      ``tfds.testing.mock_data`` without metadata) and no override is given.
+  """
+  if override:
+    return int(override)
+  try:
+    return int(builder.info.splits[split].num_examples)
+  except KeyError:
+    raise ValueError(f"the dataset {builder.name!r} has no metadata for split {split!r}; "
+                     "prepare it or set config.num_train_examples / num_eval_examples") from None
+
+
+def _epoch_seed(seed: int, epoch: int, process_index: int) -> int:
+  """A 31-bit seed for one epoch of one process, from ``(seed, epoch, process)``."""
+  return int(np.random.SeedSequence([seed, epoch, process_index]).generate_state(1)[0] >> 1)
+
+
+def _read(builder: Any, split: Any, *, shuffle_seed: int | None) -> Any:
+  """The raw examples of ``split`` with undecoded image bytes (``tf.data.Dataset``)."""
+  import tensorflow as tf
+  import tensorflow_datasets as tfds
+
+  read_config = tfds.ReadConfig(shuffle_seed=shuffle_seed, try_autocache=False,
+                                skip_prefetch=True)
+  ds = builder.as_dataset(split=split, shuffle_files=shuffle_seed is not None,
+                          read_config=read_config,
+                          decoders={"image": tfds.decode.SkipDecoding()})
+  options = tf.data.Options()
+  options.deterministic = True
+  return ds.with_options(options)
+
+
+class TrainBatches:
+  """Endless, resumable training batches of one process's shard of a TFDS split.
+
+  A loopkit source: ``iter()`` gives an iterator with ``get_state()`` (the
+  number of batches consumed, ``{"batches": n}``) and ``set_state()``. Epoch
+  ``e`` reads the shard with files and examples shuffled from
+  ``(seed, e, process_index)``, drops the remainder
+  (``shard_size % local_batch_size``) and yields ``steps_per_epoch`` batches.
+
+  Args:
+    builder: a TFDS builder (``tfds.builder("imagenet2012", data_dir=...)``).
+    split: the split name, e.g. ``"train"``.
+    num_examples: examples in the whole split (all processes).
+    global_batch_size: B, divisible by ``process_count``.
+    preprocessing: crop/flip settings.
+    seed: shuffle and augmentation seed.
+    shuffle_buffer: examples in the tf.data shuffle buffer (per process).
+    process_index, process_count: this process and P (default JAX's).
+
+  Raises:
+    ValueError: B not divisible by P, or a shard smaller than one local batch.
+
+  Batches: ``{"image": uint8 [B / P, S, S, 3], "label": int32 [B / P]}``.
+  Not thread-safe (one consumer); multi-host-safe.
+  """
+
+  def __init__(self, builder: Any, *, split: str, num_examples: int, global_batch_size: int,
+               preprocessing: Preprocessing, seed: int, shuffle_buffer: int = 16_384,
+               process_index: int | None = None, process_count: int | None = None):
+    import jax
+
+    self.process_index = jax.process_index() if process_index is None else process_index
+    self.process_count = jax.process_count() if process_count is None else process_count
+    if global_batch_size % self.process_count:
+      raise ValueError(f"global batch size {global_batch_size} is not divisible by the "
+                       f"process count {self.process_count}")
+    self.builder = builder
+    self.split = split
+    self.local_batch_size = global_batch_size // self.process_count
+    self.preprocessing = preprocessing
+    self.seed = seed
+    self.shuffle_buffer = shuffle_buffer
+    # Every process must run the same number of steps: size by the smallest shard.
+    smallest = shard_size(num_examples, self.process_count - 1, self.process_count)
+    self.steps_per_epoch = smallest // self.local_batch_size
+    if self.steps_per_epoch < 1:
+      raise ValueError(f"a shard of {smallest} examples is smaller than one local batch of "
+                       f"{self.local_batch_size}")
+
+  def epoch_dataset(self, epoch: int, skip_batches: int = 0) -> Any:
+    """The ``tf.data.Dataset`` of epoch ``epoch`` from batch ``skip_batches`` on."""
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    p = self.preprocessing
+    seed = _epoch_seed(self.seed, epoch, self.process_index)
+    split = tfds.split_for_jax_process(self.split, process_index=self.process_index,
+                                       process_count=self.process_count)
+    ds = _read(self.builder, split, shuffle_seed=seed)
+    ds = ds.shuffle(self.shuffle_buffer, seed=seed, reshuffle_each_iteration=False)
+    ds = ds.take(self.steps_per_epoch * self.local_batch_size).enumerate()
+    ds = ds.skip(skip_batches * self.local_batch_size)  # before decoding: cheap
+
+    def prepare(index, example):
+      example_seed = tf.stack([tf.constant(seed, tf.int64), index])
+      return {"image": preprocess_train(example["image"], example_seed, p),
+              "label": tf.cast(example["label"], tf.int32)}
+
+    ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.batch(self.local_batch_size, drop_remainder=True)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+  def __iter__(self) -> _TrainIterator:
+    return _TrainIterator(self)
+
+
+class _TrainIterator:
+  """Iterator over :class:`TrainBatches`, positioned by a batch count."""
+
+  def __init__(self, source: TrainBatches):
+    self._source = source
+    self._n = 0
+    self._it: Iterator | None = None
+
+  def _epochs(self, n: int) -> Iterator[dict[str, np.ndarray]]:
+    import tensorflow_datasets as tfds
+
+    epoch, skip = divmod(n, self._source.steps_per_epoch)
+    while True:
+      yield from tfds.as_numpy(self._source.epoch_dataset(epoch, skip))
+      epoch, skip = epoch + 1, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._it is None:  # opened lazily, so set_state() before next() costs nothing
+      self._it = self._epochs(self._n)
+    batch = next(self._it)
+    self._n += 1
+    return batch
+
+  def get_state(self) -> dict[str, int]:
+    """``{"batches": n}``: batches consumed from the start of epoch 0."""
+    return {"batches": self._n}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    """Positions the iterator after ``state["batches"]`` batches."""
+    self._n = int(state["batches"])
+    self._it = None
+
+
+class EvalBatches:
+  """One process's shard of an eval split, in order, as a re-iterable of batches.
+
+  Every example is read once; the last batch may be short. Pass
+  :attr:`num_batches` to :class:`loopkit.evaluation.Evaluator` so every process
+  runs the same number of batches (short processes get fully masked ones).
+
+  Args:
+    builder: a TFDS builder.
+    split: e.g. ``"validation"``.
+    num_examples: examples in the whole split (all processes).
+    global_batch_size: B, divisible by ``process_count``.
+    preprocessing: crop settings.
+    process_index, process_count: default JAX's.
+
+  Attributes:
+    num_examples: N.
+    num_batches: ``ceil(ceil(N / P) / (B / P))``, the same on every process.
+
+  Batches: ``{"image": uint8 [b, S, S, 3], "label": int32 [b]}``, ``b <= B / P``.
+  """
+
+  def __init__(self, builder: Any, *, split: str, num_examples: int, global_batch_size: int,
+               preprocessing: Preprocessing, process_index: int | None = None,
+               process_count: int | None = None):
+    import jax
+
+    self.process_index = jax.process_index() if process_index is None else process_index
+    self.process_count = jax.process_count() if process_count is None else process_count
+    if global_batch_size % self.process_count:
+      raise ValueError(f"global batch size {global_batch_size} is not divisible by the "
+                       f"process count {self.process_count}")
+    self.builder = builder
+    self.split = split
+    self.num_examples = num_examples
+    self.local_batch_size = global_batch_size // self.process_count
+    self.preprocessing = preprocessing
+    self.num_batches = math.ceil(math.ceil(num_examples / self.process_count)
+                                 / self.local_batch_size)
+
+  def dataset(self) -> Any:
+    """The ``tf.data.Dataset`` of this process's eval batches."""
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    p = self.preprocessing
+    split = tfds.split_for_jax_process(self.split, process_index=self.process_index,
+                                       process_count=self.process_count)
+    ds = _read(self.builder, split, shuffle_seed=None)
+    ds = ds.map(lambda ex: {"image": preprocess_eval(ex["image"], p),
+                            "label": tf.cast(ex["label"], tf.int32)},
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.batch(self.local_batch_size).prefetch(tf.data.AUTOTUNE)
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    import tensorflow_datasets as tfds
+
+    return iter(tfds.as_numpy(self.dataset()))

@@ -1,0 +1,77 @@
+"""Trains a ResNet with loopkit.TrainLoop: ImageNet on a TPU pod slice, digits on a CPU.
+
+  python -m examples.resnet50.main --workdir /tmp/resnet-cpu        # configs/cpu.py
+  python -m examples.resnet50.main --workdir /tmp/r50 \\
+      --config examples/resnet50/configs/cpu_resnet50.py
+  python -m examples.resnet50.main --workdir gs://BUCKET/resnet50 \\
+      --config examples/resnet50/configs/imagenet_tpu.py           # every TPU worker
+
+Rerunning with the same ``--workdir`` resumes from the latest checkpoint
+(state, ledger, data position). Override fields with ``--config.<name>=value``,
+e.g. ``--config.iterations_per_loop=1``. With ``config.distributed`` (set in
+``imagenet_tpu.py``) or ``JAX_COORDINATOR_ADDRESS`` in the environment,
+``jax.distributed.initialize()`` runs first (on Cloud TPU it finds the other
+workers by itself).
+
+On a CPU-only machine the run uses 8 fake CPU devices (data parallel over all
+of them), set through ``XLA_FLAGS`` before JAX is imported unless ``XLA_FLAGS``
+already names a device count (the flag affects only the CPU backend).
+"""
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import time  # noqa: E402
+
+import jax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for checkpoints, TensorBoard/JSONL metrics and results.json "
+    "(a shared one, e.g. gs://..., on a multi-host pod slice).")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu.py"),
+    "Training configuration file (an ml_collections ConfigDict).", lock_config=True)
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Too many command-line arguments: {argv[1:]}")
+  config = _CONFIG.value
+  if config.distributed or "JAX_COORDINATOR_ADDRESS" in os.environ:
+    jax.distributed.initialize()  # before any other JAX call
+  import tensorflow as tf  # noqa: PLC0415  (tf.data only: keep TF off accelerators)
+  tf.config.set_visible_devices([], "GPU")
+  from examples.resnet50 import train  # noqa: PLC0415
+
+  logging.info("JAX process %d/%d, %d devices (%d local) x %s", jax.process_index(),
+               jax.process_count(), jax.device_count(), jax.local_device_count(),
+               jax.devices()[0].platform)
+  t0 = time.perf_counter()
+  r = train.train_and_evaluate(config, _WORKDIR.value)
+  wall = time.perf_counter() - t0
+  if jax.process_index() != 0:
+    return
+  resumed = "" if r["restored_step"] is None else f", resumed from step {r['restored_step']}"
+  rate = r["train_examples_per_sec"]
+  print(f"{r['model']}: eval accuracy {r['eval_accuracy']:.4f} on {r['eval_count']} "
+        f"{config.dataset}/{config.eval_split} examples at step {r['step']} "
+        f"({r['num_train_steps'] / r['steps_per_epoch']:.3g} epochs of "
+        f"{r['steps_per_epoch']} steps, batch {r['global_batch_size']}, "
+        f"iterations_per_loop={r['iterations_per_loop']}, {r['device_calls']} device calls, "
+        f"{r['num_devices']} devices, {r['compile_count']} train compilation{resumed}); "
+        f"status {r['status']}; {wall:.1f} s wall"
+        + (f"; {rate:.1f} train examples/s (steady state)" if rate else ""))
+  print(f"results (JSON):        {r['results_path']}")
+  print(f"metrics (JSONL, TB):   {os.path.join(r['workdir'], 'metrics.jsonl')} "
+        f"(tensorboard --logdir {r['workdir']})")
+  print(f"checkpoints (Orbax):   {os.path.join(r['workdir'], 'checkpoints')}")
+
+
+if __name__ == "__main__":
+  app.run(main)

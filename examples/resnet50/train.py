@@ -1,0 +1,428 @@
+"""ResNet training and evaluation with ``loopkit.TrainLoop``: pure steps, hooks at boundaries.
+
+The NNX model is split once into a static ``graphdef``, its parameters and its
+BatchNorm statistics (plain nested dicts of arrays); the steps merge them back
+inside the compiled program, so the train state is a plain pytree that loopkit
+carries through ``iterations_per_loop`` steps per device call, donates, pins and
+checkpoints.
+
+Recipe (each value's source is in the configs): SGD with Nesterov momentum 0.9;
+learning rate ``base_learning_rate * B / 256`` (linear scaling rule, Goyal et
+al. 2017) with linear warmup then cosine decay to 0 (optax schedules); label
+smoothing; L2 weight decay on convolution and dense kernels only (not on
+BatchNorm scales/biases or the dense bias).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+import loopkit
+from examples.resnet50 import input_pipeline, models
+from loopkit import evaluation, goodput, progress, writers
+
+Batch = dict[str, jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """The train state: a plain pytree, no callables inside.
+
+  Attributes:
+    step: int32 scalar, optimizer updates applied (= loopkit's ledger step).
+    params: nested dict of float32 arrays (the model's ``nnx.Param``s).
+    batch_stats: nested dict of float32 arrays (BatchNorm running mean/var).
+    opt_state: the optax state for ``params``.
+  """
+
+  step: jax.Array
+  params: Any
+  batch_stats: Any
+  opt_state: Any
+
+
+# -- model and optimizer --------------------------------------------------------
+
+
+def compute_dtype(config: ml_collections.ConfigDict) -> Any:
+  """bfloat16 when ``config.half_precision`` else float32."""
+  return jnp.bfloat16 if config.half_precision else jnp.float32
+
+
+def create_model(config: ml_collections.ConfigDict, *, axis_name: str | None = None
+                 ) -> models.ResNet:
+  """The ResNet described by ``config.model`` (initialised from ``config.seed``).
+
+  Args:
+    config: needs ``model.depth``, ``model.num_filters``, ``num_classes``,
+      ``half_precision``, ``seed``.
+    axis_name: BatchNorm's mapped axis for per-device steps (None: global).
+  """
+  return models.ResNet(config.model.depth, num_classes=config.num_classes,
+                       num_filters=config.model.num_filters, dtype=compute_dtype(config),
+                       axis_name=axis_name,
+                       loop_friendly_conv=config.model.get("loop_friendly_conv", False),
+                       rngs=nnx.Rngs(params=config.seed))
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict,
+                           steps_per_epoch: int) -> optax.Schedule:
+  """Linear warmup from 0 to ``base_learning_rate * B / 256``, then cosine decay to 0.
+
+  Args:
+    config: ``base_learning_rate``, ``global_batch_size``, ``warmup_epochs``,
+      ``num_epochs``.
+    steps_per_epoch: optimizer steps per epoch.
+
+  Returns:
+    ``schedule(step) -> float32`` learning rate of the update applied at ``step``
+    (0-based count of updates done before it).
+  """
+  peak = config.base_learning_rate * config.global_batch_size / 256
+  total = max(int(config.num_epochs * steps_per_epoch), 1)
+  warmup = min(int(config.warmup_epochs * steps_per_epoch), total - 1)
+  return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak,
+                                            warmup_steps=warmup, decay_steps=total,
+                                            end_value=0.0)
+
+
+def create_optimizer(config: ml_collections.ConfigDict,
+                     schedule: optax.Schedule) -> optax.GradientTransformation:
+  """L2 weight decay on kernels (``ndim > 1``) then SGD with Nesterov momentum.
+
+  ``add_decayed_weights`` before SGD adds ``weight_decay * w`` to the gradient,
+  i.e. the L2 penalty ``weight_decay / 2 * |w|^2`` of the references, applied to
+  convolution and dense kernels only: BatchNorm scales/biases and the dense
+  bias are 1-D and excluded.
+  """
+  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)
+  return optax.chain(
+      optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
+      optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov))
+
+
+def create_train_state(model: models.ResNet, tx: optax.GradientTransformation
+                       ) -> tuple[nnx.GraphDef, TrainState]:
+  """Splits ``model`` into its graph definition and a step-0 :class:`TrainState`."""
+  graphdef, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+  params = nnx.to_pure_dict(params)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                     batch_stats=nnx.to_pure_dict(batch_stats), opt_state=tx.init(params))
+  return graphdef, state
+
+
+# -- pure steps -----------------------------------------------------------------
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, *, num_classes: int, label_smoothing: float,
+                    dtype: Any = jnp.float32, axis_name: str | None = None
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
+  """A pure train step for :class:`loopkit.TrainLoop`.
+
+  Args:
+    graphdef: the model's static graph (from :func:`create_train_state`).
+    tx: the optimizer.
+    schedule: the learning-rate schedule (reported per step as ``learning_rate``).
+    num_classes: logits per example.
+    label_smoothing: weight moved from the true class to the uniform
+      distribution (0.1: Szegedy et al. 2016, "Rethinking the Inception
+      Architecture"; Goyal et al. 2017 do not use it, the MLPerf reference does).
+    dtype: dtype the images are normalised to (the model's compute dtype).
+    axis_name: None for the ``"global"`` step style (the step sees the global
+      batch; BatchNorm statistics are global by construction); the data axis
+      name for ``"per_device"`` (gradients are ``pmean``ed over it and BatchNorm
+      must have been built with the same ``axis_name``).
+
+  Returns:
+    ``train_step(state, batch) -> (state, metrics)``; ``batch`` =
+    ``{"image": uint8 [B, S, S, 3], "label": int32 [B]}`` (the device's
+    ``[B / D, ...]`` slice in per-device style). Metrics: ``loss`` (smoothed
+    cross-entropy) and ``accuracy`` as :class:`loopkit.metrics.Mean` weighted by
+    the batch size, ``learning_rate`` as :class:`loopkit.metrics.Last`.
+  """
+
+  def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+    images = input_pipeline.normalize(batch["image"], dtype)
+    labels = batch["label"]
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
+
+    def loss_fn(params):
+      model = nnx.merge(graphdef, params, state.batch_stats)
+      logits = model(images, train=True)
+      new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+      loss = jnp.mean(optax.softmax_cross_entropy(logits, targets))
+      return loss, (logits, new_stats)
+
+    (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    if axis_name is not None:
+      grads = jax.lax.pmean(grads, axis_name)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    n = jnp.float32(labels.shape[0])
+    correct = jnp.sum(jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    metrics = {"loss": loopkit.metrics.Mean.of(loss, n),
+               "accuracy": loopkit.metrics.Mean(correct, n),
+               "learning_rate": loopkit.metrics.Last(schedule(state.step))}
+    new_state = TrainState(step=state.step + 1, params=params, batch_stats=new_stats,
+                           opt_state=opt_state)
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, *, dtype: Any = jnp.float32
+                   ) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
+  """A pure eval step for :class:`loopkit.evaluation.Evaluator` (BatchNorm running stats).
+
+  Returns:
+    ``eval_step(state, batch) -> {"accuracy": float32 [B], "loss": float32 [B]}``:
+    per-example top-1 correctness and (unsmoothed) cross-entropy; the evaluator
+    masks padding and sums exactly.
+  """
+
+  def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+    model = nnx.merge(graphdef, state.params, state.batch_stats)
+    logits = model(input_pipeline.normalize(batch["image"], dtype), train=False)
+    labels = batch["label"]
+    return {"accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
+            "loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels)}
+
+  return eval_step
+
+
+# -- data -----------------------------------------------------------------------
+
+
+def preprocessing(config: ml_collections.ConfigDict) -> input_pipeline.Preprocessing:
+  """The :class:`~input_pipeline.Preprocessing` of ``config``."""
+  return input_pipeline.Preprocessing(
+      image_size=config.image_size, random_resized_crop=config.random_resized_crop,
+      area_range=tuple(config.area_range), aspect_ratio_range=tuple(config.aspect_ratio_range),
+      flip=config.flip, crop_fraction=config.crop_fraction,
+      resize_method=config.resize_method)
+
+
+def create_datasets(config: ml_collections.ConfigDict
+                    ) -> tuple[input_pipeline.TrainBatches, input_pipeline.EvalBatches]:
+  """This process's training and eval batches for ``config.dataset``.
+
+  ``sklearn_digits`` is generated into ``config.data_dir`` on first use; other
+  datasets (``imagenet2012``) must already be prepared there (or be mocked
+  with ``tfds.testing.mock_data``).
+  """
+  import tensorflow_datasets as tfds
+
+  if config.dataset == "sklearn_digits":
+    from examples.resnet50 import digits_tfds
+    builder = digits_tfds.ensure_prepared(config.data_dir or None)
+  else:
+    builder = tfds.builder(config.dataset, data_dir=config.data_dir or None)
+  p = preprocessing(config)
+  train = input_pipeline.TrainBatches(
+      builder, split=config.train_split,
+      num_examples=input_pipeline.num_examples(builder, config.train_split,
+                                               config.num_train_examples),
+      global_batch_size=config.global_batch_size, preprocessing=p, seed=config.seed,
+      shuffle_buffer=config.shuffle_buffer)
+  evals = input_pipeline.EvalBatches(
+      builder, split=config.eval_split,
+      num_examples=input_pipeline.num_examples(builder, config.eval_split,
+                                               config.num_eval_examples),
+      global_batch_size=config.eval_batch_size, preprocessing=p)
+  return train, evals
+
+
+# -- host -----------------------------------------------------------------------
+
+
+class ThroughputHook(loopkit.Hook):
+  """Measures steady-state training examples/s: calls after the first, hook time excluded.
+
+  From the second call's boundary to the last, ``examples / (wall time - time
+  spent in hooks such as evaluation and checkpoints)``; the first call (with
+  compilation) is excluded. Observes only (never needs the state). Measured on
+  the host clock at boundaries one call late, like every stateless hook.
+
+  Attributes:
+    examples_per_sec: the last measurement (None before two calls).
+  """
+
+  needs_state = False
+  _NOT_HOOKS = ("total", "compile", "dispatch", "device_wait", "data_wait", "lost")
+
+  def __init__(self):
+    super().__init__()
+    self.examples_per_sec: float | None = None
+    self._loop = None
+    self._first: tuple[float, int, float] | None = None
+
+  def _hook_secs(self) -> float:
+    return sum(v for k, v in self._loop.ledger.seconds.items() if k not in self._NOT_HOOKS)
+
+  def on_run_start(self, loop, state):
+    del state
+    self._loop = loop
+    self._first = None
+
+  def observe(self, info: loopkit.LoopInfo) -> None:
+    now = time.perf_counter()
+    if self._first is None:
+      self._first = (now, info.examples_seen, self._hook_secs())
+      return
+    t0, n0, h0 = self._first
+    secs = (now - t0) - (self._hook_secs() - h0)
+    if secs > 0:
+      self.examples_per_sec = (info.examples_seen - n0) / secs
+
+
+def _maybe_mock(config: ml_collections.ConfigDict):
+  """``tfds.testing.mock_data`` when ``config.mock_data`` (smoke tests), else nothing."""
+  if not config.get("mock_data", False):
+    return contextlib.nullcontext()
+  import tensorflow_datasets as tfds
+  return tfds.testing.mock_data(num_examples=config.mock_num_examples)
+
+
+def num_train_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
+  """``config.num_train_steps`` if > 0, else ``num_epochs * steps_per_epoch``."""
+  if config.num_train_steps > 0:
+    return int(config.num_train_steps)
+  return int(config.num_epochs * steps_per_epoch)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains the ResNet and evaluates it exactly on the eval split; resumes automatically.
+
+  Writes to ``workdir`` (created if missing): ``checkpoints/`` (Orbax, when
+  ``config.checkpoint_every_steps`` or ``checkpoint_every_epochs`` > 0; a
+  rerun with the same workdir resumes from the latest one), TensorBoard event
+  files and ``metrics.jsonl`` (train metrics every ``log_every_steps``, eval
+  metrics ``eval/accuracy`` etc. every ``eval_every_epochs`` and at the end,
+  ``goodput/*``), ``goodput.json`` and ``results.json`` (the returned summary,
+  without the state).
+
+  Args:
+    config: the example's configuration (see ``configs/``).
+    workdir: output directory.
+
+  Returns:
+    Summary dict: ``eval_accuracy``, ``eval_loss``, ``eval_count``, ``step``,
+    ``ledger`` (the final ledger as a dict), ``restored_step``,
+    ``steps_per_epoch``, ``iterations_per_loop``, ``device_calls``,
+    ``compile_count``, ``train_examples_per_sec`` (steady state),
+    ``train_seconds``, ``status``, ``num_params``, paths, and ``state`` (the
+    final :class:`TrainState`).
+
+  Raises:
+    ValueError: from loopkit, e.g. a global batch not divisible by the number
+      of devices, or a checkpoint in ``workdir`` that does not match the model.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  with _maybe_mock(config):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  per_device = config.step_style == "per_device"
+  axis_name = "data" if per_device else None
+  dtype = compute_dtype(config)
+
+  train_batches, eval_batches = create_datasets(config)
+  steps_per_epoch = train_batches.steps_per_epoch
+  total_steps = num_train_steps(config, steps_per_epoch)
+  schedule = learning_rate_schedule(config, steps_per_epoch)
+  tx = create_optimizer(config, schedule)
+  model = create_model(config, axis_name=axis_name)
+  num_params = models.param_count(model)
+  graphdef, state = create_train_state(model, tx)
+  del model
+
+  writer = writers.create_default_writer(workdir)
+  evaluator = evaluation.Evaluator(make_eval_step(graphdef, dtype=dtype),
+                                   iterations_per_loop=config.eval_iterations_per_loop,
+                                   mesh=mesh, step_style=config.step_style,
+                                   global_batch_size=config.eval_batch_size)
+  eval_hook = evaluation.EvalHook(evaluator, eval_batches, num_batches=eval_batches.num_batches,
+                                  writer=writer, prefix="eval",
+                                  every_epochs=config.eval_every_epochs or None)
+  throughput = ThroughputHook()
+  hooks: list[loopkit.Hook] = [
+      loopkit.NanCheckHook(),
+      loopkit.LoggingHook(writer, every_steps=config.log_every_steps),
+      throughput,
+  ]
+  ckpt = None
+  if config.checkpoint_every_steps or config.checkpoint_every_epochs:
+    from loopkit import checkpoint  # needs orbax-checkpoint
+    ckpt = checkpoint.CheckpointHook(
+        os.path.join(os.path.abspath(workdir), "checkpoints"),
+        every_steps=config.checkpoint_every_steps or None,
+        every_epochs=config.checkpoint_every_epochs or None,
+        max_to_keep=config.max_checkpoints_to_keep)
+    hooks.append(ckpt)
+  hooks += [eval_hook,
+            progress.ProgressHook(total_steps, log_every_secs=config.progress_every_secs,
+                                  logger=logging.getLogger("loopkit")),
+            goodput.GoodputHook(writer, workdir=workdir, log_summary=True)]
+
+  loop = loopkit.TrainLoop(
+      make_train_step(graphdef, tx, schedule, num_classes=config.num_classes,
+                      label_smoothing=config.label_smoothing, dtype=dtype,
+                      axis_name=axis_name),
+      iterations_per_loop=config.iterations_per_loop, hooks=hooks, mesh=mesh,
+      step_style=config.step_style, steps_per_epoch=steps_per_epoch,
+      global_batch_size=config.global_batch_size, prefetch=config.prefetch)
+  t0 = time.perf_counter()
+  state = loop.run(state, train_batches, num_steps=total_steps)
+  eval_results = list(eval_hook.results)
+  if not eval_results or eval_results[-1][0] != loop.ledger.step:  # e.g. nothing left to train
+    result = evaluator.evaluate(state, eval_batches, num_batches=eval_batches.num_batches)
+    writer.write_scalars(loop.ledger.step, {f"eval/{k}": v for k, v in result.metrics.items()})
+    eval_results.append((loop.ledger.step, result))
+  train_seconds = time.perf_counter() - t0
+  writer.close()
+  if ckpt is not None:
+    ckpt.close()
+
+  final_step, final = eval_results[-1]
+  results = {
+      "eval_accuracy": final.metrics["accuracy"], "eval_loss": final.metrics["loss"],
+      "eval_count": final.num_examples, "eval_history": [
+          (s, r.metrics["accuracy"]) for s, r in eval_results],
+      "step": int(jax.device_get(state.step)), "eval_step": final_step,
+      "ledger": loop.ledger.to_dict(),
+      "restored_step": None if ckpt is None else ckpt.restored_step,
+      "steps_per_epoch": steps_per_epoch, "num_train_steps": total_steps,
+      "global_batch_size": config.global_batch_size,
+      "iterations_per_loop": config.iterations_per_loop,
+      "device_calls": loop.ledger.loop_index, "num_devices": jax.device_count(),
+      "compile_count": loop.program.compile_count(),
+      "eval_compile_count": evaluator.compile_count(), "status": loop.status,
+      "train_examples_per_sec": throughput.examples_per_sec,
+      "train_seconds": round(train_seconds, 3), "num_params": num_params,
+      "model": f"ResNet-{config.model.depth}", "workdir": os.path.abspath(workdir),
+      "results_path": os.path.join(os.path.abspath(workdir), "results.json"),
+  }
+  if jax.process_index() == 0:
+    with open(results["results_path"], "w") as f:
+      json.dump(results, f, indent=2)
+  results["state"] = state
+  return results
+
