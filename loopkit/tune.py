@@ -358,13 +358,14 @@ class _DemoBatches:
     return self._pool[step % len(self._pool)]
 
 
-def demo_target(batch_size: int = 64, dim: int = 32, hidden: int = 128,
+def demo_target(batch_size: int = 64, dim: int = 32, hidden: int = 512,
                 learning_rate: float = 0.05) -> tuple[Callable, dict, _DemoBatches]:
   """A small MLP regression (plain JAX, SGD) for ``python -m loopkit.tune``.
 
   A 2-layer tanh MLP ``[dim] -> [hidden] -> [1]`` on batches ``x: [B, dim]``
   float32, ``y: [B, 1]`` float32, mean squared error, plain SGD. Small enough
-  that per-call host overhead is visible on a CPU.
+  that per-call host overhead is visible on a CPU, large enough (about 6 MFLOP
+  per step) that the curve flattens at a moderate K.
 
   Returns:
     ``(train_step, init_state, batches)``: the state is

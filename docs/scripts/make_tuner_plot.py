@@ -23,7 +23,7 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "_static",
                                                "tuner.png"))
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--min-secs", type=float, default=1.0)
   p.add_argument("--goodput-steps", type=int, default=200_000)
   p.add_argument("--ks", default=",".join(str(k) for k in tune.DEFAULT_KS))
