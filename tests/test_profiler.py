@@ -31,7 +31,7 @@ def test_trace_over_exact_step_range(tmp_path):
   assert loop.program.compile_count() == 1
   plain = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
   ref = plain.run(toy.init_state(), toy.batches(20), num_steps=20)
-  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(state)):
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -2,7 +2,6 @@
 with an injected clock; one compile; events still land; results equal to a fixed K."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -135,7 +134,7 @@ def test_results_equal_fixed_k_and_events_land():
   assert max(lengths) <= 16
   fixed = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=5)
   ref = fixed.run(toy.init_state(), toy.batches(35), num_steps=35)
-  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(state)):
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
