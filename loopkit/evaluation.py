@@ -324,6 +324,7 @@ class EvalHook(Hook):
   """
 
   needs_state = True
+  time_bucket = "eval"  # goodput: evaluation time, not generic hook time
 
   def __init__(self, evaluator: Evaluator, batches: Iterable | Callable[[], Iterable], *,
                num_batches: int | None = None, writer: Any = None, prefix: str = "eval",
