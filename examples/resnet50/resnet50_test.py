@@ -1,0 +1,365 @@
+"""Tests of the ResNet example: model, recipe, input pipeline, and short runs of the configs.
+
+The default tests take about 2-3 minutes on 2 CPU cores (8 fake devices); the
+``slow`` ones (bitwise resume, the CLI, the GPU benchmark's ``--tiny`` mode,
+ResNet-50 at 224) several more.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from examples.resnet50 import input_pipeline, loop_conv, models, train
+from examples.resnet50.configs import cpu as cpu_config
+from examples.resnet50.configs import default as default_config
+from examples.resnet50.configs import imagenet_tpu as tpu_config
+from examples.resnet50.configs import smoke as smoke_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _abstract(depth, num_classes=1000, **kw):
+  return nnx.eval_shape(lambda: models.ResNet(depth, num_classes=num_classes,
+                                              rngs=nnx.Rngs(0), **kw))
+
+
+# -- model --------------------------------------------------------------------
+
+
+def test_resnet50_has_25557032_trainable_parameters():
+  assert models.param_count(_abstract(50)) == 25_557_032
+
+
+@pytest.mark.parametrize("depth,count", [(18, 11_689_512), (34, 21_797_672),
+                                         (101, 44_549_160), (152, 60_192_808)])
+def test_family_parameter_counts_match_torchvision(depth, count):
+  assert models.param_count(_abstract(depth)) == count
+
+
+def test_resnet50_v1_5_stride_in_3x3_and_zero_init_last_bn():
+  m = _abstract(50)
+  first_of_stage2 = m.blocks[3]  # stages (3, 4, 6, 3): block 3 opens stage 2
+  assert first_of_stage2.conv1.strides == (1, 1)
+  assert first_of_stage2.conv2.strides == (2, 2)
+  assert first_of_stage2.proj_conv.strides == (2, 2)
+  real = models.ResNet(18, num_classes=10, num_filters=4, rngs=nnx.Rngs(0))
+  for block in real.blocks:
+    np.testing.assert_array_equal(block.bn2.scale[...], 0.0)  # last BN of the block
+    np.testing.assert_array_equal(block.bn1.scale[...], 1.0)
+  r50 = models.ResNet(50, num_classes=10, num_filters=4, rngs=nnx.Rngs(0))
+  assert all(float(jnp.max(jnp.abs(b.bn3.scale[...]))) == 0.0 for b in r50.blocks)
+
+
+def test_output_shapes_dtypes_and_batch_stats():
+  for dtype in (jnp.float32, jnp.bfloat16):
+    m = models.ResNet(50, num_classes=7, num_filters=4, dtype=dtype, rngs=nnx.Rngs(0))
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 64, 64, 3))
+    y_eval = m(x, train=False)
+    after_eval = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
+    y_train = m(x, train=True)
+    after_train = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
+    assert y_eval.shape == y_train.shape == (3, 7)
+    assert y_eval.dtype == y_train.dtype == jnp.float32
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    jax.tree.map(np.testing.assert_array_equal, before, after_eval)  # eval: stats untouched
+    changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), before,
+                                           after_train))
+    assert all(changed)  # train: every running mean/var moved
+  m = models.ResNet(18, num_classes=10, num_filters=8, rngs=nnx.Rngs(0))
+  assert m(jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 10)
+
+
+def test_unknown_depth_raises():
+  with pytest.raises(ValueError, match="depth must be one of"):
+    models.ResNet(42, num_classes=10, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("size,kernel,stride,pad", [(8, 3, 1, 1), (8, 3, 2, 1), (7, 3, 2, 1),
+                                                    (32, 7, 2, 3), (8, 1, 2, 0), (9, 1, 1, 0)])
+def test_loop_conv_equals_lax_conv_values_and_gradients(size, kernel, stride, pad):
+  dn = jax.lax.conv_dimension_numbers((1, size, size, 5), (kernel, kernel, 5, 6),
+                                      ("NHWC", "HWIO", "NHWC"))
+
+  def loss(conv):
+    return lambda x, w: jnp.sum(jnp.sin(conv(x, w, (stride, stride), ((pad, pad), (pad, pad)),
+                                             dimension_numbers=dn)))
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, size, size, 5))
+  w = jax.random.normal(jax.random.PRNGKey(1), (kernel, kernel, 5, 6))
+  ref = jax.jit(jax.value_and_grad(loss(jax.lax.conv_general_dilated), (0, 1)))(x, w)
+  new = jax.jit(jax.value_and_grad(loss(loop_conv.conv_general_dilated), (0, 1)))(x, w)
+  jax.tree.map(np.testing.assert_array_equal, ref, new)  # bitwise on one device
+  mesh = jax.make_mesh((8,), ("data",))
+  xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
+  ws = jax.device_put(w, jax.NamedSharding(mesh, jax.P()))
+  sharded = jax.jit(jax.value_and_grad(loss(loop_conv.conv_general_dilated), (0, 1)))(xs, ws)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), ref,
+               sharded)
+  assert sharded[1][1].sharding.is_fully_replicated
+
+
+def test_loop_conv_falls_back_for_other_convolutions():
+  x = jnp.ones((2, 8, 8, 4))
+  w = jnp.ones((3, 3, 2, 4))
+  dn = ("NHWC", "HWIO", "NHWC")
+  got = loop_conv.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn,
+                                       feature_group_count=2)
+  want = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn,
+                                      feature_group_count=2)
+  np.testing.assert_array_equal(got, want)
+
+
+# -- recipe -------------------------------------------------------------------
+
+
+def test_learning_rate_schedule_linear_scaling_warmup_cosine():
+  config = default_config.get_config()
+  config.global_batch_size = 4096
+  spe = 312
+  schedule = train.learning_rate_schedule(config, spe)
+  peak = 0.1 * 4096 / 256
+  assert float(schedule(0)) == 0.0
+  np.testing.assert_allclose(float(schedule(5 * spe // 2)), peak / 2, rtol=1e-6)
+  np.testing.assert_allclose(float(schedule(5 * spe)), peak, rtol=1e-6)
+  mid = 5 * spe + (90 - 5) * spe // 2  # halfway through the cosine
+  np.testing.assert_allclose(float(schedule(mid)), peak / 2, rtol=1e-4)
+  assert float(schedule(90 * spe)) == 0.0
+
+
+def test_weight_decay_only_on_kernels_and_nesterov_sgd():
+  config = default_config.get_config()
+  model = models.ResNet(18, num_classes=10, num_filters=4, rngs=nnx.Rngs(0))
+  tx = train.create_optimizer(config, optax.constant_schedule(1.0))
+  _, state = train.create_train_state(model, tx)
+  zero = jax.tree.map(jnp.zeros_like, state.params)
+  updates, _ = tx.update(zero, state.opt_state, state.params)
+  # With zero gradients, lr 1 and an empty momentum buffer, Nesterov SGD's update is
+  # -(1 + momentum) * weight_decay * w on decayed leaves and 0 elsewhere.
+  flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+  params = dict(jax.tree_util.tree_flatten_with_path(state.params)[0])
+  decayed = []
+  for path, u in flat:
+    name = jax.tree_util.keystr(path)
+    w = params[path]
+    if w.ndim > 1:
+      np.testing.assert_allclose(u, -(1 + 0.9) * 1e-4 * w, rtol=1e-6, atol=1e-12)
+      decayed.append(name)
+    else:
+      np.testing.assert_array_equal(u, 0.0)
+      assert "bn" in name or "bias" in name
+  assert any("kernel" in n and "head" in n for n in decayed)
+  assert config.nesterov and config.momentum == 0.9 and config.label_smoothing == 0.1
+
+
+def test_train_step_uint8_images_normalised_on_device_and_metrics():
+  config = cpu_config.get_config()
+  config.model.num_filters = 4
+  schedule = optax.constant_schedule(0.05)
+  tx = train.create_optimizer(config, schedule)
+  graphdef, state = train.create_train_state(train.create_model(config), tx)
+  step = jax.jit(train.make_train_step(graphdef, tx, schedule, num_classes=10,
+                                       label_smoothing=0.1))
+  batch = {"image": np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), dtype=np.uint8),
+           "label": np.arange(8, dtype=np.int32)}
+  new, metrics = step(state, batch)
+  assert int(new.step) == 1
+  assert float(metrics["loss"].count) == 8.0
+  assert math.isfinite(float(metrics["loss"].total))
+  assert float(metrics["learning_rate"].value) == np.float32(0.05)
+  x = input_pipeline.normalize(jnp.asarray(batch["image"]))
+  assert x.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(x[..., 0]),
+                             (batch["image"][..., 0] - 0.485 * 255) / (0.229 * 255), rtol=1e-5)
+
+
+def test_config_values_and_tpu_k_divides_an_epoch():
+  d = default_config.get_config()
+  assert (d.num_epochs, d.warmup_epochs, d.base_learning_rate, d.weight_decay) == (90, 5, 0.1,
+                                                                                  1e-4)
+  t = tpu_config.get_config()
+  for processes in (4, 8):  # v4-32, v5e-32
+    local = t.global_batch_size // processes
+    spe = input_pipeline.shard_size(1_281_167, processes - 1, processes) // local
+    assert spe == 312 and spe % t.iterations_per_loop == 0
+  assert t.eval_iterations_per_loop == math.ceil(50_000 / t.eval_batch_size)
+  assert t.distributed
+
+
+# -- input pipeline -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory):
+  from examples.resnet50 import digits_tfds
+  d = str(tmp_path_factory.mktemp("tfds"))
+  digits_tfds.ensure_prepared(d)
+  return d
+
+
+def _digits_builder(data_dir):
+  from examples.resnet50 import digits_tfds
+  return digits_tfds.ensure_prepared(data_dir)
+
+
+def test_digits_tfds_splits(digits_dir):
+  import tensorflow_datasets as tfds
+  builder = tfds.builder("sklearn_digits", data_dir=digits_dir)  # the imagenet2012 code path
+  assert builder.info.splits["train"].num_examples == 1437
+  assert builder.info.splits["test"].num_examples == 360
+  labels = [int(x["label"]) for x in tfds.as_numpy(builder.as_dataset(split="test"))]
+  assert collections.Counter(labels) == collections.Counter(
+      {0: 36, 1: 36, 2: 35, 3: 37, 4: 36, 5: 37, 6: 36, 7: 36, 8: 35, 9: 36})
+
+
+def test_train_batches_deterministic_resumable_and_reshuffled(digits_dir):
+  builder = _digits_builder(digits_dir)
+  p = input_pipeline.Preprocessing(image_size=16, random_resized_crop=True, flip=True)
+  src = input_pipeline.TrainBatches(builder, split="train", num_examples=1437,
+                                    global_batch_size=512, preprocessing=p, seed=3,
+                                    process_index=0, process_count=1)
+  assert src.steps_per_epoch == 2
+  it = iter(src)
+  first = [next(it) for _ in range(5)]  # crosses two epoch ends
+  assert it.get_state() == {"batches": 5}
+  for b in first:
+    assert b["image"].dtype == np.uint8 and b["image"].shape == (512, 16, 16, 3)
+    assert b["label"].dtype == np.int32 and b["label"].shape == (512,)
+  again = iter(src)
+  for a, b in zip(first, [next(again) for _ in range(5)]):
+    np.testing.assert_array_equal(a["image"], b["image"])  # same seed, same batches
+  resumed = iter(src)
+  resumed.set_state({"batches": 3})  # mid-epoch (epoch 1, second batch)
+  np.testing.assert_array_equal(next(resumed)["image"], first[3]["image"])
+  np.testing.assert_array_equal(next(resumed)["label"], first[4]["label"])
+  assert not np.array_equal(first[0]["label"], first[2]["label"])  # epochs differ
+
+
+def test_eval_batches_per_process_shards_are_exact(digits_dir):
+  builder = _digits_builder(digits_dir)
+  p = input_pipeline.Preprocessing(image_size=8, crop_fraction=1.0)
+  everything = []
+  sizes, num_batches = [], set()
+  for index in range(7):  # 360 over 7 processes: 52, 52, 52, 51, 51, 51, 51
+    ev = input_pipeline.EvalBatches(builder, split="test", num_examples=360,
+                                    global_batch_size=7 * 16, preprocessing=p,
+                                    process_index=index, process_count=7)
+    labels = np.concatenate([b["label"] for b in ev])
+    sizes.append(len(labels))
+    num_batches.add(ev.num_batches)
+    everything.append(labels)
+  assert sizes == [52, 52, 52, 51, 51, 51, 51]
+  assert num_batches == {4}  # ceil(52 / 16) for every process
+  single = input_pipeline.EvalBatches(builder, split="test", num_examples=360,
+                                      global_batch_size=16, preprocessing=p,
+                                      process_index=0, process_count=1)
+  np.testing.assert_array_equal(np.concatenate(everything),
+                                np.concatenate([b["label"] for b in single]))
+
+
+# -- runs ---------------------------------------------------------------------
+
+
+def _metrics_rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("smoke"))
+  return workdir, train.train_and_evaluate(smoke_config.get_config(), workdir)
+
+
+def test_smoke_two_loops_on_mock_imagenet(smoke_run):
+  workdir, r = smoke_run
+  assert r["step"] == 4 and r["ledger"]["step"] == 4
+  assert r["device_calls"] == 2 and r["ledger"]["loop_index"] == 2
+  assert r["ledger"]["examples_seen"] == 4 * 16
+  assert r["steps_per_epoch"] == 2 and r["ledger"]["epoch"] == 2
+  assert r["compile_count"] == 1 and r["eval_compile_count"] == 1
+  assert r["eval_count"] == 40 and r["eval_step"] == 4  # 40 mock images, padded to 2 x 32
+  assert r["status"] == "completed" and r["restored_step"] is None
+  assert r["num_params"] > 0 and r["model"] == "ResNet-50"
+  train_rows = [row for row in _metrics_rows(workdir) if "loss" in row]
+  assert [row["step"] for row in train_rows] == [2, 4]
+  assert all(math.isfinite(row["loss"]) for row in train_rows)
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", "4"))
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
+
+
+def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
+  workdir, first = smoke_run
+  config = smoke_config.get_config()
+  config.num_train_steps = 6
+  r = train.train_and_evaluate(config, workdir)  # same workdir: resumes from step 4
+  assert r["restored_step"] == 4
+  assert r["step"] == 6 and r["ledger"]["step"] == 6
+  assert r["ledger"]["loop_index"] == 3  # one more device call of K = 2
+  assert r["ledger"]["examples_seen"] == 6 * 16
+  train_rows = [row for row in _metrics_rows(workdir) if "loss" in row]
+  assert [row["step"] for row in train_rows] == [2, 4, 6]
+  assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))
+                if s.isdigit())[-1] == 6
+
+
+def test_cpu_config_runs_a_few_steps_on_digits(tmp_path, digits_dir):
+  config = cpu_config.get_config()
+  config.data_dir = digits_dir
+  config.num_train_steps = 4
+  config.iterations_per_loop = 2
+  config.log_every_steps = 2
+  config.checkpoint_every_epochs = 0
+  r = train.train_and_evaluate(config, str(tmp_path))
+  assert r["step"] == 4 and r["device_calls"] == 2 and r["steps_per_epoch"] == 11
+  assert r["eval_count"] == 360 and r["compile_count"] == 1
+  assert r["model"] == "ResNet-18" and r["num_params"] == 11_181_642
+  losses = [row["loss"] for row in _metrics_rows(str(tmp_path)) if "loss" in row]
+  assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+  config = smoke_config.get_config()
+  config.num_train_steps = 6
+  whole = train.train_and_evaluate(config, str(tmp_path / "whole"))
+  config.num_train_steps = 4
+  train.train_and_evaluate(config, str(tmp_path / "split"))
+  config.num_train_steps = 6
+  resumed = train.train_and_evaluate(config, str(tmp_path / "split"))
+  assert resumed["restored_step"] == 4
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(whole["state"]),
+               jax.device_get(resumed["state"]))
+
+
+@pytest.mark.slow
+def test_main_cli_smoke(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
+       "--config=examples/resnet50/configs/smoke.py"], cwd=REPO, capture_output=True,
+      text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "eval accuracy" in out.stdout and str(tmp_path) in out.stdout
+  assert json.load(open(tmp_path / "results.json"))["step"] == 4
+
+
+@pytest.mark.slow
+def test_gpu_bench_tiny_runs_on_cpu():
+  out = subprocess.run([sys.executable, "examples/resnet50/gpu_bench.py", "--tiny"], cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+  assert [row["iterations_per_loop"] for row in rows] == [1, 100]
+  assert all(row["images_per_sec"] > 0 and row["compile_count"] == 1 for row in rows)
