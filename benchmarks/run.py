@@ -66,6 +66,8 @@ def worker(args: argparse.Namespace) -> dict:
     data = wl.make_data(w)
     wl.init_state(w)  # the initialisers' own compilations, before anything is counted
     systems = [sy.Limit(w, data)] + [sy.Loopkit(w, data, k) for k in KS]
+    if wname == "mlp":  # the prefetch thread's share of the host cost (GIL, 2 cores)
+      systems.append(sy.Loopkit(w, data, 100, prefetch=0))
     if n_dev > 1:
       systems.append(sy.Loopkit(w, data, 100, style="per_device"))
     systems += [sy.PerStepJit(w, data, prefetch=True), sy.PerStepJit(w, data, prefetch=False)]
@@ -118,7 +120,10 @@ def worker(args: argparse.Namespace) -> dict:
           "rss_calls": growth.get(s.name, (None, None))[1]})
     if wname == "mlp" and args.mechanism_calls:
       for k in (10, 100):
-        m = sy.mechanism_cost(w, data, k, calls=args.mechanism_calls, repeats=args.repeats)
+        # 8 fake devices make a call 10-30x slower (collectives on 2 cores): fewer calls.
+        calls = (args.mechanism_calls if n_dev == 1
+                 else max(5, args.mechanism_calls // (5 if k == 10 else 10)))
+        m = sy.mechanism_cost(w, data, k, calls=calls, repeats=args.repeats)
         out["mechanism"].append({"devices": n_dev, "workload": wname, "k": k, **m})
         _log(f"[{n_dev} dev {wname}] mechanism K={k}: {m}")
     del systems, data

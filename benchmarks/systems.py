@@ -29,7 +29,7 @@ import collections
 import gc
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -39,7 +39,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import loopkit
 from benchmarks import workloads as wl
 
-LOG_EVERY_STEPS = 100  # Flax examples' default; the per-step loops fetch metrics this often.
+# The per-step loops fetch their metrics this often (Flax examples: log_every_steps). 50, not
+# the examples' 100: with 8 fake CPU devices, jax 0.10.2 deadlocks in an all-reduce rendezvous
+# ("only 7 of them arrived", process aborted) once ~150 collective programs are in flight.
+LOG_EVERY_STEPS = 50
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
@@ -135,8 +138,9 @@ class System:
   def train_compiles(self) -> int | None:
     return None
 
-  def run_calls(self, calls: int) -> None:
-    """Runs ``calls`` device calls on cycled data (for the RSS growth figure)."""
+  def run_calls(self, calls: int, mark_at: int, mark: Callable[[], None]) -> None:
+    """Runs one run of ``calls`` device calls on cycled data, calling ``mark()`` after
+    call ``mark_at`` (for the RSS growth figure)."""
     raise NotImplementedError
 
 
@@ -146,14 +150,15 @@ class Loopkit(System):
   """loopkit ``TrainLoop`` with ``iterations_per_loop=K``, global-array step."""
 
   def __init__(self, w: wl.Workload, data: dict[str, np.ndarray], k: int,
-               style: str = "global"):
-    self.name = f"loopkit K={k}" + (" per-device" if style == "per_device" else "")
+               style: str = "global", prefetch: int = 2):
+    self.name = (f"loopkit K={k}" + (" per-device" if style == "per_device" else "")
+                 + (f" prefetch={prefetch}" if prefetch != 2 else ""))
     self.k = self.steps_per_call = k
     self.w = w
     self.batches = wl.batch_list(data)
     step = wl.make_train_step(w, axis_name="data" if style == "per_device" else None)
     self.loop = loopkit.TrainLoop(step, iterations_per_loop=k, mesh=data_mesh(),
-                                  step_style=style)
+                                  step_style=style, prefetch=prefetch)
     self.calls_per_run = -(-len(self.batches) // k)
 
   def warm(self) -> None:
@@ -170,10 +175,16 @@ class Loopkit(System):
   def train_compiles(self) -> int:
     return self.loop.program.compile_count()
 
-  def run_calls(self, calls: int) -> None:
+  def run_calls(self, calls: int, mark_at: int, mark: Callable[[], None]) -> None:
+    # A second loop with a hook at the mark (the timed loop keeps no hooks).
+    hook = loopkit.CallbackHook(lambda info, state: mark(), needs_state=False,
+                                at_steps=[mark_at * self.k], at_end=False)
+    loop = loopkit.TrainLoop(self.loop.program.train_step, iterations_per_loop=self.k,
+                             mesh=self.loop.mesh, step_style=self.loop.program.style,
+                             prefetch=self.loop.prefetch, hooks=[hook])
     n = calls * self.k
     src = itertools.islice(itertools.cycle(self.batches), n)
-    jax.block_until_ready(self.loop.run(wl.init_state(self.w), src, num_steps=n))
+    jax.block_until_ready(loop.run(wl.init_state(self.w), src, num_steps=n))
 
 
 class PerStepJit(System):
@@ -200,7 +211,7 @@ class PerStepJit(System):
                         out_shardings=(self.replicated, self.replicated))
     self.calls_per_run = len(self.batches)
 
-  def _train(self, batches: Iterable) -> Any:
+  def _train(self, batches: Iterable, mark_at: int = -1, mark: Callable | None = None) -> Any:
     state = jax.device_put(wl.init_state(self.w), self.replicated)
     train_metrics = []
     if self.prefetch:
@@ -211,6 +222,8 @@ class PerStepJit(System):
       if i % LOG_EVERY_STEPS == 0:
         jax.device_get(train_metrics)
         train_metrics = []
+      if i == mark_at:
+        mark()
     jax.device_get(train_metrics)
     return jax.block_until_ready(state)
 
@@ -225,8 +238,8 @@ class PerStepJit(System):
   def train_compiles(self) -> int:
     return self.step._cache_size()
 
-  def run_calls(self, calls: int) -> None:
-    self._train(itertools.islice(itertools.cycle(self.batches), calls))
+  def run_calls(self, calls: int, mark_at: int, mark: Callable[[], None]) -> None:
+    self._train(itertools.islice(itertools.cycle(self.batches), calls), mark_at, mark)
 
 
 class PerStepPmap(System):
@@ -246,7 +259,7 @@ class PerStepPmap(System):
                          donate_argnums=(0,))
     self.calls_per_run = len(self.sharded)
 
-  def _train(self, batches: Iterable) -> Any:
+  def _train(self, batches: Iterable, mark_at: int = -1, mark: Callable | None = None) -> Any:
     state = self.jax_utils.replicate(wl.init_state(self.w))
     train_metrics = []
     for i, batch in enumerate(self.jax_utils.prefetch_to_device(iter(batches), 2), 1):
@@ -255,6 +268,8 @@ class PerStepPmap(System):
       if i % LOG_EVERY_STEPS == 0:
         jax.device_get(train_metrics)
         train_metrics = []
+      if i == mark_at:
+        mark()
     jax.device_get(train_metrics)
     return jax.block_until_ready(state)
 
@@ -270,8 +285,8 @@ class PerStepPmap(System):
     cache_size = getattr(self.step, "_cache_size", None)  # absent on pmap: see XLA counts
     return cache_size() if callable(cache_size) else None
 
-  def run_calls(self, calls: int) -> None:
-    self._train(itertools.islice(itertools.cycle(self.sharded), calls))
+  def run_calls(self, calls: int, mark_at: int, mark: Callable[[], None]) -> None:
+    self._train(itertools.islice(itertools.cycle(self.sharded), calls), mark_at, mark)
 
 
 class KerasFit(System):
@@ -301,10 +316,11 @@ class KerasFit(System):
     n = min(len(self.y), 150 * wl.BATCH)  # one execution of 100 steps and one of 50
     self._fit(self.x[:n], self.y[:n])
 
-  def _fit(self, x, y) -> None:
+  def _fit(self, x, y, callbacks=()) -> None:
     for v, init in zip(self.model.trainable_variables, self.initial):
       v.assign(init)  # same starting point every run; the optimizer (plain SGD) has no slots
-    self.model.fit(x, y, batch_size=wl.BATCH, epochs=1, shuffle=False, verbose=0)
+    self.model.fit(x, y, batch_size=wl.BATCH, epochs=1, shuffle=False, verbose=0,
+                   callbacks=list(callbacks))
     jax.block_until_ready([v.value for v in self.model.trainable_variables])
 
   def timed(self) -> float:
@@ -320,10 +336,18 @@ class KerasFit(System):
         return c._cache_size()
     return None
 
-  def run_calls(self, calls: int) -> None:
+  def run_calls(self, calls: int, mark_at: int, mark: Callable[[], None]) -> None:
+    import keras  # noqa: PLC0415
+
+    class Mark(keras.callbacks.Callback):
+      def on_train_batch_end(self, batch, logs=None):  # once per execution of 100 steps
+        if batch + 1 == mark_at * 100:
+          mark()
+
     n = calls * 100 * wl.BATCH
     reps = -(-n // len(self.y))
-    self._fit(np.concatenate([self.x] * reps)[:n], np.concatenate([self.y] * reps)[:n])
+    self._fit(np.concatenate([self.x] * reps)[:n], np.concatenate([self.y] * reps)[:n],
+              callbacks=[Mark()])
 
 
 class Limit(System):
@@ -366,7 +390,9 @@ def mechanism_cost(w: wl.Workload, data: dict[str, np.ndarray], k: int, calls: i
   """Device time per call of loopkit's program against an unmasked ``lax.scan`` of K steps.
 
   Both run on the same device-resident chunk ``[K, B, ...]`` (no host feeding),
-  ``calls`` calls back to back, best of ``repeats``; both return the state and
+  ``calls`` calls back to back (the output of call i - 1 waited for after call i
+  is dispatched, as loopkit does: two calls in flight at most), best of
+  ``repeats``; both return the state and
   the ``[K]`` loss trace. loopkit's program (``fori_loop`` with a traced trip
   count, the metric reduction over the first n slots) is timed at n = K and at
   n = K // 2 (a tail call: half the steps, the same chunk).
@@ -393,8 +419,11 @@ def mechanism_cost(w: wl.Workload, data: dict[str, np.ndarray], k: int, calls: i
   def once(fn) -> float:
     state = jax.block_until_ready(jax.device_put(wl.init_state(w), replicated))
     t0 = time.perf_counter()
+    prev = None
     for _ in range(calls):
       state, out = fn(state)
+      jax.block_until_ready(prev)
+      prev = out
     jax.block_until_ready((state, out))
     return (time.perf_counter() - t0) / calls * 1e6
 
@@ -412,14 +441,21 @@ def mechanism_cost(w: wl.Workload, data: dict[str, np.ndarray], k: int, calls: i
   return results
 
 
-def rss_growth(system: System, calls: int) -> float:
-  """RSS growth in MiB over ``calls`` device calls, after a first round of ``calls // 5`` to warm.
+def rss_growth(system: System, calls: int, warm_calls: int = 20) -> float:
+  """RSS growth in MiB over ``calls`` device calls within one run.
 
-  Data are cycled from the workload's batches, so the source itself holds no new memory.
+  One run of ``warm_calls + calls`` calls on cycled data (the source holds no new
+  memory); RSS is read after call ``warm_calls`` and after the run, each time
+  after ``gc.collect()``.
   """
-  system.run_calls(max(10, calls // 5))
+  marks = []
+
+  def mark():
+    gc.collect()
+    marks.append(rss_mb())
+
+  system.run_calls(warm_calls + calls, warm_calls, mark)
   gc.collect()
-  before = rss_mb()
-  system.run_calls(calls)
-  gc.collect()
-  return rss_mb() - before
+  if len(marks) != 1:
+    raise RuntimeError(f"{system.name}: the RSS mark fired {len(marks)} times, expected once")
+  return rss_mb() - marks[0]
