@@ -11,18 +11,34 @@ from loopkit.goodput import GoodputHook, GoodputSummary
 from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
 from loopkit.ledger import Ledger
 from loopkit.loop import DataExhaustedWarning, TrainLoop
-from loopkit.preemption import PreemptionWatcher
 from loopkit.planner import TimeBasedK, next_call_length, plan_calls
+from loopkit.preemption import PreemptionWatcher
 from loopkit.profiler import ProfilerHook
-from loopkit.progress import ProgressHook
 from loopkit.program import MultiStepProgram, data_parallel_mesh
+from loopkit.progress import ProgressHook
 from loopkit.rng import step_key
-from loopkit.sources import (ArraySource, TfDataSource, batch_arrays, eval_batches_per_process,
-                             grain_shard_for_process, grain_shard_options, process_shard_bounds,
-                             shard_for_process, tfds_split_for_process)
+from loopkit.sources import (
+  ArraySource,
+  TfDataSource,
+  batch_arrays,
+  eval_batches_per_process,
+  grain_shard_for_process,
+  grain_shard_options,
+  process_shard_bounds,
+  shard_for_process,
+  tfds_split_for_process,
+)
 from loopkit.triggers import Trigger
-from loopkit.writers import (AsyncWriter, ConsoleWriter, JsonlWriter, MetricWriter, MultiWriter,
-                             NullWriter, TensorBoardWriter, create_default_writer)
+from loopkit.writers import (
+  AsyncWriter,
+  ConsoleWriter,
+  JsonlWriter,
+  MetricWriter,
+  MultiWriter,
+  NullWriter,
+  TensorBoardWriter,
+  create_default_writer,
+)
 
 __version__ = "0.1.0"
 

@@ -228,7 +228,8 @@ class Evaluator:
     Raises:
       ValueError: a batch larger than the static batch or with ragged
         leaves; more batches than ``num_batches``; ``num_batches`` or the
-        Evaluator's ``global_batch_size`` missing on multi-host; a non per-example eval output (names the metric).
+        Evaluator's ``global_batch_size`` missing on multi-host; a non
+        per-example eval output (names the metric).
       Any exception raised by the source.
     """
     if num_batches is None and jax.process_count() > 1:

@@ -63,7 +63,7 @@ class Ledger:
             "lost_steps": self.lost_steps}
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "Ledger":
+  def from_dict(cls, d: dict[str, Any]) -> Ledger:
     return cls(step=int(d["step"]), examples_seen=int(d["examples_seen"]),
                loop_index=int(d["loop_index"]), steps_per_epoch=d.get("steps_per_epoch"),
                seconds={k: float(v) for k, v in d.get("seconds", {}).items()},

@@ -24,14 +24,14 @@ from loopkit import metrics as metrics_lib
 from loopkit.feeding import ChunkFeeder, open_source
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger
-from loopkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.planner import TimeBasedK, parse_duration, plan_calls
+from loopkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.program import (
-    MultiStepProgram,
-    StepStyle,
-    data_parallel_mesh,
-    default_step_of,
-    tree_mismatch,
+  MultiStepProgram,
+  StepStyle,
+  data_parallel_mesh,
+  default_step_of,
+  tree_mismatch,
 )
 
 log = logging.getLogger("loopkit")

@@ -42,7 +42,7 @@ class Mean:
   count: jax.Array
 
   @classmethod
-  def of(cls, value: jax.typing.ArrayLike, count: jax.typing.ArrayLike = 1.0) -> "Mean":
+  def of(cls, value: jax.typing.ArrayLike, count: jax.typing.ArrayLike = 1.0) -> Mean:
     """``Mean`` of ``value`` (a mean already) over ``count`` items."""
     return cls(_f32(value) * _f32(count), _f32(count))
 

@@ -189,8 +189,7 @@ def shards_and_eval(num_examples: int = 10, global_batch: int = 8) -> dict:
   The eval step returns per-example ``2 * x`` and ``x`` (x = the example index),
   so the totals are exact: sum(2 * x) over 0..N-1 and the count N.
   """
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   from loopkit.evaluation import Evaluator
 

@@ -11,10 +11,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
 from loopkit.feeding import open_source
-from loopkit.sources import (ArraySource, TfDataSource, batch_arrays, eval_batches_per_process,
-                             grain_shard_for_process, grain_shard_options,
-                             process_shard_bounds, shard_for_process,
-                             tfds_split_for_process)
+from loopkit.sources import (
+  ArraySource,
+  TfDataSource,
+  batch_arrays,
+  eval_batches_per_process,
+  grain_shard_for_process,
+  grain_shard_options,
+  process_shard_bounds,
+  shard_for_process,
+  tfds_split_for_process,
+)
 
 MESH2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 REPL2 = NamedSharding(MESH2, P())

@@ -31,7 +31,8 @@ TX = optax.sgd(0.01)
 
 def init():
   k1, k2 = jax.random.split(jax.random.key(0))
-  params = {"w1": jax.random.normal(k1, (64, 256)) * 0.05, "w2": jax.random.normal(k2, (256, 10)) * 0.05}
+  params = {"w1": jax.random.normal(k1, (64, 256)) * 0.05,
+            "w2": jax.random.normal(k2, (256, 10)) * 0.05}
   return {"params": params, "opt": TX.init(params), "step": jnp.zeros((), jnp.int32)}
 
 
