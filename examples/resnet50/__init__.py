@@ -1,1 +1,1 @@
-"""ResNet v1.5 (ResNet-18 ... ResNet-200) trained with loopkit: ImageNet on TPU pod slices, digits on a CPU."""
+"""ResNet v1.5 (ResNet-18 ... 200) with loopkit: ImageNet on TPU pod slices, digits on a CPU."""

@@ -248,6 +248,12 @@ class TrainBatches:
     seed: shuffle and augmentation seed.
     shuffle_buffer: examples in the tf.data shuffle buffer (per process).
     process_index, process_count: this process and P (default JAX's).
+    read_once: call ``builder.as_dataset`` once, now, and re-iterate that
+      source every epoch (the file order is then not reshuffled per epoch; the
+      example shuffle still is). For ``tfds.testing.mock_data``, whose mocked
+      ``as_dataset`` redirects ``tf.io.gfile``/``epath`` *process-wide* into a
+      temporary directory while it runs: called from the prefetch thread it
+      would redirect a concurrent asynchronous checkpoint write.
 
   Raises:
     ValueError: B not divisible by P, or a shard smaller than one local batch.
@@ -258,7 +264,8 @@ class TrainBatches:
 
   def __init__(self, builder: Any, *, split: str, num_examples: int, global_batch_size: int,
                preprocessing: Preprocessing, seed: int, shuffle_buffer: int = 16_384,
-               process_index: int | None = None, process_count: int | None = None):
+               process_index: int | None = None, process_count: int | None = None,
+               read_once: bool = False):
     import jax
 
     self.process_index = jax.process_index() if process_index is None else process_index
@@ -278,17 +285,22 @@ class TrainBatches:
     if self.steps_per_epoch < 1:
       raise ValueError(f"a shard of {smallest} examples is smaller than one local batch of "
                        f"{self.local_batch_size}")
+    self._raw = self._read(seed) if read_once else None
+
+  def _read(self, shuffle_seed: int) -> Any:
+    import tensorflow_datasets as tfds
+
+    split = tfds.split_for_jax_process(self.split, process_index=self.process_index,
+                                       process_count=self.process_count)
+    return _read(self.builder, split, shuffle_seed=shuffle_seed)
 
   def epoch_dataset(self, epoch: int, skip_batches: int = 0) -> Any:
     """The ``tf.data.Dataset`` of epoch ``epoch`` from batch ``skip_batches`` on."""
     import tensorflow as tf
-    import tensorflow_datasets as tfds
 
     p = self.preprocessing
     seed = _epoch_seed(self.seed, epoch, self.process_index)
-    split = tfds.split_for_jax_process(self.split, process_index=self.process_index,
-                                       process_count=self.process_count)
-    ds = _read(self.builder, split, shuffle_seed=seed)
+    ds = self._raw if self._raw is not None else self._read(seed)
     ds = ds.shuffle(self.shuffle_buffer, seed=seed, reshuffle_each_iteration=False)
     ds = ds.take(self.steps_per_epoch * self.local_batch_size).enumerate()
     ds = ds.skip(skip_batches * self.local_batch_size)  # before decoding: cheap
@@ -356,6 +368,8 @@ class EvalBatches:
     global_batch_size: B, divisible by ``process_count``.
     preprocessing: crop settings.
     process_index, process_count: default JAX's.
+    read_once: call ``builder.as_dataset`` once, now (see :class:`TrainBatches`;
+      evaluation runs while an asynchronous checkpoint may be writing).
 
   Attributes:
     num_examples: N.
@@ -366,7 +380,7 @@ class EvalBatches:
 
   def __init__(self, builder: Any, *, split: str, num_examples: int, global_batch_size: int,
                preprocessing: Preprocessing, process_index: int | None = None,
-               process_count: int | None = None):
+               process_count: int | None = None, read_once: bool = False):
     import jax
 
     self.process_index = jax.process_index() if process_index is None else process_index
@@ -381,16 +395,21 @@ class EvalBatches:
     self.preprocessing = preprocessing
     self.num_batches = math.ceil(math.ceil(num_examples / self.process_count)
                                  / self.local_batch_size)
+    self._raw = self._read() if read_once else None
+
+  def _read(self) -> Any:
+    import tensorflow_datasets as tfds
+
+    split = tfds.split_for_jax_process(self.split, process_index=self.process_index,
+                                       process_count=self.process_count)
+    return _read(self.builder, split, shuffle_seed=None)
 
   def dataset(self) -> Any:
     """The ``tf.data.Dataset`` of this process's eval batches."""
     import tensorflow as tf
-    import tensorflow_datasets as tfds
 
     p = self.preprocessing
-    split = tfds.split_for_jax_process(self.split, process_index=self.process_index,
-                                       process_count=self.process_count)
-    ds = _read(self.builder, split, shuffle_seed=None)
+    ds = self._raw if self._raw is not None else self._read()
     ds = ds.map(lambda ex: {"image": preprocess_eval(ex["image"], p),
                             "label": tf.cast(ex["label"], tf.int32)},
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -24,6 +24,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
+import logging as pylogging  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -39,9 +40,16 @@ _CONFIG = config_flags.DEFINE_config_file(
 flags.mark_flags_as_required(["workdir"])
 
 
+def _quiet_libraries(record) -> bool:
+  """absl log filter: drops Orbax's and TFDS's INFO lines (per save / per epoch), keeps the rest."""
+  noisy = ("/orbax/", "/tensorflow_datasets/")
+  return record.levelno >= pylogging.WARNING or not any(n in record.pathname for n in noisy)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Too many command-line arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_quiet_libraries)
   config = _CONFIG.value
   if config.distributed or "JAX_COORDINATOR_ADDRESS" in os.environ:
     jax.distributed.initialize()  # before any other JAX call

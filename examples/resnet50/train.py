@@ -239,12 +239,12 @@ def create_datasets(config: ml_collections.ConfigDict
       num_examples=input_pipeline.num_examples(builder, config.train_split,
                                                config.num_train_examples),
       global_batch_size=config.global_batch_size, preprocessing=p, seed=config.seed,
-      shuffle_buffer=config.shuffle_buffer)
+      shuffle_buffer=config.shuffle_buffer, read_once=config.mock_data)
   evals = input_pipeline.EvalBatches(
       builder, split=config.eval_split,
       num_examples=input_pipeline.num_examples(builder, config.eval_split,
                                                config.num_eval_examples),
-      global_batch_size=config.eval_batch_size, preprocessing=p)
+      global_batch_size=config.eval_batch_size, preprocessing=p, read_once=config.mock_data)
   return train, evals
 
 
@@ -359,9 +359,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                                    iterations_per_loop=config.eval_iterations_per_loop,
                                    mesh=mesh, step_style=config.step_style,
                                    global_batch_size=config.eval_batch_size)
+  # eval_every_epochs = 0: no periodic evaluation (at_steps=() fires only at the end of the run).
+  eval_when = ({"every_epochs": config.eval_every_epochs} if config.eval_every_epochs
+               else {"at_steps": ()})
   eval_hook = evaluation.EvalHook(evaluator, eval_batches, num_batches=eval_batches.num_batches,
-                                  writer=writer, prefix="eval",
-                                  every_epochs=config.eval_every_epochs or None)
+                                  writer=writer, prefix="eval", **eval_when)
   throughput = ThroughputHook()
   hooks: list[loopkit.Hook] = [
       loopkit.NanCheckHook(),

@@ -28,7 +28,7 @@ from examples.resnet50.configs import default
 def get_config():
   """ResNet-18 on digits at 32x32, 8 fake CPU devices, K = 11."""
   config = default.get_config()
-  config.dataset = "sklearn_digits"    # generated into data_dir at first use (examples/resnet50/digits_tfds.py)
+  config.dataset = "sklearn_digits"    # generated into data_dir at first use (digits_tfds.py)
   config.train_split = "train"         # 1,437 digits
   config.eval_split = "test"           # 360 digits, never trained on
   config.num_classes = 10

@@ -55,7 +55,8 @@ def get_config() -> ml_collections.ConfigDict:
   # After warmup: cosine decay to 0 [Tricks19], [Flax] (He16/Goyal17 used steps at 30/60/80).
   config.momentum = 0.9                # [He16], [Goyal17]
   config.nesterov = True               # Nesterov momentum [Goyal17], [Flax]
-  config.weight_decay = 1e-4           # [He16], [Goyal17]; not on BN [Goyal17] nor biases [Tricks19]
+  # L2 1e-4 [He16], [Goyal17]; not on BN [Goyal17] nor on biases [Tricks19].
+  config.weight_decay = 1e-4
   config.label_smoothing = 0.1         # [Szegedy16], [Tricks19], [MLPerf]
 
   # -- loopkit ------------------------------------------------------------------
