@@ -504,7 +504,7 @@ def _tree_difference(saved_tree: Any, like: Any) -> str | None:
 def _into_structure(restored: Any, like: Any) -> Any:
   """Puts restored leaves into exactly ``like``'s tree structure."""
   like_def = jax.tree.structure(like)
-  if jax.tree.structure(restored) == like_def:
+  if jax.tree.structure(restored) == like_def:  # type: ignore[operator]
     return restored
   flat = ocp.tree.to_flat_dict(restored)
   paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]

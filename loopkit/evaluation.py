@@ -278,7 +278,7 @@ class Evaluator:
 
   def compile_count(self) -> int:
     """Executables compiled for the eval program (1 in a healthy run)."""
-    return self._jitted._cache_size()
+    return self._jitted._cache_size()  # type: ignore[attr-defined]  # jax's jit cache
 
 
 def evaluate(eval_step: Callable, state: Any, batches: Iterable, *,

@@ -201,7 +201,7 @@ class ChunkFeeder:
     return jax.tree.leaves(batch)
 
   def _form(self, n: int) -> Chunk:
-    got = []
+    got: list[Any] = []
     exhausted = False
     for _ in range(n):
       if self._stop.is_set():  # closing: this chunk is dropped anyway
@@ -242,9 +242,9 @@ class ChunkFeeder:
     # the preemption all-gather) in a different order on each process.
     num = self._nums.get(len(got))
     if num is None:  # one placed scalar per distinct length (never donated, so reusable)
-      n = np.int32(len(got))
+      n_scalar = np.int32(len(got))
       num = self._nums[len(got)] = jax.make_array_from_callback((), self._replicated,
-                                                                lambda _: n)
+                                                                lambda _: n_scalar)
     return Chunk(batches, num, len(got), position, exhausted, self.global_batch_size)
 
   def _produce(self) -> None:

@@ -169,7 +169,7 @@ class GoodputHook(Hook):
     self.workdir = None if workdir is None else os.fspath(workdir)
     self.log_summary = log_summary
     self.summary: GoodputSummary | None = None
-    self._loop = None
+    self._loop: Any = None  # the TrainLoop, set in on_run_start
     self._first = True
 
   @property

@@ -100,7 +100,7 @@ def reduce_steps(traces: dict[str, Metric], num_steps: jax.Array) -> dict[str, M
   Returns:
     dict of scalar float32 metrics. Steps at index >= num_steps are ignored.
   """
-  out = {}
+  out: dict[str, Metric] = {}
   for name, m in traces.items():
     k = jax.tree.leaves(m)[0].shape[0]
     mask = jnp.arange(k) < num_steps
@@ -118,7 +118,7 @@ def reduce_steps(traces: dict[str, Metric], num_steps: jax.Array) -> dict[str, M
 
 def reduce_devices(metrics: dict[str, Metric], axis_name: str) -> dict[str, Metric]:
   """Reduces metrics across a mapped axis: sums and counts, never mean of means."""
-  out = {}
+  out: dict[str, Metric] = {}
   for name, m in metrics.items():
     if isinstance(m, Mean):
       out[name] = Mean(jax.lax.psum(m.total, axis_name), jax.lax.psum(m.count, axis_name))
@@ -136,12 +136,12 @@ def merge(a: Metric, b: Metric) -> Metric:
   """Merges two host or device values of the same metric kind (``b`` is later)."""
   if type(a) is not type(b):
     raise TypeError(f"cannot merge {type(a).__name__} with {type(b).__name__}")
-  if isinstance(a, Mean):
+  if isinstance(a, Mean) and isinstance(b, Mean):
     return Mean(a.total + b.total, a.count + b.count)
-  if isinstance(a, Sum):
+  if isinstance(a, Sum) and isinstance(b, Sum):
     return Sum(a.value + b.value)
-  if isinstance(a, Max):
-    return Max(np.maximum(a.value, b.value))
+  if isinstance(a, Max) and isinstance(b, Max):
+    return Max(np.maximum(a.value, b.value))  # type: ignore[arg-type]  # host numpy values
   return b
 
 

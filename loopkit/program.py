@@ -51,7 +51,7 @@ def tree_mismatch(expected: Any, got: Any, *, what: str,
   """
   e_leaves, e_def = jax.tree_util.tree_flatten_with_path(expected)
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(got)
-  if e_def != g_def:
+  if e_def != g_def:  # type: ignore[operator]  # PyTreeDef supports !=
     e_paths = [jax.tree_util.keystr(p) for p, _ in e_leaves]
     g_paths = [jax.tree_util.keystr(p) for p, _ in g_leaves]
     for a, b in zip(e_paths, g_paths):
@@ -235,6 +235,7 @@ class MultiStepProgram:
     """
     if self._jitted is None:
       self._build(state)
+    assert self._jitted is not None
     return self._jitted(state, batches, num_steps)
 
   def compile_count(self) -> int:

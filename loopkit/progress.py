@@ -73,7 +73,7 @@ class ProgressHook(Hook):
     self.logger = logger
     self.clock = clock
     self.lines: list[str] = []
-    self._bar = None
+    self._bar: Any = None  # tqdm bar on a TTY (process 0 only)
     self._enabled = False
 
   def on_run_start(self, loop: Any, state: Any) -> None:

@@ -107,9 +107,9 @@ class Trigger:
 
 
 def steps_until(triggers: Sequence[Trigger], step: int,
-                steps_per_epoch: int | None) -> int:
+                steps_per_epoch: int | None) -> float:
   """Steps from ``step`` to the nearest next step mark of any trigger (inf if none)."""
-  best = math.inf
+  best: float = math.inf
   for t in triggers:
     nxt = t.next_step(step, steps_per_epoch)
     if nxt is not None:
