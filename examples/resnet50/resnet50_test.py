@@ -22,10 +22,12 @@ import pytest
 from flax import nnx
 
 from examples.resnet50 import input_pipeline, loop_conv, models, train
-from examples.resnet50.configs import cpu as cpu_config
-from examples.resnet50.configs import default as default_config
-from examples.resnet50.configs import imagenet_tpu as tpu_config
-from examples.resnet50.configs import smoke as smoke_config
+from examples.resnet50.configs import (
+  cpu as cpu_config,
+  default as default_config,
+  imagenet_tpu as tpu_config,
+  smoke as smoke_config,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,25 +50,31 @@ def test_family_parameter_counts_match_torchvision(depth, count):
   assert models.param_count(_abstract(depth)) == count
 
 
-def test_resnet50_v1_5_stride_in_3x3_and_zero_init_last_bn():
+# Real (initialised) small models, built once: eager NNX initialisation compiles one small
+# program per parameter shape, which costs seconds per model on this CPU.
+@pytest.fixture(scope="module")
+def small_models():
+  return {(50, jnp.float32): models.ResNet(50, num_classes=7, num_filters=4, rngs=nnx.Rngs(0)),
+          (18, jnp.bfloat16): models.ResNet(18, num_classes=7, num_filters=4,
+                                            dtype=jnp.bfloat16, rngs=nnx.Rngs(0))}
+
+
+def test_resnet50_v1_5_stride_in_3x3_and_zero_init_last_bn(small_models):
   m = _abstract(50)
   first_of_stage2 = m.blocks[3]  # stages (3, 4, 6, 3): block 3 opens stage 2
   assert first_of_stage2.conv1.strides == (1, 1)
   assert first_of_stage2.conv2.strides == (2, 2)
   assert first_of_stage2.proj_conv.strides == (2, 2)
-  build = nnx.jit(lambda depth: models.ResNet(depth, num_classes=10, num_filters=4,
-                                              rngs=nnx.Rngs(0)), static_argnums=0)
-  for block in build(18).blocks:
+  for block in small_models[18, jnp.bfloat16].blocks:
     np.testing.assert_array_equal(block.bn2.scale[...], 0.0)  # last BN of the block
     np.testing.assert_array_equal(block.bn1.scale[...], 1.0)
-  for block in build(50).blocks:
+  for block in small_models[50, jnp.float32].blocks:
     np.testing.assert_array_equal(block.bn3.scale[...], 0.0)
     np.testing.assert_array_equal(block.bn2.scale[...], 1.0)
 
 
-def test_output_shapes_dtypes_and_batch_stats():
-  for depth, dtype in ((50, jnp.float32), (18, jnp.bfloat16)):
-    m = models.ResNet(depth, num_classes=7, num_filters=4, dtype=dtype, rngs=nnx.Rngs(0))
+def test_output_shapes_dtypes_and_batch_stats(small_models):
+  for m in small_models.values():
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 64, 64, 3))
     y_eval = m(x, train=False)
@@ -80,8 +88,8 @@ def test_output_shapes_dtypes_and_batch_stats():
     changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), before,
                                            after_train))
     assert all(changed)  # train: every running mean/var moved
-  m = models.ResNet(18, num_classes=10, num_filters=8, rngs=nnx.Rngs(0))
-  assert m(jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 10)
+  r50 = small_models[50, jnp.float32]
+  assert r50(jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 7)  # 32 / 32 = 1x1 at the end
 
 
 def test_unknown_depth_raises():
