@@ -347,6 +347,9 @@ def render_report(results: list[dict], meta: dict) -> str:
       "",
       render_targets(check_targets(rows)),
       "",
+      "Why the missed targets are missed on this machine, and what was fixed on the way: "
+      "`benchmarks/README.md`, section *What the numbers say*.",
+      "",
       "## Steps per second, ratios, compilations, memory",
       "",
       render_table(rows),
