@@ -72,7 +72,8 @@ def main(argv):
         f"({r['num_train_steps'] / r['steps_per_epoch']:.3g} epochs of "
         f"{r['steps_per_epoch']} steps, batch {r['global_batch_size']}, "
         f"iterations_per_loop={r['iterations_per_loop']}, {r['device_calls']} device calls, "
-        f"{r['num_devices']} devices, {r['compile_count']} train compilation{resumed}); "
+        f"{r['num_devices']} devices, {r['compile_count']} train compilation"
+        f"{'' if r['compile_count'] == 1 else 's'}{resumed}); "
         f"status {r['status']}; {wall:.1f} s wall"
         + (f"; {rate:.1f} train examples/s (steady state)" if rate else ""))
   print(f"results (JSON):        {r['results_path']}")

@@ -1,6 +1,6 @@
 """Tests of the ResNet example: model, recipe, input pipeline, and short runs of the configs.
 
-The default tests take about 2-3 minutes on 2 CPU cores (8 fake devices); the
+The default tests take about 3-5 minutes on 2 shared CPU cores (8 fake devices); the
 ``slow`` ones (bitwise resume, the CLI, the GPU benchmark's ``--tiny`` mode,
 ResNet-50 at 224) several more.
 """
