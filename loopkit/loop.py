@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from loopkit import metrics as metrics_lib
@@ -162,6 +163,12 @@ class TrainLoop:
           f"size {self.data_parallel_size}")
     self.iterations_per_loop = iterations_per_loop
     self.hooks = list(hooks)
+    for h in self.hooks:
+      missing = [a for a in ("trigger", "needs_state", "on_run_start", "observe", "after_call",
+                             "on_run_end") if not hasattr(h, a)]
+      if missing:
+        raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
+                        "(or wrap a function in loopkit.CallbackHook)")
     self.steps_per_epoch = steps_per_epoch
     self.prefetch = prefetch
     self.step_of = step_of
@@ -217,7 +224,13 @@ class TrainLoop:
       self.time_based_k.start()
     state = self.program.place_state(state)
     self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    step0 = int(jax.device_get(self.step_of(state)))
+    counter = self.step_of(state)
+    if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
+      raise ValueError(f"the state's step counter must be a scalar integer array, got shape "
+                       f"{np.shape(counter)} dtype {counter.dtype}")
+    step0 = int(jax.device_get(counter))
+    if step0 >= target:
+      log.warning("nothing to run: the state is at step %d and num_steps is %d", step0, target)
     if self.ledger is None or self.ledger.step != step0:
       self.ledger = Ledger(step=step0, steps_per_epoch=self.steps_per_epoch)
     self.ledger.steps_per_epoch = self.steps_per_epoch
@@ -332,13 +345,14 @@ class TrainLoop:
   def _target(self, num_steps: int | None, num_epochs: int | None) -> int:
     if (num_steps is None) == (num_epochs is None):
       raise ValueError("pass exactly one of num_steps or num_epochs")
+    name, value = ("num_epochs", num_epochs) if num_epochs is not None else ("num_steps", num_steps)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+      raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     if num_epochs is not None:
       if self.steps_per_epoch is None:
         raise ValueError("num_epochs needs steps_per_epoch")
-      return num_epochs * self.steps_per_epoch
-    if num_steps < 0:
-      raise ValueError(f"num_steps must be >= 0, got {num_steps}")
-    return num_steps
+      return int(num_epochs) * self.steps_per_epoch
+    return int(num_steps)
 
   def _warn_exhausted(self, target: int) -> None:
     self.status = "data_exhausted"

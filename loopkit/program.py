@@ -182,7 +182,13 @@ class MultiStepProgram:
       new_s, m = self.train_step(s, b)
       if not isinstance(m, dict):
         raise TypeError(f"train_step must return (state, metrics: dict), got {type(m)}")
-      return new_s, {k: metrics_lib.as_metric(v) for k, v in m.items()}
+      out = {}
+      for k, v in m.items():
+        try:
+          out[k] = metrics_lib.as_metric(v)
+        except ValueError as e:
+          raise ValueError(f"train_step metric {k!r}: {e}") from None
+      return new_s, out
 
     closed, (out_state_shape, metric_shape) = jax.make_jaxpr(
         step_fn, return_shape=True)(state, batch0)

@@ -272,3 +272,47 @@ def test_source_exception_surfaces():
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
   with pytest.raises(RuntimeError, match="disk on fire"):
     loop.run(toy.init_state(), gen(), num_steps=10)
+
+
+def test_non_scalar_metric_names_key():
+  base = toy.make_global_step()
+
+  def step(state, batch):
+    new, m = base(state, batch)
+    return new, m | {"err": batch["y"][:, 0]}
+
+  loop = loopkit.TrainLoop(step, iterations_per_loop=2)
+  with pytest.raises(ValueError,
+                     match=r"metric 'err': metric values must be scalars, got shape \(16,\)"):
+    loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=4)
+
+
+@pytest.mark.parametrize("n", [20.5, "20", -1, True])
+def test_bad_num_steps(n):
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2)
+  with pytest.raises(ValueError, match=f"num_steps must be an int >= 0, got {n!r}"):
+    loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=n)
+
+
+def test_float_step_counter_rejected():
+  state = toy.init_state() | {"step": jnp.zeros((), jnp.float32)}
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2)
+  with pytest.raises(ValueError, match="step counter must be a scalar integer array, got shape "
+                                       r"\(\) dtype float32"):
+    loop.run(state, iter(toy.batches(4)), num_steps=4)
+
+
+def test_hook_not_implementing_protocol():
+  class Boom:
+    pass
+  with pytest.raises(TypeError, match="lacks trigger, needs_state.*subclass loopkit.Hook"):
+    loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[Boom()])
+
+
+def test_num_steps_below_state_step_is_logged(caplog):
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2)
+  state = loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=4)
+  with caplog.at_level("WARNING", logger="loopkit"):
+    state = loop.run(state, iter(toy.batches(4)), num_steps=2)
+  assert "nothing to run: the state is at step 4 and num_steps is 2" in caplog.text
+  assert int(state["step"]) == 4 and loop.ledger.step == 4
