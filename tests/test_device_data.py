@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
 from loopkit.device_data import DeviceDataset, DeviceDataState, _permute, _seed32
+from tests.toy import SetPosition
 
 N, B = 100, 16  # steps_per_epoch = 6, 4 examples dropped per epoch
 
@@ -63,17 +64,6 @@ def _record_step(mesh, style):
 def _init(steps=20):
   return {"step": jnp.zeros((), jnp.int32), "seen": jnp.full((steps, B), -1, jnp.int32),
           "acc": jnp.zeros((), jnp.float32)}
-
-
-class SetPosition(loopkit.Hook):
-  needs_state = False
-
-  def __init__(self):
-    super().__init__(at_end=False)
-    self.position = None
-
-  def on_run_start(self, loop, state):
-    loop.data_position = self.position
 
 
 @pytest.mark.parametrize("style", ["global", "per_device"])

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import loopkit
 from loopkit.feeding import ChunkFeeder
 from loopkit.sources import ArraySource
+from tests.toy import SetPosition
 
 MESH2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 REPL2 = NamedSharding(MESH2, P())
@@ -39,19 +40,6 @@ class CountingSource:
     for i in range(0, self.n, self.batch):
       self.max_read = max(self.max_read, i + self.batch - 1)
       yield {"x": np.arange(i, i + self.batch, dtype=np.int32)}
-
-
-class SetPosition(loopkit.Hook):
-  """Plays the checkpoint hook's part in a restore: sets loop.data_position."""
-
-  needs_state = False
-
-  def __init__(self):
-    super().__init__(at_end=False)
-    self.position = None
-
-  def on_run_start(self, loop, state):
-    loop.data_position = self.position
 
 
 def _c25(make_source, expected_position):

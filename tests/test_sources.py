@@ -22,6 +22,7 @@ from loopkit.sources import (
   shard_for_process,
   tfds_split_for_process,
 )
+from tests.toy import SetPosition
 
 MESH2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 REPL2 = NamedSharding(MESH2, P())
@@ -40,17 +41,6 @@ def fingerprint_step(state, batch):
   fp = jax.sharding.reshard(sum(leaves), REPL2)
   return ({"step": state["step"] + 1, "seen": state["seen"].at[state["step"]].set(fp)},
           {"fp": jnp.mean(fp.astype(jnp.float32))})
-
-
-class SetPosition(loopkit.Hook):
-  needs_state = False
-
-  def __init__(self):
-    super().__init__(at_end=False)
-    self.position = None
-
-  def on_run_start(self, loop, state):
-    loop.data_position = self.position
 
 
 class Reiterable:

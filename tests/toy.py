@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import loopkit
+
 TX = optax.adam(0.05)
 
 
@@ -50,3 +52,16 @@ def batches(n: int, batch_size: int = 16, seed: int = 0):
 
 def opt_count(state) -> int:
   return int(state["opt"][0].count)
+
+
+class SetPosition(loopkit.Hook):
+  """Plays the checkpoint hook's part in a restore: sets loop.data_position."""
+
+  needs_state = False
+
+  def __init__(self):
+    super().__init__(at_end=False)
+    self.position = None
+
+  def on_run_start(self, loop, state):
+    loop.data_position = self.position
