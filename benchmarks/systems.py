@@ -39,10 +39,21 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import loopkit
 from benchmarks import workloads as wl
 
-# The per-step loops fetch their metrics this often (Flax examples: log_every_steps). 50, not
-# the examples' 100: with 8 fake CPU devices, jax 0.10.2 deadlocks in an all-reduce rendezvous
-# ("only 7 of them arrived", process aborted) once ~150 collective programs are in flight.
-LOG_EVERY_STEPS = 50
+# Per-step loops wait for their outputs every this many steps (Flax examples: log_every_steps).
+LOG_EVERY_STEPS = 100
+# ... but on more than one fake CPU device never let more than this many calls run ahead:
+# jax 0.10.2's XLA:CPU deadlocks in an all-reduce rendezvous ("only 7 of them arrived", process
+# aborted after 40 s) with about 45 or more collective programs in flight (measured here: 40 in
+# flight ran 3000 steps, 45, 50 and 64 hung; cf. jax-ml/jax#25861). loopkit keeps at most 2.
+MAX_IN_FLIGHT_MULTI_DEVICE = 20
+
+
+def wait_every() -> int:
+  """Steps between waits for a per-step loop here: :data:`LOG_EVERY_STEPS` on one device,
+  :data:`MAX_IN_FLIGHT_MULTI_DEVICE` on several."""
+  return LOG_EVERY_STEPS if jax.device_count() == 1 else MAX_IN_FLIGHT_MULTI_DEVICE
+
+
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
@@ -210,6 +221,7 @@ class PerStepJit(System):
                         in_shardings=(self.replicated, self.batch_sharding),
                         out_shardings=(self.replicated, self.replicated))
     self.calls_per_run = len(self.batches)
+    self.wait_every = wait_every()
 
   def _train(self, batches: Iterable, mark_at: int = -1, mark: Callable | None = None) -> Any:
     state = jax.device_put(wl.init_state(self.w), self.replicated)
@@ -219,7 +231,7 @@ class PerStepJit(System):
     for i, batch in enumerate(batches, 1):
       state, metrics = self.step(state, batch)
       train_metrics.append(metrics)
-      if i % LOG_EVERY_STEPS == 0:
+      if i % self.wait_every == 0:
         jax.device_get(train_metrics)
         train_metrics = []
       if i == mark_at:
@@ -258,6 +270,7 @@ class PerStepPmap(System):
     self.step = jax.pmap(wl.make_train_step(w, axis_name="batch"), axis_name="batch",
                          donate_argnums=(0,))
     self.calls_per_run = len(self.sharded)
+    self.wait_every = wait_every()
 
   def _train(self, batches: Iterable, mark_at: int = -1, mark: Callable | None = None) -> Any:
     state = self.jax_utils.replicate(wl.init_state(self.w))
@@ -265,7 +278,7 @@ class PerStepPmap(System):
     for i, batch in enumerate(self.jax_utils.prefetch_to_device(iter(batches), 2), 1):
       state, metrics = self.step(state, batch)
       train_metrics.append(metrics)
-      if i % LOG_EVERY_STEPS == 0:
+      if i % self.wait_every == 0:
         jax.device_get(train_metrics)
         train_metrics = []
       if i == mark_at:
@@ -309,8 +322,44 @@ class KerasFit(System):
     self.params = jax.device_get(wl.init_params(w))
     self.model = wl.make_keras_model(w, self.params)
     self.initial = [v.numpy() for v in self.model.trainable_variables]
+    if jax.device_count() > 1:
+      self._bound_in_flight(MAX_IN_FLIGHT_MULTI_DEVICE)
     self.calls_per_run = -(-s // 100)
     self.steps_per_call = 100
+
+  def _bound_in_flight(self, every: int) -> None:
+    """Makes Keras' jitted step wait for its result every ``every`` calls.
+
+    Keras 3.15 dispatches the ``steps_per_execution`` steps of one execution without
+    waiting; on several fake CPU devices 100 all-reducing programs in flight deadlock
+    XLA:CPU (see :data:`MAX_IN_FLIGHT_MULTI_DEVICE`), so the jitted step that
+    ``make_train_function`` builds is wrapped, like the per-step loops' waits here.
+    """
+    model = self.model
+    make = model.make_train_function
+
+    def make_bounded(force=False):
+      make(force)
+      for cell in model.train_function.__closure__ or ():
+        step = cell.cell_contents
+        if hasattr(step, "bounded"):  # train_function kept from an earlier fit
+          return
+        if hasattr(step, "_cache_size"):
+          calls = itertools.count(1)
+
+          def bounded(state, data, step=step, calls=calls):
+            logs, state = step(state, data)
+            if next(calls) % every == 0:
+              jax.block_until_ready(state)
+            return logs, state
+
+          bounded.bounded = True
+          bounded._cache_size = step._cache_size
+          cell.cell_contents = bounded
+          return
+      raise RuntimeError("Keras' jitted train step not found in train_function's closure")
+
+    model.make_train_function = make_bounded
 
   def warm(self) -> None:
     n = min(len(self.y), 150 * wl.BATCH)  # one execution of 100 steps and one of 50
