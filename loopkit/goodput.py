@@ -8,7 +8,9 @@ call late), ``data_wait`` (the host waiting for the next input chunk), hook time
 by the hook's ``time_bucket`` (``checkpoint``, ``eval``, or ``hooks``) and
 ``total``. The ledger is saved in checkpoints, so the buckets add up over
 resumes. :class:`GoodputHook` adds *work lost to restarts*: steps trained past
-the last checkpoint by an attempt that then died, and redone.
+the last checkpoint by an attempt that then died, and redone; and keeps the
+time an attempt spent after its last checkpoint at that step (an eval that runs
+after the final save, the end of the run) when a later run resumes from it.
 
 From those, :func:`summarize` gives::
 
@@ -60,7 +62,8 @@ class GoodputSummary:
       progress) and the loop's own bookkeeping between calls.
     productive_secs: ``job_secs`` minus badput.
     goodput: ``productive_secs / job_secs`` in [0, 1] (nan for an empty job).
-    steps: global step reached.
+    steps: the global step the summary describes: the last step known complete
+      when it was taken (the time buckets are read at that moment).
     lost_steps: steps redone after restarts.
   """
 
@@ -101,12 +104,15 @@ class GoodputSummary:
     return "\n".join(lines)
 
 
-def summarize(ledger: Ledger) -> GoodputSummary:
+def summarize(ledger: Ledger, step: int | None = None) -> GoodputSummary:
   """Computes the goodput split from a ledger's time buckets.
 
   Args:
     ledger: the loop's :class:`~loopkit.ledger.Ledger` (``loop.ledger``), or one
       restored from a checkpoint.
+    step: the step the summary describes (default ``ledger.step``). A hook that
+      runs one call late passes ``info.end_step``: by then the loop has
+      dispatched the next call and ``ledger.step`` counts its steps too.
 
   Returns:
     A :class:`GoodputSummary`; buckets never seen count 0. ``host_gap_secs`` is
@@ -126,23 +132,39 @@ def summarize(ledger: Ledger) -> GoodputSummary:
       eval_secs=get("eval"), lost_secs=lost, dispatch_secs=get("dispatch"),
       device_wait_secs=get("device_wait"), host_gap_secs=host_gap,
       productive_secs=productive, goodput=productive / job if job > 0 else float("nan"),
-      steps=ledger.step, lost_steps=ledger.lost_steps)
+      steps=ledger.step if step is None else int(step), lost_steps=ledger.lost_steps)
 
 
 class GoodputHook(Hook):
   """Writes the goodput split as metrics, detects lost work, and summarises at the end.
 
+  Rows: the ``goodput/*`` scalars are written at the boundary's step, and
+  describe the steps done up to it (``goodput/steps`` is that step, even though
+  the hook runs one call late). At most one row is written per step, and rows
+  move forward: a step that already has a row (written earlier in the run, or
+  by an earlier attempt when ``workdir`` is set) gets none again, e.g. when a
+  resumed run finds nothing left to train.
+
   Lost work: at every boundary process 0 records the step reached (the *high
-  water mark*) in ``workdir/goodput.json`` (atomic rename; a few hundred
-  bytes). When a later run starts below that mark (it restored an older
+  water mark*) in ``workdir/goodput.json`` (atomic rename; well under a
+  kilobyte). When a later run starts below that mark (it restored an older
   checkpoint, or started over) the steps in between were trained and lost:
   they add to ``ledger.lost_steps``, and ``lost_steps * seconds per productive
   step`` (as measured by the attempt that lost them) to ``seconds["lost"]``.
 
+  Time after the last checkpoint: a checkpoint holds the ledger as it was when
+  saved, so time spent later at that same step (an eval hook after the
+  checkpoint hook, the end of the run) is not in it. The record also holds
+  that time, per bucket; a run that restores that checkpoint (via
+  :class:`~loopkit.checkpoint.CheckpointHook`, which hands this hook its
+  :meth:`checkpoint_state` back; keep the hook at the same index in the hook
+  list) and starts at the step the record was written at adds it back.
+
   Args:
     writer: a :class:`~loopkit.writers.MetricWriter` for the ``goodput/*``
       scalars (see :meth:`GoodputSummary.as_scalars`), or None.
-    workdir: where ``goodput.json`` lives (None: no lost-work accounting).
+    workdir: where ``goodput.json`` lives (None: no lost-work accounting, and
+      the time after the last checkpoint is not carried over).
     every_steps, every_secs: when to write the scalars (default every 60 s
       of wall time, and at the end of every run).
     log_summary: log :meth:`GoodputSummary.table` at the end of every run.
@@ -151,8 +173,8 @@ class GoodputHook(Hook):
     summary: the :class:`GoodputSummary` at the end of the last run.
 
   Not thread-safe. Multi-host: every process keeps the same ledger; only
-  process 0 reads and writes ``goodput.json`` (the lost-work counters are for
-  reporting, which process 0 does).
+  process 0 reads and writes ``goodput.json`` (the lost-work counters and the
+  time carried over are for reporting, which process 0 does).
   """
 
   needs_state = False
@@ -170,44 +192,104 @@ class GoodputHook(Hook):
     self.log_summary = log_summary
     self.summary: GoodputSummary | None = None
     self._loop: Any = None  # the TrainLoop, set in on_run_start
-    self._first = True
+    self._begun = False  # this run's restart accounting is done
+    self._row_step = -1  # step of the last goodput/* row written
+    # {"step", "seconds"}: the ledger as the last checkpoint saved or restored holds it.
+    self._saved: dict[str, Any] | None = None
+    self._restored_step: int | None = None  # checkpoint restored for the coming run
 
   @property
   def path(self) -> str | None:
     return None if self.workdir is None else os.path.join(self.workdir, self.FILENAME)
 
+  # -- checkpoint protocol (called by CheckpointHook) ---------------------------
+
+  def checkpoint_state(self) -> dict[str, Any]:
+    """Notes the ledger the checkpoint being saved holds.
+
+    Returns:
+      ``{"step": int, "seconds": {bucket: float}}`` (the ledger's step and
+      time buckets now), or ``{}`` outside a run.
+    """
+    ledger = getattr(self._loop, "ledger", None)
+    if ledger is None:
+      return {}
+    self._saved = {"step": ledger.step, "seconds": dict(ledger.seconds)}
+    return dict(self._saved)
+
+  def restore_checkpoint_state(self, d: dict[str, Any]) -> None:
+    """Notes that the coming run starts from a checkpoint holding ``d``'s ledger.
+
+    Args:
+      d: what :meth:`checkpoint_state` returned when the checkpoint was saved.
+    """
+    if "step" in d and "seconds" in d:
+      self._saved = {"step": int(d["step"]),
+                     "seconds": {k: float(v) for k, v in d["seconds"].items()}}
+      self._restored_step = self._saved["step"]
+
+  # -- hook protocol ------------------------------------------------------------
+
   def on_run_start(self, loop: Any, state: Any) -> None:
     del state
     self._loop = loop
-    self._first = True
+    self._begun = False  # a restore (by a hook before or after this one) may still come
 
   def observe(self, info: LoopInfo) -> None:
     ledger = self._loop.ledger
+    self._begin(ledger, info.start_step)  # every on_run_start (a restore included) has run
+    # info.end_step: the last step known complete (ledger.step may be a call ahead).
+    self._write_record(ledger, info.end_step)
+
+  def after_call(self, info: LoopInfo, state: Any) -> None:
+    del state
+    if not info.is_last:  # the last is written by on_run_end
+      ledger = self._loop.ledger
+      if self._write_row(summarize(ledger, info.end_step)):
+        self._write_record(ledger, info.end_step)
+
+  def on_run_end(self, loop: Any, state: Any) -> None:
+    del state
+    tick = getattr(loop, "_tick_total", None)
+    if tick is not None:
+      tick()  # bring the ledger's total up to now (hooks before this one included)
+    ledger = loop.ledger
+    self._begin(ledger, ledger.step)  # a run with no device call (nothing left to train)
+    self.summary = summarize(ledger)
+    if self._write_row(self.summary) and self.writer is not None:
+      self.writer.flush()
+    self._write_record(ledger, ledger.step)
+    if self.log_summary and jax.process_index() == 0:
+      log.info("goodput summary:\n%s", self.summary.table())
+
+  # -- internals ----------------------------------------------------------------
+
+  def _begin(self, ledger: Ledger, start_step: int) -> None:
+    """Once per run: reads the previous attempt's record and accounts for the restart."""
+    if self._begun:
+      return
+    self._begun = True
+    restored, self._restored_step = self._restored_step, None
     if self.path is None or jax.process_index() != 0:
       return
-    if self._first:  # every on_run_start (a restore included) has run by now
-      self._first = False
-      self._account_restart(ledger, info.start_step)
-    s = summarize(ledger)
-    # info.end_step: the last step known complete (ledger.step may be a call ahead).
-    trained = info.end_step + ledger.lost_steps
-    record = {"step": info.end_step, "lost_steps": ledger.lost_steps,
-              "lost_secs": s.lost_secs,
-              "secs_per_step": s.productive_secs / trained if trained else 0.0}
-    os.makedirs(self.workdir, exist_ok=True)
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(record, f)
-    os.replace(tmp, self.path)
-
-  def _account_restart(self, ledger: Ledger, start_step: int) -> None:
     try:
       with open(self.path) as f:
         prev = json.load(f)
     except FileNotFoundError:
       return
-    if prev["step"] <= start_step:
-      return  # nothing was trained past where this run starts
+    self._row_step = max(self._row_step, int(prev.get("row_step", -1)))
+    if prev["step"] > start_step:
+      self._account_lost_work(ledger, prev, start_step)
+    elif (prev["step"] == start_step == restored
+          and prev.get("saved_step") == start_step):
+      # The previous attempt ended at the checkpoint this run restored; its time after
+      # that save (and its lost-work count, which goes with the "lost" seconds) is in
+      # the record, not in the checkpoint.
+      ledger.lost_steps = int(prev["lost_steps"])
+      for bucket, secs in prev.get("unsaved_secs", {}).items():
+        ledger.add_time(bucket, float(secs))
+
+  def _account_lost_work(self, ledger: Ledger, prev: dict[str, Any], start_step: int) -> None:
     redone = int(prev["step"]) - start_step
     # The record of the attempt that died is newer than the restored checkpoint.
     ledger.lost_steps = int(prev["lost_steps"]) + redone
@@ -216,19 +298,36 @@ class GoodputHook(Hook):
                 "%d steps are redone (%d in all so far)", start_step, prev["step"], redone,
                 ledger.lost_steps)
 
-  def after_call(self, info: LoopInfo, state: Any) -> None:
-    del state
-    if self.writer is not None and not info.is_last:  # the last is written by on_run_end
-      self.writer.write_scalars(info.end_step, summarize(self._loop.ledger).as_scalars())
+  def _write_row(self, summary: GoodputSummary) -> bool:
+    """Writes the ``goodput/*`` row at ``summary.steps`` unless that step has one."""
+    if self.writer is None or summary.steps <= self._row_step:
+      return False
+    self.writer.write_scalars(summary.steps, summary.as_scalars())
+    self._row_step = summary.steps
+    return True
 
-  def on_run_end(self, loop: Any, state: Any) -> None:
-    del state
-    tick = getattr(loop, "_tick_total", None)
-    if tick is not None:
-      tick()  # bring the ledger's total up to now (hooks before this one included)
-    self.summary = summarize(loop.ledger)
-    if self.writer is not None:
-      self.writer.write_scalars(loop.ledger.step, self.summary.as_scalars())
-      self.writer.flush()
-    if self.log_summary and jax.process_index() == 0:
-      log.info("goodput summary:\n%s", self.summary.table())
+  def _unsaved(self, ledger: Ledger) -> tuple[int | None, dict[str, float]]:
+    """(step of the last checkpoint saved or restored, time added to the ledger since)."""
+    if self._saved is None:
+      return None, {}
+    saved = self._saved["seconds"]
+    if any(ledger.seconds.get(k, 0.0) < v for k, v in saved.items()):
+      return None, {}  # not the ledger that checkpoint holds
+    return self._saved["step"], {k: v - saved.get(k, 0.0) for k, v in ledger.seconds.items()
+                                 if v > saved.get(k, 0.0)}
+
+  def _write_record(self, ledger: Ledger, step: int) -> None:
+    """Writes ``goodput.json`` (process 0) for the boundary at ``step``."""
+    if self.path is None or jax.process_index() != 0:
+      return
+    s = summarize(ledger, step)
+    trained = step + ledger.lost_steps
+    saved_step, unsaved = self._unsaved(ledger)
+    record = {"step": step, "lost_steps": ledger.lost_steps, "lost_secs": s.lost_secs,
+              "secs_per_step": s.productive_secs / trained if trained else 0.0,
+              "row_step": self._row_step, "saved_step": saved_step, "unsaved_secs": unsaved}
+    os.makedirs(self.workdir, exist_ok=True)
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(record, f)
+    os.replace(tmp, self.path)

@@ -4,6 +4,7 @@ after a restart, persistence in the checkpoint, and no device syncs added."""
 import json
 import logging
 import time
+import types
 
 import jax
 import numpy as np
@@ -178,3 +179,154 @@ def test_no_device_syncs_added():
     loop.run(state, toy.batches(12), num_steps=12)
   writer.close()
   assert loop.ledger.step == 12
+
+
+# -- records at the right step; resumes keep the time after the last save; one row per step ----
+
+
+class FakeTime:
+  """Stands in for the ``time`` module in loopkit.loop: the loop's clock moves only when a
+  hook advances it, so every bucket is an exact binary fraction."""
+
+  def __init__(self):
+    self.t = 0.0
+
+  def perf_counter(self):
+    return self.t
+
+
+class Work(Hook):
+  """Advances the fake clock by 1/16 s per step observed (lands in the ``hooks`` bucket)."""
+
+  needs_state = False
+
+  def __init__(self, clock):
+    super().__init__()
+    self.clock = clock
+
+  def observe(self, info):
+    self.clock.t += info.num_steps / 16
+
+
+class FakeEval(Hook):
+  """An eval hook that takes 1/4 s of the fake clock per firing (``eval`` bucket)."""
+
+  needs_state = False
+  time_bucket = "eval"
+
+  def __init__(self, clock, **trigger):
+    super().__init__(**trigger)
+    self.clock = clock
+    self.fired_at = []
+
+  def after_call(self, info, state):
+    self.fired_at.append(info.end_step)
+    self.clock.t += 0.25
+
+
+def test_record_at_a_boundary_describes_the_steps_up_to_it(tmp_path):
+  """K=11, goodput every 33 steps, no hook needs the state: the step-33 record says 33 steps
+  (the loop has dispatched the call to 44 when it runs the 33 boundary's hooks)."""
+  writer = Recorder()
+  gp = loopkit.GoodputHook(writer, workdir=tmp_path, every_steps=33)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=11, hooks=[gp])
+  loop.run(toy.init_state(), toy.batches(66), num_steps=66)
+  assert [(step, row["goodput/steps"]) for step, row in writer.rows] == [(33, 33), (66, 66)]
+  assert json.loads((tmp_path / "goodput.json").read_text())["step"] == 66
+  assert gp.summary.steps == 66
+
+
+def test_a_stop_at_a_written_boundary_writes_no_second_row():
+  """A stop requested at step 33 (state hook: the loop syncs there) after the goodput row at
+  33: the end of the run writes no second row for 33."""
+  writer = Recorder()
+  gp = loopkit.GoodputHook(writer, every_steps=33)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=11, hooks=[gp])
+  loop.hooks.append(loopkit.CallbackHook(lambda info, state: loop.request_stop("stopped"),
+                                         at_steps=[33], at_end=False))
+  loop.run(toy.init_state(), toy.batches(66), num_steps=66)
+  assert loop.status == "stopped" and loop.ledger.step == 33
+  assert [(step, row["goodput/steps"]) for step, row in writer.rows] == [(33, 33)]
+  assert gp.summary.steps == 33
+
+
+def _resumable_run(tmp_path, clock, writer, num_steps):
+  """Checkpoint every 33 steps, then an eval every 33 steps (after the save), goodput."""
+  pytest.importorskip("orbax.checkpoint")
+  ckpt = loopkit.CheckpointHook(tmp_path / "ckpt", every_steps=33, async_save=False)
+  ev = FakeEval(clock, every_steps=33)
+  gp = loopkit.GoodputHook(writer, workdir=tmp_path / "work", every_steps=33,
+                           log_summary=False)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=11,
+                           hooks=[Work(clock), ckpt, ev, gp])
+  loop.run(toy.init_state(), toy.batches(99), num_steps=num_steps)
+  ckpt.close()
+  return loop, ckpt, ev, gp
+
+
+def test_resume_keeps_the_time_spent_after_the_last_checkpoint(tmp_path, monkeypatch):
+  """The step-66 eval runs after the step-66 save; a resumed run still counts its 1/4 s."""
+  clock = FakeTime()
+  monkeypatch.setattr(loopkit.loop, "time", clock)
+  writer = Recorder()
+  loop1, _, ev1, gp1 = _resumable_run(tmp_path, clock, writer, 66)
+  assert ev1.fired_at == [33, 66]
+  assert (gp1.summary.eval_secs, gp1.summary.total_secs) == (0.5, 4.625)  # 66/16 + 2/4
+  assert loop1.ledger.seconds["hooks"] == 4.125
+
+  # Resumed with nothing left to do: restores 66 and keeps run 1's time after that save.
+  loop2, ckpt2, ev2, gp2 = _resumable_run(tmp_path, clock, writer, 66)
+  assert ckpt2.restored_step == 66 and ev2.fired_at == []
+  assert (gp2.summary.eval_secs, gp2.summary.total_secs) == (0.5, 4.625)
+  assert loop2.ledger.seconds["hooks"] == 4.125
+
+  # Resumed to 99: restores 66 again (run 2 saved nothing), evaluates at 99.
+  loop3, ckpt3, ev3, gp3 = _resumable_run(tmp_path, clock, writer, 99)
+  assert ckpt3.restored_step == 66 and ev3.fired_at == [99]
+  assert gp3.summary.eval_secs == 0.75
+  assert gp3.summary.total_secs == 6.9375  # 99/16 + 3/4
+  assert loop3.ledger.seconds["hooks"] == 6.1875
+  assert (gp3.summary.steps, gp3.summary.lost_steps, gp3.summary.lost_secs) == (99, 0, 0.0)
+  saved = loopkit.CheckpointHook(tmp_path / "ckpt").restore(toy.init_state(), 99).ledger
+  assert saved.seconds["eval"] == 0.5  # saved before the eval at 99; holds those at 33 and 66
+  record = json.loads((tmp_path / "work" / "goodput.json").read_text())
+  assert (record["step"], record["saved_step"], record["row_step"]) == (99, 99, 99)
+  assert record["unsaved_secs"]["eval"] == 0.25  # the eval at 99, after the save
+
+
+def test_resume_writes_one_row_per_step(tmp_path, monkeypatch):
+  """Runs to 66, again to 66 (restored, nothing to do), then to 99: one row at 33, 66, 99."""
+  clock = FakeTime()
+  monkeypatch.setattr(loopkit.loop, "time", clock)
+  writer = Recorder()
+  for num_steps in (66, 66, 99):
+    _resumable_run(tmp_path, clock, writer, num_steps)
+  assert [(step, row["goodput/steps"]) for step, row in writer.rows] == [
+      (33, 33), (66, 66), (99, 99)]
+  assert [row["goodput/eval_secs"] for _, row in writer.rows] == [0.25, 0.5, 0.75]
+  assert json.loads((tmp_path / "work" / "goodput.json").read_text())["step"] == 99
+
+
+@pytest.mark.parametrize("restored", [True, False])
+def test_time_after_the_save_is_added_only_to_the_restored_ledger(tmp_path, restored):
+  """The record's time after the step-12 save goes into a ledger restored from that
+  checkpoint (with the record's lost-step count); a ledger not restored is left alone."""
+  (tmp_path / "goodput.json").write_text(json.dumps(
+      {"step": 12, "lost_steps": 2, "lost_secs": 0.5, "secs_per_step": 0.25, "row_step": 12,
+       "saved_step": 12, "unsaved_secs": {"lost": 0.5, "eval": 0.125, "total": 0.625}}))
+  ledger = Ledger(step=12, seconds={"total": 4.0, "eval": 1.0})
+  gp = goodput.GoodputHook(Recorder(), workdir=tmp_path, log_summary=False)
+  if restored:
+    gp.restore_checkpoint_state({"step": 12, "seconds": dict(ledger.seconds)})
+  loop = types.SimpleNamespace(ledger=ledger)
+  gp.on_run_start(loop, None)
+  gp.on_run_end(loop, None)  # no device call: nothing left to train
+  if restored:
+    assert ledger.seconds == {"total": 4.625, "eval": 1.125, "lost": 0.5}
+    assert ledger.lost_steps == 2
+  else:
+    assert ledger.seconds == {"total": 4.0, "eval": 1.0} and ledger.lost_steps == 0
+  assert gp.writer.rows == []  # step 12 already has a row
+  record = json.loads((tmp_path / "goodput.json").read_text())
+  assert (record["step"], record["row_step"]) == (12, 12)
+  assert record["saved_step"] == (12 if restored else None)
