@@ -11,13 +11,30 @@ prepares and transfers the next chunk while the current call runs.
 
 Each chunk records the source position *after* its last batch; the loop saves
 the position of the last consumed chunk, never the prefetched one (case C25).
+A count position is derived from steps, ``start_position + steps formed``, so it
+always equals the batches of the chunks formed so far.
+
+Stopping. Given an ``interrupt`` event (the loop passes its preemption flag),
+the feeder abandons the chunk it is forming once the event is set: it pulls no
+batch after the one in flight (user code cannot be interrupted) and ``next``
+returns an ``interrupted`` chunk within about 50 ms of the event, while the
+batch is still being read. The abandoned batches are never dispatched and never
+counted in a position, so a resume re-reads them. After ``close`` (or an
+interrupt) the producer thread touches no JAX API again: a daemon thread inside
+JAX's C++ code when the interpreter finalizes is killed by a forced unwind that
+jaxlib's bindings catch and swallow, and glibc aborts the process ("FATAL:
+exception not rethrown", exit code 134). A producer still inside the source's
+``next`` after ``close``'s wait is joined again (bounded) at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -27,7 +44,43 @@ from jax.sharding import NamedSharding
 
 from loopkit.program import tree_mismatch
 
+log = logging.getLogger("loopkit")
+
 _DONE = object()
+_POLL_SECS = 0.05  # how often a waiting ``next`` looks at the interrupt event
+CLOSE_TIMEOUT_SECS = 5.0
+"""Default seconds ``ChunkFeeder.close`` (and interpreter exit) wait for a producer
+thread to leave the source's ``next``."""
+
+# Producer threads still inside a source's ``next`` after ``close``:
+# (thread, source name, seconds to wait for it at interpreter exit).
+_STRANDED: list[tuple[threading.Thread, str, float]] = []
+_STRANDED_LOCK = threading.Lock()
+
+
+def _join_stranded_at_exit() -> None:
+  """At interpreter exit, waits (bounded) for producers stuck in a source.
+
+  A producer that leaves the source finds its stop event set and returns
+  without touching JAX, so after this wait no producer is inside JAX's C++ code
+  while the interpreter finalizes (which would abort the process, see the
+  module docstring). One still inside the source after the wait is named in a
+  warning; it is killed at a Python or C frame of the source.
+  """
+  with _STRANDED_LOCK:
+    stranded = [s for s in _STRANDED if s[0].is_alive()]
+    _STRANDED.clear()
+  if not stranded:
+    return
+  deadline = time.monotonic() + max(wait for _, _, wait in stranded)
+  for thread, name, wait in stranded:
+    thread.join(timeout=max(0.0, min(wait, deadline - time.monotonic())))
+    if thread.is_alive():
+      log.warning("loopkit: at exit, the prefetch thread is still inside next() of the data "
+                  "source %s; the interpreter exits with it there", name)
+
+
+atexit.register(_join_stranded_at_exit)
 
 
 @dataclasses.dataclass
@@ -43,6 +96,9 @@ class Chunk:
     exhausted: the source ran out while forming this chunk (``length`` may then
       be less than planned, or 0).
     global_batch_size: B.
+    interrupted: the chunk was abandoned because the feeder's ``interrupt``
+      event was set; ``batches``, ``num_steps`` and ``position`` are None,
+      ``length`` is 0, and it must not be dispatched.
   """
 
   batches: Any
@@ -51,6 +107,7 @@ class Chunk:
   position: Any
   exhausted: bool
   global_batch_size: int
+  interrupted: bool = False
 
 
 def open_source(batches: Any, position: Any, step: int) -> tuple[Iterator, int]:
@@ -111,6 +168,9 @@ class _StepIndexed:
   def get_state(self) -> int:
     return self._step
 
+  def __repr__(self) -> str:
+    return f"{self._source!r} (batch_at, next step {self._step})"
+
 
 class ChunkFeeder:
   """Forms, places and prefetches chunks for a known sequence of call lengths.
@@ -124,8 +184,14 @@ class ChunkFeeder:
     data_parallel_size: number of shards of the batch axis; B must divide by it.
     prefetch: chunks prepared ahead by a background thread (0 = synchronous).
     start_position: position count of the source when given (for resumes).
-    close_timeout_secs: how long ``close`` waits for the producer thread; a
-      thread blocked inside the source is left behind (it is a daemon).
+    first_step: the global step of the first batch.
+    close_timeout_secs: seconds ``close`` (and interpreter exit, when ``close``
+      did not wait) wait for the producer thread to leave the source (default
+      :data:`CLOSE_TIMEOUT_SECS`); one still blocked inside the source's
+      ``next`` is then left behind as a daemon, with a warning naming the source.
+    interrupt: an event (e.g. :attr:`loopkit.preemption.PreemptionWatcher.event`)
+      at which the chunk being formed is abandoned (see the module docstring);
+      the event must stay set once set.
 
   Thread-safety: ``next``/``close`` from one consumer thread only.
   Raises (from ``next``): ValueError for a batch whose structure, shapes or
@@ -137,15 +203,21 @@ class ChunkFeeder:
   def __init__(self, source: Iterable, plan: Iterator[int], *, iterations_per_loop: int,
                batch_sharding: NamedSharding, replicated: NamedSharding,
                data_parallel_size: int, prefetch: int = 2, start_position: int = 0,
-               first_step: int = 0, close_timeout_secs: float = 5.0):
-    self._close_timeout_secs = close_timeout_secs
+               first_step: int = 0, close_timeout_secs: float | None = None,
+               interrupt: threading.Event | None = None):
+    self._close_timeout_secs = (CLOSE_TIMEOUT_SECS if close_timeout_secs is None
+                                else close_timeout_secs)
+    self._interrupt = interrupt
     self._it = iter(source)
+    name = repr(self._it)
+    self._source_name = name if len(name) <= 200 else name[:197] + "..."
     self._plan = plan
     self._k = iterations_per_loop
     self._batch_sharding = batch_sharding
     self._replicated = replicated
     self._dp = data_parallel_size
-    self._count = start_position
+    self._start_position = start_position
+    self._first_step = first_step
     self._step = first_step
     self._spec = None
     self._nums: dict[int, jax.Array] = {}
@@ -160,7 +232,17 @@ class ChunkFeeder:
 
   def _position(self) -> Any:
     get_state = getattr(self._it, "get_state", None)
-    return get_state() if callable(get_state) else self._count
+    if callable(get_state):
+      return get_state()
+    return self._start_position + (self._step - self._first_step)  # batches formed
+
+  def _halted(self) -> bool:
+    """Closing or interrupted: the chunk being formed is dropped."""
+    return self._stop.is_set() or (self._interrupt is not None and self._interrupt.is_set())
+
+  def _interrupted_chunk(self) -> Chunk:
+    return Chunk(None, None, 0, None, False, getattr(self, "global_batch_size", 0),
+                 interrupted=True)
 
   def _check(self, batch: Any, step: int) -> list:
     """Checks a batch against the first one; returns its leaves (flattened once)."""
@@ -200,19 +282,21 @@ class ChunkFeeder:
       raise ValueError(problem)
     return jax.tree.leaves(batch)
 
-  def _form(self, n: int) -> Chunk:
+  def _form(self, n: int) -> Chunk | None:
+    """Forms a chunk of ``n`` batches; None when halted (nothing placed or counted)."""
     got: list[Any] = []
     exhausted = False
     for _ in range(n):
-      if self._stop.is_set():  # closing: this chunk is dropped anyway
-        break
+      if self._halted():
+        return None
       try:
         batch = next(self._it)
       except StopIteration:
         exhausted = True
         break
+      if self._halted():  # checked before any JAX call (see the module docstring)
+        return None
       got.append(self._check(batch, self._step + len(got)))
-      self._count += 1
     self._step += len(got)
     position = self._position()
     if not got:
@@ -250,11 +334,9 @@ class ChunkFeeder:
   def _produce(self) -> None:
     try:
       for n in self._plan:
-        if self._stop.is_set():
-          return
         chunk = self._form(n)
-        if not self._put(chunk) or chunk.exhausted:
-          return
+        if chunk is None or not self._put(chunk) or chunk.exhausted:
+          return  # halted: the consumer sees the interrupt event or has closed
       self._put(_DONE)
     except BaseException as e:  # surfaced in the consumer thread
       self._put(e)
@@ -269,15 +351,26 @@ class ChunkFeeder:
     return False
 
   def next(self) -> Chunk | None:
-    """The next chunk, or None when the plan is done."""
+    """The next chunk, or None when the plan is done.
+
+    Returns a chunk with ``interrupted=True`` when the ``interrupt`` event is
+    set and no formed chunk is waiting: at once with ``prefetch`` > 0 (even while
+    the producer is inside the source), after the batch in flight without.
+    """
     if self._queue is None:
       n = next(self._plan, None)
-      return None if n is None else self._form(n)
+      if n is None:
+        return None
+      chunk = self._form(n)
+      return self._interrupted_chunk() if chunk is None else chunk
+    poll = 1.0 if self._interrupt is None else _POLL_SECS
     while True:
       try:
-        item = self._queue.get(timeout=1.0)
+        item = self._queue.get(timeout=poll)
         break
       except queue.Empty:
+        if self._interrupt is not None and self._interrupt.is_set():
+          return self._interrupted_chunk()
         if not self._thread.is_alive() and self._queue.empty():
           raise RuntimeError("loopkit prefetch thread ended without a result") from None
     if item is _DONE:
@@ -286,13 +379,20 @@ class ChunkFeeder:
       raise item
     return item
 
-  def close(self) -> None:
+  def close(self, wait_secs: float | None = None) -> None:
     """Stops the producer; never hangs.
 
-    Drops the prefetched chunks (freeing their device buffers) and waits at
-    most ``close_timeout_secs`` for the thread, which stops at its next check
-    (between batches, or within 0.1 s when blocked on a full queue). A thread
-    blocked inside the source's ``next`` is left behind as a daemon.
+    Drops the prefetched chunks (freeing their device buffers) and waits for
+    the thread, which stops at its next check: right after the source's
+    ``next`` returns (without touching JAX again), or within 0.1 s when blocked
+    on a full queue. A thread still inside the source after the wait is left
+    behind as a daemon, with a warning naming the source (when the wait was not
+    0), and waited for again at interpreter exit.
+
+    Args:
+      wait_secs: how long to wait for the thread, in seconds (default
+        ``close_timeout_secs``; 0 to return at once, e.g. while an exception
+        propagates).
     """
     self._stop.set()
     if self._queue is not None:
@@ -301,5 +401,16 @@ class ChunkFeeder:
           self._queue.get_nowait()
         except queue.Empty:
           break
-    if self._thread is not None:
-      self._thread.join(timeout=self._close_timeout_secs)
+    if self._thread is None:
+      return
+    wait = self._close_timeout_secs if wait_secs is None else wait_secs
+    self._thread.join(timeout=wait)
+    if self._thread.is_alive():
+      if wait > 0:
+        log.warning("loopkit: the data source %s is still inside next() %.1f s after the run "
+                    "stopped; its prefetch thread ends when next() returns (interpreter exit "
+                    "waits up to %.1f s for it)", self._source_name, wait,
+                    self._close_timeout_secs)
+      with _STRANDED_LOCK:
+        _STRANDED[:] = [s for s in _STRANDED if s[0].is_alive()]
+        _STRANDED.append((self._thread, self._source_name, self._close_timeout_secs))

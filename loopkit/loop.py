@@ -253,31 +253,37 @@ class TrainLoop:
                       num_steps=target,
                       steps_per_epoch=self.steps_per_epoch,
                       triggers=[h.trigger for h in self.hooks])
+    self.preemption = PreemptionWatcher(self.preemption_signals)
+    # A preemption abandons the chunk being formed (feeding.py): the loop then
+    # stops at this boundary after the same agreement as any other.
     feeder = ChunkFeeder(source, plan, iterations_per_loop=self.iterations_per_loop,
                          batch_sharding=self.program.batch_sharding,
                          replicated=self.program.replicated,
                          data_parallel_size=self.data_parallel_size, prefetch=self.prefetch,
-                         start_position=start_position, first_step=step0)
+                         start_position=start_position, first_step=step0,
+                         interrupt=self.preemption.event)
     pending: _Pending | None = None
     last: tuple[LoopInfo, set[int]] | None = None
-    self.preemption = PreemptionWatcher(self.preemption_signals)
+    returning = False  # False while an exception propagates: close without waiting
     try:
       self.preemption.install()
       while self._stop_reason is None:
         t0 = time.perf_counter()
         chunk = feeder.next()
         self.ledger.add_time("data_wait", time.perf_counter() - t0)
-        if chunk is None or chunk.length == 0:
+        if chunk is None or (chunk.length == 0 and not chunk.interrupted):
           if chunk is not None:
             self._warn_exhausted(target)
           break
-        if self._global_batch_size is None:
+        if self._global_batch_size is None and not chunk.interrupted:
           self._global_batch_size = chunk.global_batch_size
           if self.ledger.examples_seen == 0:
             self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
         if self.preemption.agreed():  # stop before dispatching: at_end hooks fire
           self._stop_reason = "preempted"  # with this boundary's state (_fire_at_end)
           break
+        if chunk.interrupted:  # only when this process's flag is set, so agreed() is True
+          raise RuntimeError("loopkit: a chunk was abandoned without a preemption")
         start = self.ledger.step
         t0 = time.perf_counter()
         first_call = self.program.compile_count() == 0
@@ -317,9 +323,10 @@ class TrainLoop:
           new = h.on_run_end(self, state)
         if new is not None:
           state = self._check_replacement(h, new)
+      returning = True
     finally:
       self.preemption.uninstall()
-      feeder.close()
+      feeder.close(wait_secs=None if returning else 0.0)
       self._tick_total()
     return state
 

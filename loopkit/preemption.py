@@ -6,12 +6,15 @@ owns a :class:`PreemptionWatcher` for the duration of each ``run``:
 
 1. the signal handler only sets a flag (safe at any moment, even while the
    main thread waits for the device);
-2. before dispatching each device call, the loop asks :meth:`agreed`: on one
+2. a flag set while the next chunk is being formed makes the feeder abandon
+   it (after the batch being read: user code is not interrupted), so the loop
+   reaches the boundary within about one batch's read time, not a chunk's;
+3. before dispatching each device call, the loop asks :meth:`agreed`: on one
    process that is the flag itself; on several processes a tiny all-gather of
    the flags (``jax.experimental.multihost_utils.process_allgather``), so every
    process stops at the *same* boundary even if the signal reached them at
    different times;
-3. when they agree, the loop stops there: hooks with ``at_end`` fire with the
+4. when they agree, the loop stops there: hooks with ``at_end`` fire with the
    state (a :class:`~loopkit.checkpoint.CheckpointHook` saves at that step even
    off its cadence and waits for the write in ``on_run_end``), and
    ``loop.status == "preempted"``.
@@ -91,6 +94,12 @@ class PreemptionWatcher:
   def request(self) -> None:
     """Sets the flag as a signal would (e.g. from a scheduler's notice)."""
     self._flag.set()
+
+  @property
+  def event(self) -> threading.Event:
+    """This process's flag as an event (set once, never cleared), for waits that
+    should end at a preemption, e.g. the feeder's chunk formation."""
+    return self._flag
 
   @property
   def requested(self) -> bool:
