@@ -419,8 +419,10 @@ class Limit(System):
     self.replicated = NamedSharding(mesh, P())
     self.data = jax.block_until_ready(
         jax.device_put(data, NamedSharding(mesh, P(None, "data"))))
-    self.fn = jax.jit(lambda state, d: jax.lax.scan(wl.make_train_step(w), state, d),
-                      donate_argnums=(0,))
+    step = wl.make_train_step(w)
+    if jax.devices()[0].platform == "cpu":  # the same relayout as loopkit's program does
+      step = loopkit.conv_layout.with_canonical_convs(step)
+    self.fn = jax.jit(lambda state, d: jax.lax.scan(step, state, d), donate_argnums=(0,))
     self.steps_per_call = data["y"].shape[0]
 
   def _state(self) -> Any:

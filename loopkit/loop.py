@@ -106,6 +106,9 @@ class TrainLoop:
     preemption_signals: signals that stop the run at the next boundary with
       ``status == "preempted"`` (default SIGTERM, SIGINT; ``()`` for none); see
       :mod:`loopkit.preemption`. Caught only while ``run`` runs, in the main thread.
+    canonical_convs: relay out the step's convolution gradients for XLA:CPU's
+      fast kernels inside the loop body (:mod:`loopkit.conv_layout`); None
+      (default) = on when the mesh is on CPU devices.
 
   Raises:
     ValueError: K < 1 or not an int or duration; ``max_iterations_per_loop``
@@ -133,7 +136,8 @@ class TrainLoop:
                data_axis: str = "data", step_style: StepStyle = "global",
                steps_per_epoch: int | None = None, global_batch_size: int | None = None,
                prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
-               preemption_signals: Sequence[int] = DEFAULT_SIGNALS):
+               preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
+               canonical_convs: bool | None = None):
     self.time_based_k: TimeBasedK | None = None
     if isinstance(iterations_per_loop, str):
       iterations_per_loop = TimeBasedK(
@@ -174,7 +178,7 @@ class TrainLoop:
     self.step_of = step_of
     self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
                                     mesh=self.mesh, data_axis=data_axis, style=step_style,
-                                    step_of=step_of)
+                                    step_of=step_of, canonical_convs=canonical_convs)
     _warn_gpu_while_dispatch(self.mesh)
     self.ledger: Ledger | None = None
     self.status: str | None = None

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from loopkit import metrics as metrics_lib
+from loopkit import conv_layout, metrics as metrics_lib
 
 StepStyle = Literal["global", "per_device"]
 
@@ -133,13 +133,19 @@ class MultiStepProgram:
     data_axis: name of the data-parallel mesh axis.
     style: ``"global"`` or ``"per_device"`` (see module docstring).
     step_of: returns the state's scalar step counter.
+    canonical_convs: rewrite the step's non-canonical convolutions (the
+      gradient convolutions of conv layers) into canonical layout inside the
+      loop body (:mod:`loopkit.conv_layout`): XLA:CPU otherwise runs them with
+      a naive kernel in a loop body, 10-40x slower. None (default): only when
+      the mesh's devices are CPUs.
 
   Not thread-safe; multi-host-safe (every process builds the same program).
   """
 
   def __init__(self, train_step: Callable, *, iterations_per_loop: int, mesh: Mesh,
                data_axis: str = "data", style: StepStyle = "global",
-               step_of: Callable[[Any], jax.Array] = default_step_of):
+               step_of: Callable[[Any], jax.Array] = default_step_of,
+               canonical_convs: bool | None = None):
     if style not in ("global", "per_device"):
       raise ValueError(f"style must be 'global' or 'per_device', got {style!r}")
     self.train_step = train_step
@@ -148,6 +154,9 @@ class MultiStepProgram:
     self.data_axis = data_axis
     self.style = style
     self.step_of = step_of
+    if canonical_convs is None:
+      canonical_convs = mesh.devices.flat[0].platform == "cpu"
+    self.canonical_convs = bool(canonical_convs)
     self.trace_count = 0
     self._jitted = None
     self.state_shardings = None
@@ -196,7 +205,8 @@ class MultiStepProgram:
                             what="train_step returned a state unlike the one it received")
     if problem:
       raise ValueError(problem)
-    run_step = jax.extend.core.jaxpr_as_fun(closed)
+    run_step = (conv_layout.canonicalize_convs(closed) if self.canonical_convs
+                else jax.extend.core.jaxpr_as_fun(closed))
     out_def = jax.tree.structure((out_state_shape, metric_shape))
 
     traces0 = jax.tree.map(lambda s: jnp.zeros((self.k,) + s.shape, s.dtype), metric_shape)

@@ -70,7 +70,6 @@ def build(args):
   config.global_batch_size = args.batch
   if args.tiny:
     config.model.num_filters = 8
-    config.model.loop_friendly_conv = jax.devices()[0].platform == "cpu"
   steps_per_epoch = 1_281_167 // args.batch
   schedule = train.learning_rate_schedule(config, steps_per_epoch)
   tx = train.create_optimizer(config, schedule)

@@ -34,8 +34,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from examples.resnet50 import loop_conv
-
 # He et al. 2015 ("Delving Deep into Rectifiers") initialisation, fan_out mode as
 # in torchvision's and the MLPerf reference ResNet.
 _conv_init = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
@@ -68,18 +66,15 @@ class _Norm:
 class _ConvMaker:
   """Builds the model's convolutions (no bias, He init, symmetric padding)."""
 
-  def __init__(self, *, dtype: Any, loop_friendly: bool):
+  def __init__(self, *, dtype: Any):
     self.dtype = dtype
-    self.conv_fn = (loop_conv.conv_general_dilated if loop_friendly
-                    else jax.lax.conv_general_dilated)
 
   def __call__(self, in_f: int, out_f: int, kernel: int, stride: int, *,
                rngs: nnx.Rngs) -> nnx.Conv:
     pad = (kernel - 1) // 2  # symmetric padding as the reference implementations
     return nnx.Conv(in_f, out_f, (kernel, kernel), strides=(stride, stride),
                     padding=((pad, pad), (pad, pad)), use_bias=False, dtype=self.dtype,
-                    param_dtype=jnp.float32, kernel_init=_conv_init,
-                    conv_general_dilated=self.conv_fn, rngs=rngs)
+                    param_dtype=jnp.float32, kernel_init=_conv_init, rngs=rngs)
 
 
 class BasicBlock(nnx.Module):
@@ -162,9 +157,6 @@ class ResNet(nnx.Module):
     bn_momentum: running-average decay of BatchNorm statistics (0.9, the Flax
       ImageNet example and the MLPerf reference).
     bn_epsilon: BatchNorm epsilon (1e-5, the Flax ImageNet example and torchvision).
-    loop_friendly_conv: compute convolution gradients with
-      :func:`loop_conv.conv_general_dilated` (same values; 3-4x faster training
-      steps inside loopkit's loop on XLA:CPU, see :mod:`loop_conv`).
     rngs: initialisation RNGs (``nnx.Rngs(params=seed)``).
 
   Raises:
@@ -173,14 +165,13 @@ class ResNet(nnx.Module):
 
   def __init__(self, depth: int, *, num_classes: int, rngs: nnx.Rngs, num_filters: int = 64,
                in_channels: int = 3, dtype: Any = jnp.float32, axis_name: str | None = None,
-               bn_momentum: float = 0.9, bn_epsilon: float = 1e-5,
-               loop_friendly_conv: bool = False):
+               bn_momentum: float = 0.9, bn_epsilon: float = 1e-5):
     if depth not in STAGE_SIZES:
       raise ValueError(f"depth must be one of {sorted(STAGE_SIZES)}, got {depth}")
     kind, stage_sizes = STAGE_SIZES[depth]
     block_cls = BasicBlock if kind == "basic" else BottleneckBlock
     norm = _Norm(dtype=dtype, axis_name=axis_name, momentum=bn_momentum, epsilon=bn_epsilon)
-    conv = _ConvMaker(dtype=dtype, loop_friendly=loop_friendly_conv)
+    conv = _ConvMaker(dtype=dtype)
     self.depth = depth
     self.dtype = dtype
     self.stem_conv = conv(in_channels, num_filters, 7, 2, rngs=rngs)

@@ -21,7 +21,7 @@ import optax
 import pytest
 from flax import nnx
 
-from examples.resnet50 import input_pipeline, loop_conv, models, train
+from examples.resnet50 import input_pipeline, models, train
 from examples.resnet50.configs import (
   cpu as cpu_config,
   default as default_config,
@@ -95,41 +95,6 @@ def test_output_shapes_dtypes_and_batch_stats(small_models):
 def test_unknown_depth_raises():
   with pytest.raises(ValueError, match="depth must be one of"):
     models.ResNet(42, num_classes=10, rngs=nnx.Rngs(0))
-
-
-@pytest.mark.parametrize("size,kernel,stride,pad", [(8, 3, 1, 1), (8, 3, 2, 1), (7, 3, 2, 1),
-                                                    (32, 7, 2, 3), (8, 1, 2, 0), (9, 1, 1, 0)])
-def test_loop_conv_equals_lax_conv_values_and_gradients(size, kernel, stride, pad):
-  dn = jax.lax.conv_dimension_numbers((1, size, size, 5), (kernel, kernel, 5, 6),
-                                      ("NHWC", "HWIO", "NHWC"))
-
-  def loss(conv):
-    return lambda x, w: jnp.sum(jnp.sin(conv(x, w, (stride, stride), ((pad, pad), (pad, pad)),
-                                             dimension_numbers=dn)))
-
-  x = jax.random.normal(jax.random.PRNGKey(0), (16, size, size, 5))
-  w = jax.random.normal(jax.random.PRNGKey(1), (kernel, kernel, 5, 6))
-  ref = jax.jit(jax.value_and_grad(loss(jax.lax.conv_general_dilated), (0, 1)))(x, w)
-  new = jax.jit(jax.value_and_grad(loss(loop_conv.conv_general_dilated), (0, 1)))(x, w)
-  jax.tree.map(np.testing.assert_array_equal, ref, new)  # bitwise on one device
-  mesh = jax.make_mesh((8,), ("data",))
-  xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
-  ws = jax.device_put(w, jax.NamedSharding(mesh, jax.P()))
-  sharded = jax.jit(jax.value_and_grad(loss(loop_conv.conv_general_dilated), (0, 1)))(xs, ws)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), ref,
-               sharded)
-  assert sharded[1][1].sharding.is_fully_replicated
-
-
-def test_loop_conv_falls_back_for_other_convolutions():
-  x = jnp.ones((2, 8, 8, 4))
-  w = jnp.ones((3, 3, 2, 4))
-  dn = ("NHWC", "HWIO", "NHWC")
-  got = loop_conv.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn,
-                                       feature_group_count=2)
-  want = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn,
-                                      feature_group_count=2)
-  np.testing.assert_array_equal(got, want)
 
 
 # -- recipe -------------------------------------------------------------------

@@ -76,7 +76,6 @@ def create_model(config: ml_collections.ConfigDict, *, axis_name: str | None = N
                        num_filters=config.model.num_filters, dtype=compute_dtype(config),
                        axis_name=axis_name,
                        bn_momentum=config.model.get("bn_momentum", 0.9),
-                       loop_friendly_conv=config.model.get("loop_friendly_conv", False),
                        rngs=nnx.Rngs(params=config.seed))
 
 

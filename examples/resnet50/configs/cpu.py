@@ -18,8 +18,6 @@ Changed from the ImageNet recipe (``default.py``), and why:
 * 6 epochs of batch 128 with 1 warmup epoch (11 steps per epoch): the linear
   scaling rule and cosine decay are kept, lr = 0.1 * 128 / 256 = 0.05 peak.
 * float32 compute (bfloat16 convolutions are slow on CPU).
-* Convolution gradients through ``loop_conv.py``: XLA:CPU runs the plain
-  ones 3-4x slower inside loopkit's device loop (jax-ml/jax#12868).
 """
 
 from examples.resnet50.configs import default
@@ -38,7 +36,6 @@ def get_config():
   config.crop_fraction = 1.0
   config.shuffle_buffer = 2048         # the whole training set
   config.model.depth = 18
-  config.model.loop_friendly_conv = True  # 3-4x faster steps in the loop on XLA:CPU (loop_conv.py)
   config.half_precision = False
   config.global_batch_size = 128       # 16 per fake device; 11 steps per epoch
   config.num_epochs = 6

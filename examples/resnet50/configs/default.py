@@ -44,7 +44,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.depth = 50              # ResNet-50 v1.5 [He16], [MLPerf]
   config.model.num_filters = 64        # [He16]
   config.model.bn_momentum = 0.9       # running-average decay of BN statistics [Flax], [MLPerf]
-  config.model.loop_friendly_conv = False  # XLA:CPU workaround (loop_conv.py); CPU configs only
   config.half_precision = True         # bfloat16 compute, float32 params [Flax] (TPU)
 
   # -- optimisation -------------------------------------------------------------

@@ -27,7 +27,6 @@ def get_config():
   config.image_size = 32
   config.shuffle_buffer = 64
   config.model.num_filters = 8
-  config.model.loop_friendly_conv = True  # CPU (loop_conv.py)
   config.global_batch_size = 16        # 2 per fake device
   config.num_train_steps = 4
   config.iterations_per_loop = 2       # 2 device calls

@@ -1,0 +1,220 @@
+"""Convolutions relaid out into canonical order inside the loop body (loopkit.conv_layout)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import loopkit
+from loopkit import conv_layout
+
+CANONICAL_2D = "b01f_01io->b01f"
+
+# (lhs shape, kernel shape, dimension numbers, keyword arguments)
+CONVS = [
+    ((4, 9, 9, 3), (3, 3, 3, 5), ("NHWC", "HWIO", "NHWC"), dict(window_strides=(1, 1),
+                                                               padding="SAME")),
+    ((4, 9, 9, 3), (3, 3, 3, 5), ("NHWC", "HWIO", "NHWC"), dict(window_strides=(2, 2),
+                                                               padding="SAME")),
+    ((4, 3, 9, 9), (5, 3, 3, 3), ("NCHW", "OIHW", "NCHW"), dict(window_strides=(1, 2),
+                                                               padding="VALID")),
+    ((4, 9, 9, 4), (3, 3, 2, 6), ("NHWC", "HWIO", "NHWC"), dict(
+        window_strides=(1, 1), padding="SAME", rhs_dilation=(2, 2), feature_group_count=2)),
+    ((4, 11, 3), (3, 3, 5), ("NWC", "WIO", "NWC"), dict(window_strides=(2,), padding="SAME")),
+    ((2, 5, 6, 7, 2), (2, 2, 2, 2, 3), ("NDHWC", "DHWIO", "NDHWC"), dict(window_strides=(1, 1, 1),
+                                                                        padding="SAME")),
+]
+
+
+def _inputs(lhs_shape, rhs_shape):
+  kx, kw = jax.random.split(jax.random.key(0))
+  return jax.random.normal(kx, lhs_shape), jax.random.normal(kw, rhs_shape) * 0.3
+
+
+@pytest.mark.parametrize("lhs_shape,rhs_shape,dn,kw", CONVS)
+def test_rewritten_gradients_equal_the_plain_ones(lhs_shape, rhs_shape, dn, kw):
+  x, w = _inputs(lhs_shape, rhs_shape)
+
+  def loss(x, w):
+    return jnp.sum(jnp.tanh(lax.conv_general_dilated(x, w, dimension_numbers=dn, **kw)))
+
+  closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+  rewritable, unreached = conv_layout.count_convs(closed)
+  assert unreached == 0
+  assert rewritable >= 2  # the input gradient and the kernel gradient at least
+  plain = jax.jit(jax.extend.core.jaxpr_as_fun(closed))(x, w)
+  canonical = jax.jit(conv_layout.canonicalize_convs(closed))(x, w)
+  for p, c in zip(plain, canonical):
+    assert p.shape == c.shape and p.dtype == c.dtype
+    np.testing.assert_allclose(np.asarray(c), np.asarray(p), rtol=1e-5, atol=1e-5)
+
+
+def test_nhwc_gradients_are_bitwise_equal_and_counted():
+  x, w = _inputs((4, 9, 9, 3), (3, 3, 3, 5))
+
+  def loss(x, w):
+    y = lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.sum(y ** 2)
+
+  closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+  # The forward conv is canonical; the kernel and input gradients are not.
+  assert conv_layout.count_convs(closed) == (2, 0)
+  plain = jax.jit(jax.extend.core.jaxpr_as_fun(closed))(x, w)
+  canonical = jax.jit(conv_layout.canonicalize_convs(closed))(x, w)
+  for p, c in zip(plain, canonical):
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(p))
+
+
+def test_nested_jit_is_inlined_and_other_primitives_are_counted_unreached():
+  x, w = _inputs((4, 9, 9, 3), (3, 3, 3, 5))
+  conv = jax.jit(lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                       dimension_numbers=("NHWC", "HWIO", "NHWC")))
+  grad = jax.grad(lambda x, w: jnp.sum(conv(x, w) ** 2), argnums=(0, 1))
+  closed = jax.make_jaxpr(jax.jit(grad))(x, w)
+  assert conv_layout.count_convs(closed) == (2, 0)
+  in_cond = jax.make_jaxpr(lambda x, w: lax.cond(True, grad, grad, x, w))(x, w)
+  assert conv_layout.count_convs(in_cond) == (0, 4)  # two in each branch: left as they are
+  out = jax.jit(conv_layout.canonicalize_convs(closed))(x, w)
+  ref = jax.jit(grad)(x, w)
+  for p, c in zip(ref, out):
+    np.testing.assert_allclose(np.asarray(c), np.asarray(p), rtol=1e-6, atol=1e-6)
+
+
+def test_a_function_without_convolutions_is_evaluated_unchanged():
+  closed = jax.make_jaxpr(lambda a: jnp.sin(a) * 2)(jnp.ones(3))
+  assert conv_layout.count_convs(closed) == (0, 0)
+  assert conv_layout.canonicalize_convs(closed)(jnp.ones(3))[0].tolist() == pytest.approx(
+      [2 * np.sin(1.0)] * 3)
+
+
+# -- in the multi-step program -----------------------------------------------------
+
+TX = optax.sgd(0.05)
+
+
+def _cnn_params(seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  return {"c1": jax.random.normal(k1, (3, 3, 2, 4)) * 0.3,
+          "c2": jax.random.normal(k2, (3, 3, 4, 4)) * 0.3,
+          "d": jax.random.normal(k3, (4 * 4 * 4, 3)) * 0.1}
+
+
+def _cnn_loss(p, batch):
+  dn = ("NHWC", "HWIO", "NHWC")
+  h = jax.nn.relu(lax.conv_general_dilated(batch["x"], p["c1"], (2, 2), "SAME",
+                                           dimension_numbers=dn))
+  h = jax.nn.relu(lax.conv_general_dilated(h, p["c2"], (1, 1), "SAME", dimension_numbers=dn))
+  logits = h.reshape(h.shape[0], -1) @ p["d"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _cnn_step(state, batch):
+  loss, grads = jax.value_and_grad(_cnn_loss)(state["params"], batch)
+  updates, opt = TX.update(grads, state["opt"], state["params"])
+  return ({"params": optax.apply_updates(state["params"], updates), "opt": opt,
+           "step": state["step"] + 1}, {"loss": loss})
+
+
+def _cnn_state():
+  p = _cnn_params()
+  return {"params": p, "opt": TX.init(p), "step": jnp.zeros((), jnp.int32)}
+
+
+def _cnn_batches(n, b=8):
+  rng = np.random.default_rng(0)
+  return [{"x": rng.normal(size=(b, 8, 8, 2)).astype(np.float32),
+           "y": rng.integers(0, 3, size=(b,)).astype(np.int32)} for _ in range(n)]
+
+
+def _conv_labels(program, state, batches):
+  chunk = jax.tree.map(lambda *xs: np.stack(xs), *batches[:program.k])
+  state = program.place_state(state)
+  hlo = program._jitted.lower(state, jax.device_put(chunk, program.batch_sharding),
+                              jax.device_put(np.int32(1), program.replicated)).compile().as_text()
+  return re.findall(r"convolution\(.*?dim_labels=([^,]+)", hlo)
+
+
+@pytest.mark.parametrize("canonical", [True, False])
+def test_program_on_cpu_compiles_only_canonical_convolutions(canonical):
+  program = loopkit.MultiStepProgram(_cnn_step, iterations_per_loop=3,
+                                     mesh=loopkit.data_parallel_mesh(),
+                                     canonical_convs=canonical)
+  labels = _conv_labels(program, _cnn_state(), _cnn_batches(3))
+  assert len(labels) == 5  # 2 forward, 2 kernel gradients, 1 input gradient
+  if canonical:
+    assert labels == [CANONICAL_2D] * 5
+  else:  # what XLA:CPU keeps inside a loop body without the rewrite (jax-ml/jax#12868)
+    assert any(label != CANONICAL_2D for label in labels)
+
+
+def test_default_is_on_for_a_cpu_mesh():
+  program = loopkit.MultiStepProgram(_cnn_step, iterations_per_loop=2,
+                                     mesh=loopkit.data_parallel_mesh())
+  assert program.canonical_convs is True
+  loop = loopkit.TrainLoop(_cnn_step, iterations_per_loop=2, canonical_convs=False)
+  assert loop.program.canonical_convs is False
+
+
+@pytest.mark.parametrize("style", ["global", "per_device"])
+def test_cnn_final_params_bitwise_equal_across_k_and_close_to_a_jit_loop(style):
+  n = 10
+  data = _cnn_batches(n, b=16)
+  step = _cnn_step
+  if style == "per_device":
+    def step(state, batch):
+      loss, grads = jax.value_and_grad(_cnn_loss)(state["params"], batch)
+      grads, loss = jax.lax.pmean((grads, loss), "data")
+      updates, opt = TX.update(grads, state["opt"], state["params"])
+      return ({"params": optax.apply_updates(state["params"], updates), "opt": opt,
+               "step": state["step"] + 1}, {"loss": loss})
+  finals = {}
+  for k in (1, 3, 4, n):
+    loop = loopkit.TrainLoop(step, iterations_per_loop=k, step_style=style, prefetch=0)
+    assert loop.program.canonical_convs
+    finals[k] = jax.device_get(loop.run(_cnn_state(), iter(data), num_steps=n))
+    assert loop.program.compile_count() == 1
+    assert int(finals[k]["step"]) == n
+  for k in (3, 4, n):
+    jax.tree.map(np.testing.assert_array_equal, finals[k], finals[1])
+  mesh = loopkit.data_parallel_mesh()
+  jitted = jax.jit(_cnn_step, in_shardings=(NamedSharding(mesh, P()),
+                                            NamedSharding(mesh, P("data"))))
+  state = _cnn_state()
+  for b in data:
+    state, _ = jitted(state, b)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               finals[1]["params"], jax.device_get(state["params"]))
+
+
+@pytest.mark.parametrize("size,kernel,stride,pad", [(8, 3, 1, 1), (8, 3, 2, 1), (7, 3, 2, 1),
+                                                    (32, 7, 2, 3), (8, 1, 2, 0), (9, 1, 1, 0)])
+def test_resnet_convolutions_bitwise_on_one_device_and_under_explicit_sharding(
+    size, kernel, stride, pad):
+  """The ResNet's convolutions (stem, 3x3, strided, 1x1 projections), plain vs rewritten."""
+  dn = ("NHWC", "HWIO", "NHWC")
+
+  def loss(x, w):
+    y = lax.conv_general_dilated(x, w, (stride, stride), ((pad, pad), (pad, pad)),
+                                 dimension_numbers=dn)
+    return jnp.sum(jnp.sin(y))
+
+  x = jax.random.normal(jax.random.key(0), (16, size, size, 5))
+  w = jax.random.normal(jax.random.key(1), (kernel, kernel, 5, 6))
+  grad = jax.value_and_grad(loss, (0, 1))
+  ref = jax.jit(grad)(x, w)
+  got = jax.jit(conv_layout.with_canonical_convs(grad))(x, w)
+  jax.tree.map(np.testing.assert_array_equal, ref, got)
+  mesh = jax.make_mesh((8,), ("data",))  # jax's default: Explicit axes
+  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+  ws = jax.device_put(w, NamedSharding(mesh, P()))
+  closed = jax.make_jaxpr(grad)(xs, ws)
+  assert conv_layout.count_convs(closed)[0] >= 1
+  sharded = jax.jit(conv_layout.canonicalize_convs(closed))(xs, ws)
+  for want, have in zip(jax.tree.leaves(ref), sharded, strict=True):
+    np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-4)
+  assert sharded[2].sharding.is_fully_replicated  # the kernel gradient, all-reduced
