@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from loopkit.program import default_step_of
+from loopkit.program import check_step_style, default_step_of, resolve_mesh
 
 _ROUNDS = 6
 
@@ -166,10 +166,8 @@ class DeviceDataset:
                data_axis: str = "data", seed: int = 0, shuffle: bool = True,
                num_epochs: int | None = None,
                step_style: Literal["global", "per_device"] = "global"):
-    if data_axis not in mesh.axis_names:
-      raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
-    if step_style not in ("global", "per_device"):
-      raise ValueError(f"step_style must be 'global' or 'per_device', got {step_style!r}")
+    resolve_mesh(mesh, data_axis)
+    check_step_style(step_style)
     sizes = {np.shape(x)[0] for x in jax.tree.leaves(arrays)}
     if len(sizes) != 1:
       raise ValueError(f"all arrays need the same leading (example) size, got {sorted(sizes)}")

@@ -43,7 +43,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from loopkit.device_data import DeviceDataState
 from loopkit.feeding import ChunkFeeder
 from loopkit.hooks import Hook, LoopInfo
-from loopkit.program import data_parallel_mesh
+from loopkit.program import (
+  check_global_batch_size,
+  check_iterations_per_loop,
+  check_step_style,
+  resolve_mesh,
+)
 
 log = logging.getLogger("loopkit")
 
@@ -101,18 +106,10 @@ class Evaluator:
                mesh: Mesh | None = None, data_axis: str = "data",
                step_style: Literal["global", "per_device"] = "global",
                global_batch_size: int | None = None, prefetch: int = 2):
-    if isinstance(iterations_per_loop, bool) or not isinstance(iterations_per_loop, int) \
-        or iterations_per_loop < 1:
-      raise ValueError(f"iterations_per_loop must be an int >= 1, got {iterations_per_loop!r}")
-    if step_style not in ("global", "per_device"):
-      raise ValueError(f"step_style must be 'global' or 'per_device', got {step_style!r}")
-    self.mesh = mesh if mesh is not None else data_parallel_mesh(data_axis)
-    if data_axis not in self.mesh.axis_names:
-      raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
-                       f"{self.mesh.axis_names}")
-    self.data_parallel_size = self.mesh.shape[data_axis]
+    self.k = check_iterations_per_loop(iterations_per_loop)
+    check_step_style(step_style)
+    self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
     self.eval_step = eval_step
-    self.k = iterations_per_loop
     self.data_axis = data_axis
     self.step_style = step_style
     self.prefetch = prefetch
@@ -130,9 +127,7 @@ class Evaluator:
     self._jitted = jax.jit(fn, out_shardings=self._replicated)
 
   def _set_batch_size(self, b: int) -> None:
-    if b < 1 or b % self.data_parallel_size:
-      raise ValueError(f"global batch size {b} is not divisible by the data-parallel "
-                       f"size {self.data_parallel_size}")
+    check_global_batch_size(b, self.data_parallel_size)
     if b % jax.process_count():
       raise ValueError(f"global batch size {b} is not divisible by the process count "
                        f"{jax.process_count()}")

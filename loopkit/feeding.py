@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from loopkit.program import tree_mismatch
+from loopkit.program import check_global_batch_size, tree_mismatch
 
 log = logging.getLogger("loopkit")
 
@@ -257,10 +257,7 @@ class ChunkFeeder:
               f"batch leaf {jax.tree_util.keystr(path)} has shape {np.shape(x)}; every "
               f"leaf needs the same leading batch dimension ({b_local})")
       b_global = b_local * jax.process_count()
-      if b_global % self._dp:
-        raise ValueError(
-            f"global batch size {b_global} is not divisible by the data-parallel "
-            f"size {self._dp}")
+      check_global_batch_size(b_global, self._dp)
       self._spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 batch)
       spec_leaves, self._spec_def = jax.tree.flatten(self._spec)

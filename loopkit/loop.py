@@ -30,8 +30,10 @@ from loopkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.program import (
   MultiStepProgram,
   StepStyle,
-  data_parallel_mesh,
+  check_global_batch_size,
+  check_iterations_per_loop,
   default_step_of,
+  resolve_mesh,
   tree_mismatch,
 )
 
@@ -150,21 +152,12 @@ class TrainLoop:
     if isinstance(iterations_per_loop, TimeBasedK):
       self.time_based_k = iterations_per_loop
       iterations_per_loop = iterations_per_loop.max_iterations_per_loop
-    if isinstance(iterations_per_loop, bool) or not isinstance(iterations_per_loop, int):
-      raise ValueError(f"iterations_per_loop must be an int >= 1, got {iterations_per_loop!r}")
-    if iterations_per_loop < 1:
-      raise ValueError(f"iterations_per_loop must be >= 1, got {iterations_per_loop}")
+    iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
     if steps_per_epoch is not None and steps_per_epoch < 1:
       raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
-    self.mesh = mesh if mesh is not None else data_parallel_mesh(data_axis)
-    if data_axis not in self.mesh.axis_names:
-      raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
-                       f"{self.mesh.axis_names}")
-    self.data_parallel_size = self.mesh.shape[data_axis]
-    if global_batch_size is not None and global_batch_size % self.data_parallel_size:
-      raise ValueError(
-          f"global batch size {global_batch_size} is not divisible by the data-parallel "
-          f"size {self.data_parallel_size}")
+    self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
+    if global_batch_size is not None:
+      check_global_batch_size(global_batch_size, self.data_parallel_size)
     self.iterations_per_loop = iterations_per_loop
     self.hooks = list(hooks)
     for h in self.hooks:

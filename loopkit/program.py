@@ -86,6 +86,55 @@ def data_parallel_mesh(data_axis: str = "data", devices: Any = None) -> Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
+def check_iterations_per_loop(k: Any) -> int:
+  """Validates K, the steps (slots) per device call.
+
+  Returns:
+    ``k``.
+
+  Raises:
+    ValueError: ``k`` is not an int (bools are refused) or is < 1.
+  """
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+    raise ValueError(f"iterations_per_loop must be an int >= 1, got {k!r}")
+  if k < 1:
+    raise ValueError(f"iterations_per_loop must be >= 1, got {k}")
+  return int(k)
+
+
+def check_step_style(style: Any) -> None:
+  """Raises ValueError unless ``style`` is ``"global"`` or ``"per_device"``."""
+  if style not in ("global", "per_device"):
+    raise ValueError(f"step_style must be 'global' or 'per_device', got {style!r}")
+
+
+def resolve_mesh(mesh: Mesh | None, data_axis: str) -> tuple[Mesh, int]:
+  """The mesh to run on and its data-parallel size.
+
+  Args:
+    mesh: a mesh, or None for :func:`data_parallel_mesh` over all devices.
+    data_axis: the mesh axis the batch is split over.
+
+  Returns:
+    ``(mesh, data_parallel_size)``: the size of ``data_axis``.
+
+  Raises:
+    ValueError: ``data_axis`` is not an axis of ``mesh``.
+  """
+  mesh = mesh if mesh is not None else data_parallel_mesh(data_axis)
+  if data_axis not in mesh.axis_names:
+    raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
+  return mesh, mesh.shape[data_axis]
+
+
+def check_global_batch_size(global_batch_size: int, data_parallel_size: int) -> None:
+  """Raises ValueError unless the global batch splits evenly over the data-parallel size."""
+  if global_batch_size < 1 or global_batch_size % data_parallel_size:
+    raise ValueError(
+        f"global batch size {global_batch_size} is not divisible by the data-parallel "
+        f"size {data_parallel_size}")
+
+
 def _dtype(x: Any) -> np.dtype:
   dtype = getattr(x, "dtype", None)
   return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
@@ -146,10 +195,9 @@ class MultiStepProgram:
                data_axis: str = "data", style: StepStyle = "global",
                step_of: Callable[[Any], jax.Array] = default_step_of,
                canonical_convs: bool | None = None):
-    if style not in ("global", "per_device"):
-      raise ValueError(f"style must be 'global' or 'per_device', got {style!r}")
+    check_step_style(style)
     self.train_step = train_step
-    self.k = int(iterations_per_loop)
+    self.k = check_iterations_per_loop(iterations_per_loop)
     self.mesh = mesh
     self.data_axis = data_axis
     self.style = style
