@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit.hooks import Hook
+from tests import toy
 
 
 def step_fn(state, batch):
@@ -26,25 +26,7 @@ def batches(n, b=16):
   return [{"x": np.full((b, 2), float(i), np.float32)} for i in range(n)]
 
 
-class FakeClock:
-  """Time = ``secs_per_step`` x the last step observed (set by ``Tick`` at each boundary)."""
-
-  def __init__(self):
-    self.t = 0.0
-
-  def __call__(self):
-    return self.t
-
-
-class Tick(Hook):
-  needs_state = False
-
-  def __init__(self, clock, secs_per_step):
-    super().__init__()
-    self.clock, self.secs_per_step = clock, secs_per_step
-
-  def observe(self, info):
-    self.clock.t = info.end_step * self.secs_per_step
+FakeClock, Tick = toy.FakeClock, toy.Tick
 
 
 class TtyStream(io.StringIO):

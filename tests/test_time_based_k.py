@@ -6,35 +6,10 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit.hooks import Hook
 from loopkit.planner import TimeBasedK, parse_duration, plan_calls
 from tests import toy
 
-
-class FakeClock:
-  """A clock the test advances (``Tick``) by the cost of the steps observed."""
-
-  def __init__(self):
-    self.t = 0.0
-
-  def __call__(self):
-    return self.t
-
-
-class Tick(Hook):
-  """Advances the clock by the cost of the call's steps when the call is observed."""
-
-  needs_state = False
-
-  def __init__(self, clock, secs_per_step):
-    super().__init__()
-    self.clock, self.secs_per_step = clock, secs_per_step
-    self.lengths = []
-
-  def observe(self, info):
-    for s in range(info.start_step + 1, info.end_step + 1):
-      self.clock.t += self.secs_per_step(s)
-    self.lengths.append(info.num_steps)
+FakeClock, Tick = toy.FakeClock, toy.Tick
 
 
 def test_parse_duration():

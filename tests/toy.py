@@ -65,3 +65,34 @@ class SetPosition(loopkit.Hook):
 
   def on_run_start(self, loop, state):
     loop.data_position = self.position
+
+
+class FakeClock:
+  """A clock for ``time_fn=``-style injection; :class:`Tick` advances it."""
+
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
+
+
+class Tick(loopkit.Hook):
+  """Advances a :class:`FakeClock` by the cost of each observed call's steps.
+
+  ``secs_per_step`` is seconds per step, or a function of the (1-based) global
+  step giving that step's cost. The call lengths seen are kept in ``lengths``.
+  """
+
+  needs_state = False
+
+  def __init__(self, clock, secs_per_step):
+    super().__init__()
+    self.clock = clock
+    self.cost = secs_per_step if callable(secs_per_step) else (lambda _: secs_per_step)
+    self.lengths = []
+
+  def observe(self, info):
+    for s in range(info.start_step + 1, info.end_step + 1):
+      self.clock.t += self.cost(s)
+    self.lengths.append(info.num_steps)
