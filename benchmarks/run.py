@@ -34,10 +34,9 @@ RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 RAW = os.path.join(ROOT, "benchmarks", "results.json")  # the measurements behind RESULTS.md
 PACKAGES = ["jax", "jaxlib", "flax", "optax", "keras", "numpy", "loopkit"]
 KS = (1, 10, 100)
-# Steps per timed run, S, by (workload, device count): the same for every system.
-# The CNN's S is small: on CPU a convolution's gradient inside any compiled loop (the limit's
-# scan, loopkit's fori_loop) runs about 15x slower than in a plain jit (see README.md).
-DEFAULT_STEPS = {("mlp", 1): 5000, ("mlp", 8): 1000, ("cnn", 1): 30, ("cnn", 8): 30}
+# Steps per timed run, S, by (workload, device count): the same for every system. S >= 2 x 100
+# so that K=100 makes more than one call per run.
+DEFAULT_STEPS = {("mlp", 1): 5000, ("mlp", 8): 1000, ("cnn", 1): 300, ("cnn", 8): 200}
 CNN_MAX_REPEATS = 2
 
 # Targets from the issue (CPU, MLP workload).

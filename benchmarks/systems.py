@@ -132,6 +132,24 @@ def device_prefetch(batches: Iterable, sharding: Any, size: int = 2) -> Iterator
     enqueue(1)
 
 
+def per_step_loop(step: Callable, state: Any, batches: Iterable, wait_every: int,
+                  mark_at: int = -1, mark: Callable | None = None) -> Any:
+  """The Flax examples' train loop: one ``step`` call per batch, metrics fetched every
+  ``wait_every`` steps and at the end; ``mark()`` after step ``mark_at``. Returns the
+  final state, ready."""
+  train_metrics = []
+  for i, batch in enumerate(batches, 1):
+    state, metrics = step(state, batch)
+    train_metrics.append(metrics)
+    if i % wait_every == 0:
+      jax.device_get(train_metrics)
+      train_metrics = []
+    if i == mark_at and mark is not None:
+      mark()
+  jax.device_get(train_metrics)
+  return jax.block_until_ready(state)
+
+
 class System:
   """Protocol of a benchmarked system (see module docstring)."""
 
@@ -225,19 +243,9 @@ class PerStepJit(System):
 
   def _train(self, batches: Iterable, mark_at: int = -1, mark: Callable | None = None) -> Any:
     state = jax.device_put(wl.init_state(self.w), self.replicated)
-    train_metrics = []
     if self.prefetch:
       batches = device_prefetch(batches, self.batch_sharding)
-    for i, batch in enumerate(batches, 1):
-      state, metrics = self.step(state, batch)
-      train_metrics.append(metrics)
-      if i % self.wait_every == 0:
-        jax.device_get(train_metrics)
-        train_metrics = []
-      if i == mark_at:
-        mark()
-    jax.device_get(train_metrics)
-    return jax.block_until_ready(state)
+    return per_step_loop(self.step, state, batches, self.wait_every, mark_at, mark)
 
   def warm(self) -> None:
     self._train(self.batches[:2])
@@ -274,17 +282,8 @@ class PerStepPmap(System):
 
   def _train(self, batches: Iterable, mark_at: int = -1, mark: Callable | None = None) -> Any:
     state = self.jax_utils.replicate(wl.init_state(self.w))
-    train_metrics = []
-    for i, batch in enumerate(self.jax_utils.prefetch_to_device(iter(batches), 2), 1):
-      state, metrics = self.step(state, batch)
-      train_metrics.append(metrics)
-      if i % self.wait_every == 0:
-        jax.device_get(train_metrics)
-        train_metrics = []
-      if i == mark_at:
-        mark()
-    jax.device_get(train_metrics)
-    return jax.block_until_ready(state)
+    batches = self.jax_utils.prefetch_to_device(iter(batches), 2)
+    return per_step_loop(self.step, state, batches, self.wait_every, mark_at, mark)
 
   def warm(self) -> None:
     self._train(self.sharded[:2])
