@@ -399,7 +399,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--repeats", type=int, default=3, help="timed rounds per system (best kept)")
   p.add_argument("--mlp-steps", type=int, help="S for the MLP (default 5000 on 1 device, "
                  "1000 on 8)")
-  p.add_argument("--cnn-steps", type=int, help="S for the CNN (default 100)")
+  p.add_argument("--cnn-steps", type=int, help="S for the CNN (default 300 on 1 device, 200 on 8)")
   p.add_argument("--rss-calls", type=int, default=500, help="calls for the RSS growth (0: skip)")
   p.add_argument("--rss-secs", type=float, default=4.0,
                  help="fewer RSS calls where 500 would take longer than this")
