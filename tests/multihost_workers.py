@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import jax
@@ -298,6 +299,156 @@ def train_and_die(die_process: int, die_step: int = 4, exit_code: int = 17) -> d
 
   hook = loopkit.CallbackHook(die, at_steps=[die_step], at_end=False)
   return train(1000, 3, extra_hooks=[hook])
+
+
+# -- preemption while a chunk is read from a slow source ------------------------------------
+
+SLOW_K = 8  # iterations_per_loop: a chunk of the slow source takes SLOW_K * secs to form
+SLOW_STEPS = 24
+
+
+def numbered_batch(i: int) -> dict[str, np.ndarray]:
+  """Global batch i: example ids ``[16 i, 16 i + 16)`` as int32 ``"i"`` [16], and a
+  float32 regression pair ``"x"`` [16, 4], ``"y"`` [16, 2] drawn from seed i."""
+  rng = np.random.default_rng(1000 + i)
+  true_w = np.random.default_rng(0).normal(size=(4, 2)).astype(np.float32)
+  x = rng.normal(size=(GLOBAL_BATCH, 4)).astype(np.float32)
+  return {"i": np.arange(GLOBAL_BATCH * i, GLOBAL_BATCH * (i + 1), dtype=np.int32), "x": x,
+          "y": (x @ true_w).astype(np.float32)}
+
+
+def slow_shard(num_batches: int, secs: float, stats: dict, slow_from: int = SLOW_K,
+               marker_dir: str | None = None, mark_at: int | None = None,
+               gate: threading.Event | None = None):
+  """A generator of this process's rows of global batches 0..num_batches-1.
+
+  Batches ``>= slow_from`` sleep ``secs`` before they are yielded (a slow
+  reader). ``stats["pulled"]`` counts the batches read so far. As batch
+  ``mark_at`` starts, the file ``marker_dir/reading_<process>`` is written
+  with ``time.time()`` (so the test can signal while the chunk is half read).
+  Batch ``slow_from`` is read only once ``gate`` is set (if given).
+
+  Raises:
+    TimeoutError: ``gate`` not set within 60 s.
+  """
+  p, local = jax.process_index(), GLOBAL_BATCH // jax.process_count()
+  for i in range(num_batches):
+    if gate is not None and i == slow_from and not gate.wait(60):
+      raise TimeoutError("the first call did not complete within 60 s")
+    if marker_dir is not None and i == mark_at:
+      path = os.path.join(marker_dir, f"reading_{p}")
+      with open(path + ".tmp", "w") as f:
+        f.write(repr(time.time()))
+      os.replace(path + ".tmp", path)  # the test never reads a partial file
+    if i >= slow_from:
+      time.sleep(secs)
+    stats["pulled"] = i + 1
+    yield {k: v[p * local:(p + 1) * local] for k, v in numbered_batch(i).items()}
+
+
+def seen_step(state, batch):
+  """The toy update, and ``seen[step] = batch["i"]`` (the global batch consumed at step)."""
+  new, metrics = toy.make_global_step()(
+      {k: state[k] for k in ("params", "opt", "step")}, batch)
+  new["seen"] = state["seen"].at[state["step"]].set(batch["i"])
+  return new, metrics
+
+
+def seen_init_state(num_steps: int = SLOW_STEPS) -> dict:
+  state = toy.init_state()
+  state["seen"] = np.full((num_steps, GLOBAL_BATCH), -1, np.int32)
+  return state
+
+
+class StopClock(loopkit.Hook):
+  """Records ``time.time()`` and the step when the run's last boundary is handled.
+
+  Put it first in the hook list: at a preemption its ``after_call`` runs as soon
+  as the processes agree to stop, before the checkpoint is written.
+  """
+
+  needs_state = False
+
+  def __init__(self):
+    super().__init__(at_steps=[10**9], at_end=True)  # only at the end
+    self.time: float | None = None
+    self.step: int | None = None
+
+  def after_call(self, info, state):
+    del state
+    self.time, self.step = time.time(), info.end_step
+
+
+def _slow_summary(loop: loopkit.TrainLoop, state, stats: dict) -> dict:
+  return {"process_index": jax.process_index(), "status": loop.status,
+          "step": int(host_value(state["step"])), "ledger_step": loop.ledger.step,
+          "data_position": loop.data_position, "pulled": stats["pulled"],
+          "state": jax.tree.map(host_value, state), "compiles": loop.program.compile_count()}
+
+
+def train_slow_until_sigterm(directory: str, marker_dir: str, secs: float = 0.3,
+                             mark_at: int = SLOW_K + 2, num_steps: int = SLOW_STEPS) -> dict:
+  """Trains K = 8 from :func:`slow_shard` (``secs`` per batch after the first chunk).
+
+  The second chunk (batches 8-15) is read only after the first call (which
+  compiles) has completed, so the main thread waits in the feeder while it
+  forms. The test sends SIGTERM once ``marker_dir/reading_<p>`` exists, i.e.
+  while batch ``mark_at`` of that chunk is being read. The checkpoint hook's
+  cadence (1000) is never reached: it saves only at the preemption's boundary.
+  Times are ``time.time()`` (comparable with the test process's clock).
+  """
+  from loopkit.checkpoint import CheckpointHook
+
+  stats = {"pulled": 0}
+  clock = StopClock()
+  first_call_done = threading.Event()
+  gate = loopkit.CallbackHook(lambda info, state: first_call_done.set(), at_steps=[SLOW_K],
+                              at_end=False)  # needs_state: fires as the call completes
+  ckpt = CheckpointHook(directory, every_steps=1000)
+  loop = loopkit.TrainLoop(seen_step, iterations_per_loop=SLOW_K, hooks=[clock, gate, ckpt])
+  source = slow_shard(num_steps, secs, stats, marker_dir=marker_dir, mark_at=mark_at,
+                      gate=first_call_done)
+  state = loop.run(seen_init_state(num_steps), source, num_steps=num_steps)
+  returned = time.time()
+  out = _slow_summary(loop, state, stats)
+  out.update(stop_time=clock.time, stop_step=clock.step, return_time=returned,
+             saved_steps=list(ckpt.saved_steps), all_steps=ckpt.all_steps(),
+             signal_received=loop.preemption.signal_received,
+             requested=loop.preemption.requested)
+  ckpt.close()
+  return out
+
+
+def resume_slow(directory: str, num_steps: int = SLOW_STEPS) -> dict:
+  """Resumes :func:`train_slow_until_sigterm`'s checkpoint to ``num_steps`` (fast source),
+  then trains the same steps uninterrupted from the start (``reference``).
+
+  ``restored`` is what the latest checkpoint held before the resume (as numpy).
+  """
+  from loopkit.checkpoint import CheckpointHook
+
+  probe = CheckpointHook(directory)
+  like = loopkit.TrainLoop(seen_step, iterations_per_loop=1).program.place_state(
+      seen_init_state(num_steps))
+  r = probe.restore(like)
+  restored = {"step": r.step, "data_position": r.data_position,
+              "state": jax.tree.map(host_value, r.state)}
+  probe.close()
+  stats = {"pulled": 0}
+  ckpt = CheckpointHook(directory, every_steps=1000)
+  loop = loopkit.TrainLoop(seen_step, iterations_per_loop=SLOW_K, hooks=[ckpt])
+  state = loop.run(seen_init_state(num_steps), slow_shard(num_steps, 0.0, stats),
+                   num_steps=num_steps)
+  out = _slow_summary(loop, state, stats)
+  out.update(restored=restored, restored_step=ckpt.restored_step,
+             saved_steps=list(ckpt.saved_steps))
+  ckpt.close()
+  ref_stats = {"pulled": 0}
+  ref_loop = loopkit.TrainLoop(seen_step, iterations_per_loop=SLOW_K)
+  ref = ref_loop.run(seen_init_state(num_steps), slow_shard(num_steps, 0.0, ref_stats),
+                     num_steps=num_steps)
+  out["reference"] = _slow_summary(ref_loop, ref, ref_stats)
+  return out
 
 
 def main(argv: list[str]) -> None:
