@@ -135,6 +135,34 @@ def test_chunks_padded_with_zeros_and_positions_per_chunk(prefetch):
                                                           2)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_chunk_placement_after_the_first_two_equals_device_put(dtype):
+  """From the third chunk on, the transfer skips jax.device_put's per-call Python
+  (feeding._Placer): same values, dtype (float64 -> float32 without x64, which keeps
+  jax.device_put), sharding and commitment."""
+  source = [{"x": np.array([2 * i, 2 * i + 1], dtype), "y": np.array([[i], [-i]], np.int32)}
+            for i in range(10)]
+  feeder = _feeder(source, [3, 3, 2, 2], prefetch=0)
+  chunks = [feeder.next() for _ in range(4)]
+  feeder.close()
+  assert feeder._place._fast == (dtype == np.float32)
+  sharding = NamedSharding(MESH2, P(None, "data"))
+  for c, first in zip(chunks, [0, 3, 6, 8]):
+    want = {"x": np.zeros((3, 2), dtype), "y": np.zeros((3, 2, 1), np.int32)}
+    for j in range(c.length):
+      want["x"][j], want["y"][j] = source[first + j]["x"], source[first + j]["y"]
+    ref = jax.device_put(want, sharding)
+    for name in ("x", "y"):
+      got = c.batches[name]
+      assert got.dtype == ref[name].dtype and got.committed
+      assert got.sharding.is_equivalent_to(sharding, got.ndim)
+      assert [s.device for s in got.addressable_shards] == [
+          s.device for s in ref[name].addressable_shards]
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ref[name]))
+      for s, r in zip(got.addressable_shards, ref[name].addressable_shards):
+        np.testing.assert_array_equal(np.asarray(s.data), np.asarray(r.data))
+
+
 class Boom(Exception):
   pass
 
