@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -53,6 +54,8 @@ log = logging.getLogger("loopkit")
 
 _DONE = object()
 _POLL_SECS = 0.05  # how often a waiting ``next`` looks at the interrupt event
+_ALIGN_BYTES = 64  # chunk leaves this aligned are aliased by XLA:CPU, not copied
+_ALIGN_MIN_BYTES = 1 << 16  # below this a copy costs less than aligning
 CLOSE_TIMEOUT_SECS = 5.0
 """Default seconds ``ChunkFeeder.close`` (and interpreter exit) wait for a producer
 thread to leave the source's ``next``."""
@@ -284,6 +287,7 @@ class ChunkFeeder:
     self._spec = None
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
+    self._align = next(iter(batch_sharding.device_set)).platform == "cpu"
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
     self._thread = None
@@ -342,6 +346,20 @@ class ChunkFeeder:
       raise ValueError(problem)
     return jax.tree.leaves(batch)
 
+  def _empty_leaf(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised chunk leaf ``[K, B, ...]``.
+
+    On CPU devices a large one (>= ``_ALIGN_MIN_BYTES``) is 64-byte aligned, so
+    placing it aliases the buffer instead of copying it (XLA:CPU aliases only
+    aligned host buffers; the feeder never writes a placed leaf again).
+    """
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if not self._align or nbytes < _ALIGN_MIN_BYTES:
+      return np.empty(shape, dtype)
+    buf = np.empty(nbytes + _ALIGN_BYTES, np.uint8)
+    offset = -buf.__array_interface__["data"][0] % _ALIGN_BYTES
+    return buf[offset:offset + nbytes].view(dtype).reshape(shape)
+
   def _form(self, n: int) -> Chunk | None:
     """Forms a chunk of ``n`` batches; None when halted (nothing placed or counted)."""
     got: list[Any] = []
@@ -363,13 +381,14 @@ class ChunkFeeder:
       return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0))
 
     def stack(xs, spec):
-      # [n * B, ...] by concatenation, viewed as [n, B, ...]: half the cost of
-      # np.stack for many small batches (every leaf has a leading batch axis).
+      # [n * B, ...] by concatenation into [K, B, ...]: half the cost of np.stack
+      # for many small batches (every leaf has a leading batch axis).
       shape, dtype = spec
-      if len(xs) == self._k:
-        return np.concatenate(xs).reshape((self._k,) + shape)
-      arr = np.zeros((self._k,) + shape, dtype)  # a short call: zero padding slots
-      np.concatenate(xs, out=arr[:len(xs)].reshape((len(xs) * shape[0],) + shape[1:]))
+      n = len(xs)
+      arr = self._empty_leaf((self._k,) + shape, dtype)
+      np.concatenate(xs, out=arr[:n].reshape((n * shape[0],) + shape[1:]))
+      if n < self._k:  # a short call: zero padding slots
+        arr[n:] = 0
       return arr
 
     arrays = [stack(xs, spec) for xs, spec in zip(zip(*got), self._leaf_specs)]

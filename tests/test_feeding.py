@@ -163,6 +163,31 @@ def test_chunk_placement_after_the_first_two_equals_device_put(dtype):
         np.testing.assert_array_equal(np.asarray(s.data), np.asarray(r.data))
 
 
+def test_large_chunk_leaves_aligned_and_padded_with_zeros():
+  """Leaves >= 64 KiB are formed in 64-byte aligned buffers (XLA:CPU then aliases them);
+  their padding slots are zeroed like small ones."""
+  rng = np.random.default_rng(0)
+  source = [{"x": rng.standard_normal((2, 8192)).astype(np.float32)} for _ in range(5)]
+  feeder = _feeder(source, [3, 2, 3], prefetch=0)
+  arr = feeder._empty_leaf((3, 2, 8192), np.dtype(np.float32))
+  assert arr.__array_interface__["data"][0] % 64 == 0 and arr.shape == (3, 2, 8192)
+  empty_leaf = feeder._empty_leaf
+
+  def garbage_leaf(shape, dtype):  # uninitialised memory need not be zeros
+    leaf = empty_leaf(shape, dtype)
+    leaf.fill(7)
+    return leaf
+
+  feeder._empty_leaf = garbage_leaf
+  chunks = [feeder.next() for _ in range(2)]
+  feeder.close()
+  np.testing.assert_array_equal(np.asarray(chunks[0].batches["x"]), np.stack(
+      [b["x"] for b in source[:3]]))
+  want = np.zeros((3, 2, 8192), np.float32)
+  want[:2] = [b["x"] for b in source[3:5]]
+  np.testing.assert_array_equal(np.asarray(chunks[1].batches["x"]), want)
+
+
 class Boom(Exception):
   pass
 
