@@ -287,7 +287,7 @@ class ChunkFeeder:
     self._spec = None
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
-    self._align = next(iter(batch_sharding.device_set)).platform == "cpu"
+    self._align = batch_sharding.mesh.devices.flat[0].platform == "cpu"
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
     self._thread = None
