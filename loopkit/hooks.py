@@ -171,6 +171,8 @@ class NanCheckHook(Hook):
     names = self.metric_names if self.metric_names is not None else sorted(info.traces)
     for name in names:
       trace = info.traces[name]
+      if np.isfinite(trace).all():
+        continue
       bad = np.flatnonzero(~np.isfinite(trace))
       if bad.size:
         step = info.start_step + int(bad[0]) + 1
