@@ -331,10 +331,15 @@ class ChunkFeeder:
       self._leaf_specs = [(s.shape, s.dtype) for s in spec_leaves]
       self.global_batch_size = b_global
       return jax.tree.leaves(batch)
-    # Fast path (per batch, on the prefetch thread): one flatten and a shape and
-    # dtype compare per leaf; tree_mismatch only to word the error.
-    leaves, treedef = jax.tree.flatten(batch)
-    if treedef == self._spec_def:
+    # Fast path (per batch, on the prefetch thread): one flatten along the first
+    # batch's structure (raises on any other node type or key set; a subtree where
+    # the first batch had a leaf has no array shape) and a shape and dtype compare
+    # per leaf; tree_mismatch only to word the error.
+    try:
+      leaves = self._spec_def.flatten_up_to(batch)
+    except (ValueError, TypeError):
+      pass
+    else:
       for x, (shape, dtype) in zip(leaves, self._leaf_specs):
         if getattr(x, "shape", None) != shape or getattr(x, "dtype", None) != dtype:
           break

@@ -188,6 +188,21 @@ def test_large_chunk_leaves_aligned_and_padded_with_zeros():
   np.testing.assert_array_equal(np.asarray(chunks[1].batches["x"]), want)
 
 
+@pytest.mark.parametrize("change", ["extra key", "missing key", "subtree for a leaf",
+                                    "list for a tuple", "None for a leaf"])
+def test_batch_structure_change_is_an_error(change):
+  x = np.array([0, 1], np.int32)
+  first = {"x": x, "t": (x, x)}
+  later = {"extra key": {"x": x, "t": (x, x), "z": x}, "missing key": {"x": x},
+           "subtree for a leaf": {"x": {"a": x}, "t": (x, x)},
+           "list for a tuple": {"x": x, "t": [x, x]},
+           "None for a leaf": {"x": None, "t": (x, x)}}[change]
+  feeder = _feeder([first, first, later], [3], prefetch=0)
+  with pytest.raises(ValueError, match=r"batch for step 3 differs from the first batch: "):
+    feeder.next()
+  feeder.close()
+
+
 class Boom(Exception):
   pass
 
