@@ -410,7 +410,7 @@ def test_resnet_example_cpu_config_on_two_processes(tmp_path):
 
 # -- preemption while the next chunk is read from a slow source -------------------------------
 
-SLOW_SECS = 0.3  # per batch of workers.slow_shard after the first chunk (K = 8: 2.4 s a chunk)
+SLOW_SECS = 0.5  # per batch of workers.slow_shard after the first chunk (K = 8: 4 s a chunk)
 # The signal goes out as batch 10 (the 3rd of steps 9-16) is read; the main thread waits for
 # the chunk in the feeder (workers.train_slow_until_sigterm reads it after the first call).
 MARK_AT = workers.SLOW_K + 2
@@ -489,16 +489,16 @@ def test_preemption_while_a_slow_chunk_forms_on_two_processes(tmp_path, signalle
     else:  # the whole chunk (batches 8-15) was read, then discarded at the agreement
       assert r["pulled"] >= 16
   assert_params_bitwise(p0["state"]["params"], p1["state"]["params"], "process 0 vs 1")
-  assert min(rest) > 1.2, f"the signal came late: {rest}"  # the test's set-up, not loopkit
+  assert min(rest) > 2.0, f"the signal came late: {rest}"  # the test's set-up, not loopkit
   if signalled == (0, 1):
     # The feeder does not wait for the batch in flight (its 50 ms poll, then the
     # all-gather): bounded generously by two batch times, well under the rest of the chunk.
-    assert max(stop) < 2 * SLOW_SECS, (stop, rest)
+    assert max(stop) < 3 * SLOW_SECS, (stop, rest)  # well under the ~3 s left in the chunk
   else:
     # Process 0 reads the rest of its chunk before it reaches the agreement (it learns of
     # the preemption only there); process 1 waits for it in the all-gather.
     assert min(stop) > rest[0] - 0.1, (stop, rest)
-    assert max(stop) < rest[0] + 0.9, (stop, rest)
+    assert max(stop) < rest[0] + 2.0, (stop, rest)
   assert t_exit - t_signal < max(stop) + 20  # checkpoint write, shutdown, interpreter exit
 
   t1 = time.monotonic()
