@@ -309,6 +309,8 @@ class TrainLoop:
         self.ledger.add_time("compile" if first_call else "dispatch", time.perf_counter() - t0)
         self.ledger.advance(chunk.length, chunk.global_batch_size)
         end = self.ledger.step
+        if first_call and self.program.style == "per_device" and self.data_parallel_size > 1:
+          self._check_replicas(state, start, end)
         is_last = end >= target or chunk.exhausted
         if pending is not None:
           last, _ = self._finish(pending, None)
@@ -384,6 +386,21 @@ class TrainLoop:
     warnings.warn(
         f"the batch iterator ran out at step {self.ledger.step} before num_steps={target}; "
         "stopping after the last full step", DataExhaustedWarning, stacklevel=3)
+
+  def _check_replicas(self, state: Any, start: int, end: int) -> None:
+    """After the first per-device call: every device's copy of the state must agree."""
+    t0 = time.perf_counter()
+    diverged = self.program.diverged_leaves(state)
+    self.ledger.add_time("compile", time.perf_counter() - t0)
+    if diverged:
+      axis = self.program.data_axis
+      raise ValueError(
+          f"after the first device call (steps {start + 1}..{end}) the devices' copies of "
+          f"state leaves {', '.join(diverged[:5])}{' ...' if len(diverged) > 5 else ''} "
+          f"differ across the {axis!r} axis: a step_style='per_device' train_step must keep "
+          f"the state identical on every device, e.g. average gradients with "
+          f"jax.lax.pmean(grads, {axis!r}) before the update (and BatchNorm statistics with "
+          f"axis_name={axis!r})")
 
   def _finish(self, p: _Pending, state: Any) -> tuple[tuple[LoopInfo, set[int]] | None, Any]:
     """Fetches a call's outputs (one device_get) and runs its hooks.

@@ -135,9 +135,14 @@ def check_global_batch_size(global_batch_size: int, data_parallel_size: int) -> 
         f"size {data_parallel_size}")
 
 
-def _dtype(x: Any) -> np.dtype:
+def _dtype(x: Any) -> Any:
   dtype = getattr(x, "dtype", None)
-  return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+  if dtype is None:
+    return np.asarray(x).dtype
+  try:
+    return np.dtype(dtype)
+  except TypeError:  # an extended dtype, e.g. a new-style PRNG key's key<fry>
+    return dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +212,7 @@ class MultiStepProgram:
     self.canonical_convs = bool(canonical_convs)
     self.trace_count = 0
     self._jitted = None
+    self._replica_check: Callable[[Any], Any] | None = None
     self.state_shardings = None
 
   @property
@@ -301,6 +307,39 @@ class MultiStepProgram:
       self._build(state)
     assert self._jitted is not None
     return self._jitted(state, batches, num_steps)
+
+  def diverged_leaves(self, state: Any) -> list[str]:
+    """Paths of the state's leaves whose copies differ between devices on the data axis.
+
+    For the ``"per_device"`` style, whose state is replicated: a step that
+    forgets ``lax.pmean(grads, data_axis)`` trains each device's copy apart
+    without any error. Compiled once (a ``pmax``/``pmin`` per leaf on the
+    devices); blocks until ``state`` is ready. NaNs in the same places agree.
+
+    Returns:
+      ``jax.tree_util.keystr`` paths, in leaf order; empty when all agree.
+    """
+    if self._replica_check is None:
+      axis = self.data_axis
+
+      def differs(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+          x = jax.random.key_data(x)
+        if x.dtype == jnp.bool_:
+          x = x.astype(jnp.int8)
+        parts = [x]
+        if jnp.issubdtype(x.dtype, jnp.inexact):  # XLA's max/min all-reduce skips NaNs
+          nan = jnp.isnan(x)
+          parts = [jnp.where(nan, jnp.zeros_like(x), x), nan.astype(jnp.int8)]
+        return jnp.logical_not(jnp.all(jnp.stack([
+            jnp.all(jax.lax.pmax(p, axis) == jax.lax.pmin(p, axis)) for p in parts])))
+
+      self._replica_check = jax.jit(jax.shard_map(
+          lambda s: jax.tree.map(differs, s), mesh=self.mesh, in_specs=P(), out_specs=P(),
+          check_vma=False))
+    flags = jax.device_get(self._replica_check(state))
+    return [jax.tree_util.keystr(path) or "<root>"
+            for path, bad in jax.tree_util.tree_flatten_with_path(flags)[0] if bad]
 
   def compile_count(self) -> int:
     """Number of executables compiled for this program (1 in a healthy run)."""

@@ -5,6 +5,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import loopkit
@@ -316,3 +317,31 @@ def test_num_steps_below_state_step_is_logged(caplog):
     state = loop.run(state, iter(toy.batches(4)), num_steps=2)
   assert "nothing to run: the state is at step 4 and num_steps is 2" in caplog.text
   assert int(state["step"]) == 4 and loop.ledger.step == 4
+
+
+def test_per_device_step_without_pmean_is_caught_after_the_first_call():
+  """Forgetting lax.pmean trains each device's copy apart: an error names the leaf."""
+  def no_pmean(state, batch):
+    loss, grads = jax.value_and_grad(toy.loss_fn)(state["params"], batch)
+    updates, opt = toy.TX.update(grads, state["opt"], state["params"])
+    return ({"params": optax.apply_updates(state["params"], updates), "opt": opt,
+             "step": state["step"] + 1}, {"loss": loss})
+
+  loop = loopkit.TrainLoop(no_pmean, iterations_per_loop=3, step_style="per_device")
+  with pytest.raises(ValueError, match=r"first device call \(steps 1\.\.3\) the devices' copies "
+                     r"of state leaves \['opt'\]\[0\]\.mu\['b'\].*lax\.pmean\(grads, 'data'\)"):
+    loop.run(toy.init_state(), toy.batches(9), num_steps=9)
+  assert loop.ledger.step == 3  # stopped after the first call, not at the end of the run
+
+
+def test_replica_check_accepts_keys_bools_ints_and_nans_that_agree():
+  def step(state, batch):
+    del batch
+    return ({**state, "step": state["step"] + 1}, {"loss": jnp.float32(0)})
+
+  state = {"key": jax.random.key(3), "flag": jnp.array([True, False]),
+           "nan": jnp.array([jnp.nan, 1.0]), "step": jnp.zeros((), jnp.int32)}
+  loop = loopkit.TrainLoop(step, iterations_per_loop=2, step_style="per_device")
+  out = loop.run(state, toy.batches(4), num_steps=4)
+  assert int(out["step"]) == 4
+  assert loop.program.diverged_leaves(out) == []
