@@ -39,6 +39,7 @@ import numpy as np
 
 from loopkit import metrics as metrics_lib
 from loopkit.triggers import Trigger
+from loopkit.writers import ConsoleWriter
 
 log = logging.getLogger("loopkit")
 
@@ -181,13 +182,27 @@ class NanCheckHook(Hook):
             f"{info.loop_index} ran steps {info.start_step + 1}..{info.end_step})")
 
 
+def _prints_to_console(writer: Any) -> bool:
+  """Whether ``writer`` logs its scalars itself (a ConsoleWriter, possibly wrapped)."""
+  if isinstance(writer, ConsoleWriter):
+    return True
+  inner = getattr(writer, "writers", None)  # MultiWriter
+  if isinstance(inner, list):
+    return any(_prints_to_console(w) for w in inner)
+  wrapped = getattr(writer, "writer", None)  # AsyncWriter
+  return wrapped is not None and wrapped is not writer and _prints_to_console(wrapped)
+
+
 class LoggingHook(Hook):
   """Logs metrics averaged (merged) over all calls since its last firing.
 
   Args:
     writer: optional object with ``write_scalars(step: int, scalars: dict)``
       (e.g. :class:`loopkit.writers.JsonlWriter`); metrics are also logged to
-      the ``loopkit`` Python logger at INFO (by process 0 only on multi-host).
+      the ``loopkit`` Python logger at INFO (by process 0 only on multi-host),
+      unless the writer prints them itself (a
+      :class:`~loopkit.writers.ConsoleWriter`, alone or inside a
+      ``MultiWriter`` / ``AsyncWriter``, as :func:`create_default_writer` makes).
     per_step: also write every step's value at its true step number.
     **trigger: see :class:`Hook` (default: every call).
   """
@@ -198,6 +213,7 @@ class LoggingHook(Hook):
     super().__init__(**trigger)
     self.writer = writer
     self.per_step = per_step
+    self._log = not _prints_to_console(writer)
     self._acc: dict[str, metrics_lib.Metric] = {}
     self.records: list[tuple[int, dict[str, float]]] = []
 
@@ -215,7 +231,7 @@ class LoggingHook(Hook):
     self._acc = {}
     scalars.update(epoch=info.epoch, examples_seen=info.examples_seen)
     self.records.append((info.end_step, scalars))
-    if jax.process_index() == 0:  # multi-host: one log line per boundary, not one per process
+    if self._log and jax.process_index() == 0:  # multi-host: one line per boundary
       log.info("step %d: %s", info.end_step,
                ", ".join(f"{k}={v:.6g}" if isinstance(v, float) and not math.isnan(v)
                          else f"{k}={v}" for k, v in scalars.items()))

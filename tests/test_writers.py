@@ -220,3 +220,28 @@ def test_writer_conformance(tmp_path, make):
   w.flush()
   w.close()
   w.close()
+
+
+@pytest.mark.parametrize("kind,lines", [("none", 1), ("jsonl", 1), ("console", 1),
+                                        ("default", 1), ("async_multi_console", 1)])
+def test_logging_hook_logs_each_boundary_once(kind, lines, tmp_path, caplog):
+  """A writer that prints to the console replaces the hook's own log line, never doubles it."""
+  writer = {"none": None,
+            "jsonl": writers_lib.JsonlWriter(tmp_path / "m.jsonl"),
+            "console": writers_lib.ConsoleWriter(),
+            "default": writers_lib.create_default_writer(tmp_path),
+            "async_multi_console": writers_lib.AsyncWriter(writers_lib.MultiWriter(
+                [writers_lib.ConsoleWriter(), writers_lib.NullWriter()]))}[kind]
+
+  def step(state, batch):
+    return {"step": state["step"] + 1}, {"loss": jnp.mean(batch["x"])}
+
+  hook = loopkit.LoggingHook(writer, every_steps=2)
+  with caplog.at_level(logging.INFO, logger="loopkit"):
+    loopkit.TrainLoop(step, iterations_per_loop=2, hooks=[hook]).run(
+        {"step": jnp.zeros((), jnp.int32)}, [{"x": np.full((8, 1), i, np.float32)}
+                                              for i in range(4)], num_steps=4)
+    if writer is not None:
+      writer.close()
+  at_4 = [m for m in caplog.messages if m.startswith("step 4: loss=2.5")]
+  assert len(at_4) == lines, caplog.messages
