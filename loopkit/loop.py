@@ -236,6 +236,7 @@ class TrainLoop:
     """
     target = self._target(num_steps, num_epochs)
     self.target_step = target
+    self._num_epochs = num_epochs
     self._t_mark = time.perf_counter()
     if self.time_based_k is not None:
       self.time_based_k.start()
@@ -383,9 +384,13 @@ class TrainLoop:
 
   def _warn_exhausted(self, target: int) -> None:
     self.status = "data_exhausted"
+    asked = (f"num_epochs={self._num_epochs} (x steps_per_epoch={self.steps_per_epoch} = "
+             f"{target} steps)" if self._num_epochs is not None else f"num_steps={target}")
     warnings.warn(
-        f"the batch iterator ran out at step {self.ledger.step} before num_steps={target}; "
-        "stopping after the last full step", DataExhaustedWarning, stacklevel=3)
+        f"the batch iterator ran out at step {self.ledger.step} before {asked}; stopping after "
+        "the last full step. The batches are read once, as one stream: for more epochs repeat "
+        "them (itertools.chain.from_iterable(itertools.repeat(batches, n)), tf.data's "
+        ".repeat(), or loopkit.ArraySource)", DataExhaustedWarning, stacklevel=3)
 
   def _check_replicas(self, state: Any, start: int, end: int) -> None:
     """After the first per-device call: every device's copy of the state must agree."""

@@ -293,10 +293,23 @@ class MultiStepProgram:
         out_shardings=(self.state_shardings, self.replicated))
 
   def place_state(self, state: Any) -> Any:
-    """Puts ``state`` on the mesh with the pinned shardings (explicit transfer)."""
+    """Puts ``state`` on the mesh with the pinned shardings (explicit transfer).
+
+    Leaves that are one and the same array get separate buffers (the state is
+    donated, and a buffer can be donated once)."""
     if self._jitted is None:
       self._build(state)
-    return jax.device_put(state, self.state_shardings)
+    placed = jax.device_put(state, self.state_shardings)
+    # A leaf that is the same array as an earlier one ({"params": p, "ema": p}) would be
+    # donated twice, which XLA refuses: give it a buffer of its own.
+    leaves, treedef = jax.tree.flatten(placed)
+    seen: set[int] = set()
+    for i, x in enumerate(leaves):
+      if isinstance(x, jax.Array):
+        if id(x) in seen:
+          leaves[i] = jax.device_put(x, x.sharding, may_alias=False)
+        seen.add(id(x))
+    return jax.tree.unflatten(treedef, leaves)
 
   def __call__(self, state: Any, batches: Any, num_steps: jax.Array) -> tuple[Any, CallOutput]:
     """Runs ``num_steps`` steps (device int32 scalar) over ``batches`` ``[K, B, ...]``.

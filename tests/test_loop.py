@@ -345,3 +345,29 @@ def test_replica_check_accepts_keys_bools_ints_and_nans_that_agree():
   out = loop.run(state, toy.batches(4), num_steps=4)
   assert int(out["step"]) == 4
   assert loop.program.diverged_leaves(out) == []
+
+
+def test_a_state_sharing_one_array_in_two_leaves_is_donated_safely():
+  """{"params": p, "ema": p}: the same buffer twice would be donated twice (XLA refuses)."""
+  p = toy.init_state()["params"]
+  p = jax.device_put(p, jax.NamedSharding(loopkit.data_parallel_mesh(), jax.P()))
+
+  def step(state, batch):
+    new, metrics = toy.make_global_step()({k: state[k] for k in ("params", "opt", "step")},
+                                          batch)
+    ema = jax.tree.map(lambda e, q: 0.9 * e + 0.1 * q, state["ema"], new["params"])
+    return {**new, "ema": ema}, metrics
+
+  state = {**toy.init_state(), "params": p, "ema": p}
+  out = loopkit.TrainLoop(step, iterations_per_loop=2).run(state, toy.batches(4), num_steps=4)
+  assert int(out["step"]) == 4
+  assert not np.array_equal(np.asarray(out["params"]["w"]), np.asarray(out["ema"]["w"]))
+
+
+def test_data_exhausted_with_num_epochs_names_the_epochs_and_how_to_repeat():
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, steps_per_epoch=6)
+  with pytest.warns(loopkit.DataExhaustedWarning,
+                    match=r"ran out at step 6 before num_epochs=2 \(x steps_per_epoch=6 = 12 "
+                          r"steps\).*repeat"):
+    state = loop.run(toy.init_state(), toy.batches(6), num_epochs=2)
+  assert int(state["step"]) == 6 and loop.status == "data_exhausted"
