@@ -4,7 +4,7 @@ K train steps per device call, events landing exactly on their steps, and
 results that do not depend on K.
 """
 
-from loopkit import conv_layout, goodput, metrics, tune
+from loopkit import conv_layout, goodput, metrics
 from loopkit.device_data import DeviceDataset, DeviceDataState
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate
 from loopkit.goodput import GoodputHook, GoodputSummary
@@ -52,9 +52,10 @@ def __getattr__(name):
   if name in _LAZY:
     import importlib  # pylint: disable=g-import-not-at-top
     return getattr(importlib.import_module(_LAZY[name]), name)
-  if name == "testing":  # test helpers, imported on first use (they import pytest if present)
+  if name in ("testing", "tune"):  # imported on first use: testing imports pytest if present;
+    # tune runs as `python -m loopkit.tune`, which warns if the package imported it already
     import importlib  # pylint: disable=g-import-not-at-top
-    return importlib.import_module("loopkit.testing")
+    return importlib.import_module(f"loopkit.{name}")
   raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
 
 __all__ = [

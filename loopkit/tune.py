@@ -273,11 +273,20 @@ def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS
 
   Returns:
     A :class:`TuneResult`.
+
+  Raises:
+    ValueError: a sized ``batches`` (e.g. a list) shorter than
+      ``(warmup_calls + calls) * max(ks)``, before anything is measured.
   """
   train_step, init_state, batches = target() if callable(target) else target
   if callable(init_state):
     init_state = init_state()
   init_state = jax.device_get(init_state)
+  need = (warmup_calls + calls) * max(int(k) for k in ks)
+  if hasattr(batches, "__len__") and not callable(batches) and len(batches) < need:
+    raise ValueError(  # before any K is measured, not after the small ones
+        f"sweep needs at least {need} batches ((warmup_calls={warmup_calls} + calls={calls}) x "
+        f"the largest K={max(int(k) for k in ks)}); the source has {len(batches)}")
   best: dict[int, TuneRow] = {}
   for rep in range(repeats):  # rounds over all K: slow drifts of the machine hit every K alike
     for k in ks:

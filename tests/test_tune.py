@@ -1,6 +1,8 @@
 """K tuner: a tiny sweep measures every K, recommends the smallest within 2% of the best,
 writes a PNG; the command line works on the built-in demo and on a module:function."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import loopkit
@@ -86,3 +88,18 @@ def test_cli_bad_arguments():
 
 def test_exported():
   assert loopkit.tune is tune
+
+
+def test_sweep_checks_a_sized_source_before_measuring_anything():
+  calls = []
+
+  def step(state, batch):
+    calls.append(1)  # traced only if a K were measured
+    return {"step": state["step"] + 1}, {"loss": jnp.mean(batch["x"])}
+
+  state = {"step": jnp.zeros((), jnp.int32)}
+  batches = [{"x": np.zeros((8, 1), np.float32)}] * 20
+  with pytest.raises(ValueError, match=r"sweep needs at least 64 batches \(\(warmup_calls=1 \+ "
+                     r"calls=3\) x the largest K=16\); the source has 20"):
+    loopkit.tune.sweep((step, state, batches), ks=(1, 4, 16))
+  assert calls == []
