@@ -127,13 +127,7 @@ class Ends(loopkit.Hook):
     self.ends.append(info.end_step)
 
 
-def assert_bitwise(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
-                          strict=True):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-    assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+assert_bitwise = toy.assert_bitwise
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

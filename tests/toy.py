@@ -96,3 +96,13 @@ class Tick(loopkit.Hook):
     for s in range(info.start_step + 1, info.end_step + 1):
       self.clock.t += self.cost(s)
     self.lengths.append(info.num_steps)
+
+
+def assert_bitwise(a, b):
+  """Same tree; every leaf the same dtype, shape and bytes (names the first that is not)."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
+                          strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+    assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
