@@ -112,10 +112,6 @@ def canonical_conv(lhs: jax.Array, rhs: jax.Array, **params: Any) -> jax.Array:
   return lax.transpose(out_c, tuple(src))
 
 
-def _rewritable(params: dict[str, Any]) -> bool:
-  return not _canonical_specs(params["dimension_numbers"])
-
-
 def count_convs(jaxpr: Any) -> tuple[int, int]:
   """Counts the non-canonical convolutions a rewrite would and would not reach.
 
@@ -131,7 +127,7 @@ def count_convs(jaxpr: Any) -> tuple[int, int]:
   done = left = 0
   for eqn in jaxpr.eqns:
     if eqn.primitive is lax.conv_general_dilated_p:
-      done += _rewritable(eqn.params)
+      done += not is_canonical(eqn.params)
     elif eqn.primitive.name in _CALL_PRIMITIVES and "jaxpr" in eqn.params:
       inner_done, inner_left = count_convs(eqn.params["jaxpr"])
       done, left = done + inner_done, left + inner_left
@@ -157,7 +153,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
     with (_source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
           eqn.ctx.manager):
-      if eqn.primitive is lax.conv_general_dilated_p and _rewritable(eqn.params):
+      if eqn.primitive is lax.conv_general_dilated_p and not is_canonical(eqn.params):
         outs = [canonical_conv(*invals, **eqn.params)]
       elif (eqn.primitive.name in _CALL_PRIMITIVES and "jaxpr" in eqn.params
             and count_convs(eqn.params["jaxpr"])[0]):

@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from loopkit.program import check_global_batch_size, tree_mismatch
+from loopkit.program import check_global_batch_size, is_cpu_mesh, tree_mismatch
 
 try:  # the transfer under jax.device_put (not public API; without it, jax.device_put)
   from jax._src.interpreters import pxla as _pxla
@@ -287,7 +287,7 @@ class ChunkFeeder:
     self._spec = None
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
-    self._align = batch_sharding.mesh.devices.flat[0].platform == "cpu"
+    self._align = is_cpu_mesh(batch_sharding.mesh)
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
     self._thread = None

@@ -33,6 +33,7 @@ from loopkit.program import (
   check_global_batch_size,
   check_iterations_per_loop,
   default_step_of,
+  is_cpu_mesh,
   resolve_mesh,
   tree_mismatch,
 )
@@ -282,7 +283,7 @@ class TrainLoop:
                          interrupt=self.preemption.event)
     pending: _Pending | None = None
     last: tuple[LoopInfo, set[int]] | None = None
-    self._copy_async = self.mesh.devices.flat[0].platform != "cpu"  # see _fetch
+    self._copy_async = not is_cpu_mesh(self.mesh)  # see _fetch
     returning = False  # False while an exception propagates: close without waiting
     try:
       self.preemption.install()

@@ -86,6 +86,11 @@ def data_parallel_mesh(data_axis: str = "data", devices: Any = None) -> Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
+def is_cpu_mesh(mesh: Any) -> bool:
+  """Whether ``mesh`` (a concrete ``Mesh``) is on CPU devices (XLA:CPU)."""
+  return mesh.devices.flat[0].platform == "cpu"
+
+
 def check_iterations_per_loop(k: Any) -> int:
   """Validates K, the steps (slots) per device call.
 
@@ -208,7 +213,7 @@ class MultiStepProgram:
     self.style = style
     self.step_of = step_of
     if canonical_convs is None:
-      canonical_convs = mesh.devices.flat[0].platform == "cpu"
+      canonical_convs = is_cpu_mesh(mesh)
     self.canonical_convs = bool(canonical_convs)
     self.trace_count = 0
     self._jitted = None
