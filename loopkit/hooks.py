@@ -100,7 +100,7 @@ class Hook:
 
   needs_state: bool = True
 
-  def __init__(self, *, every_steps: int | None = None, every_epochs: int | None = None,
+  def __init__(self, *, every_steps: int | None = None, every_epochs: float | None = None,
                at_steps: Sequence[int] | None = None, every_secs: float | None = None,
                at_end: bool = True):
     self.trigger = Trigger(every_steps=every_steps, every_epochs=every_epochs,
@@ -227,6 +227,8 @@ class LoggingHook(Hook):
             {f"{k}_per_step": float(v[i]) for k, v in info.traces.items()})
 
   def after_call(self, info, state):
+    if not self._acc:  # nothing ran since the last row (e.g. a run that made no call)
+      return None
     scalars = {k: metrics_lib.compute(v) for k, v in self._acc.items()}
     self._acc = {}
     scalars.update(epoch=info.epoch, examples_seen=info.examples_seen)
