@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from loopkit import metrics as metrics_lib
 from loopkit.boundary import agree
-from loopkit.feeding import ChunkFeeder, open_source
+from loopkit.feeding import ChunkFeeder, open_source, warn_if_pmap_layout
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger
 from loopkit.planner import TimeBasedK, parse_duration, plan_calls
@@ -139,7 +139,8 @@ class TrainLoop:
   Raises:
     ValueError: K < 1 or not an int or duration; ``max_iterations_per_loop``
       with an int K; ``global_batch_size`` not divisible by the data-parallel
-      size; ``steps_per_epoch`` < 1.
+      size; ``steps_per_epoch`` < 1; a hook's ``every_epochs`` that is not a
+      whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
   Attributes:
     ledger: the :class:`~loopkit.ledger.Ledger` (after ``run`` starts).
@@ -191,6 +192,8 @@ class TrainLoop:
         raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
                         "(or wrap a function in loopkit.CallbackHook)")
     self.steps_per_epoch = steps_per_epoch
+    if steps_per_epoch is not None:
+      self._check_triggers()
     self.prefetch = prefetch
     self.step_of = step_of
     self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
@@ -272,6 +275,7 @@ class TrainLoop:
               f"{type(h).__name__} restored a state at step {restored_step} but left the "
               f"ledger at step {self.ledger.step}")
         step0 = restored_step
+    self._check_triggers()
     for h in self.hooks:
       h.trigger.start_clock()
     source, start_position = open_source(batches, self.data_position, step0)
@@ -294,6 +298,7 @@ class TrainLoop:
     last: tuple[LoopInfo, set[int]] | None = None
     self._copy_async = not is_cpu_mesh(self.mesh)  # see _fetch
     returning = False  # False while an exception propagates: close without waiting
+    checked_layout = False
     try:
       self.preemption.install()
       while True:
@@ -304,6 +309,9 @@ class TrainLoop:
           if chunk is not None:
             self._warn_exhausted(target)
           break
+        if not checked_layout and not chunk.interrupted:
+          checked_layout = True
+          warn_if_pmap_layout(chunk.batches, self.data_parallel_size)
         if self._global_batch_size is None and not chunk.interrupted:
           self._global_batch_size = chunk.global_batch_size
           if self.ledger.examples_seen == 0:
@@ -408,6 +416,18 @@ class TrainLoop:
         "the last full step. The batches are read once, as one stream: for more epochs repeat "
         "them (itertools.chain.from_iterable(itertools.repeat(batches, n)), tf.data's "
         ".repeat(), or loopkit.ArraySource)", DataExhaustedWarning, stacklevel=3)
+
+  def _check_triggers(self) -> None:
+    """Every hook's marks are whole steps for this loop's ``steps_per_epoch`` (case C31).
+
+    Raises:
+      ValueError: naming the hook, ``every_epochs`` and ``steps_per_epoch``.
+    """
+    for h in self.hooks:
+      try:
+        h.trigger.epoch_period(self.steps_per_epoch)
+      except ValueError as e:
+        raise ValueError(f"{type(h).__name__}: {e}") from None
 
   def _epoch_of(self, end: int) -> tuple[int, int]:
     """(0-based epoch, steps done in it) of the call that ends at global step ``end``."""
