@@ -47,9 +47,11 @@ def agree(local: Sequence[bool]) -> list[bool]:
     A list of bools of the same length, identical on every process: True where
     at least one process answered True.
   """
+  if jax.process_count() == 1:
+    return [bool(x) for x in local]
   flags = np.asarray([bool(x) for x in local], np.int32)
-  if jax.process_count() == 1 or flags.size == 0:
-    return [bool(x) for x in flags]
+  if flags.size == 0:
+    return []
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   gathered = np.asarray(multihost_utils.process_allgather(flags))  # [processes, n]
   return [bool(x) for x in gathered.reshape(-1, flags.size).any(axis=0)]
