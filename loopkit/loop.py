@@ -137,8 +137,8 @@ class TrainLoop:
       (default) = on when the mesh is on CPU devices.
 
   Raises:
-    ValueError: K < 1 or not an int or duration; ``max_iterations_per_loop``
-      with an int K; ``global_batch_size`` not divisible by the data-parallel
+    ValueError: K < 1 or not an int or duration; a duration K on several
+      processes; ``max_iterations_per_loop`` with an int K; ``global_batch_size`` not divisible by the data-parallel
       size; ``steps_per_epoch`` < 1; a hook's ``every_epochs`` that is not a
       whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
@@ -175,6 +175,13 @@ class TrainLoop:
       raise ValueError("max_iterations_per_loop is only for a duration iterations_per_loop "
                        f"such as '30s', got iterations_per_loop={iterations_per_loop!r}")
     if isinstance(iterations_per_loop, TimeBasedK):
+      if jax.process_count() > 1:  # a host-local decision the boundary agreement cannot carry
+        raise ValueError(
+            f"iterations_per_loop={iterations_per_loop!r} chooses call lengths from this "
+            f"process's clock, ahead of time (the feeder plans prefetched calls), so "
+            f"{jax.process_count()} processes would run calls of different lengths and "
+            "their collectives would not match: pass an int K on several processes (measure "
+            "one with `python -m loopkit.tune` on one process)")
       self.time_based_k = iterations_per_loop
       iterations_per_loop = iterations_per_loop.max_iterations_per_loop
     iterations_per_loop = check_iterations_per_loop(iterations_per_loop)

@@ -478,6 +478,10 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
     out["callback"].append(fired)
     out["saved"].append(list(ckpt.saved_steps))
     out["status"].append((loop.status, loop.ledger.step))
+  try:  # a time-based K decides from this process's clock: refused on several processes
+    loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop="1s")
+  except ValueError as e:
+    out["time_based_k_error"] = str(e)
   flags = [False, False, True, False]
   agree(flags)  # warm up
   t0 = time.perf_counter()
