@@ -182,6 +182,31 @@ def default_step_of(state: Any) -> jax.Array:
       "(attribute or dict key) or pass step_of=... to TrainLoop")
 
 
+def leaf_fingerprint(x: jax.Array) -> jax.Array:
+  """Two uint32 words that summarise the bits of an array (any dtype, typed PRNG keys too).
+
+  Word 0 is ``sum(u[i] * (2 i + 1))`` and word 1 ``sum((u[i] ^ (u[i] >> 15)) *
+  (2654435761 i | 1))``, modulo 2**32, over the array's bits ``u`` as uint32
+  (8- and 16-bit elements widened, 64-bit ones split in two words). Equal arrays
+  give equal words; a change of any element changes word 0 unless it is a
+  multiple of 2**32 apart in that weighted sum, and both words collide only by
+  accident (the weights differ per position, so permutations are caught too).
+  Traceable (used inside :meth:`MultiStepProgram.diverged_leaves`).
+  """
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  width = jnp.dtype(x.dtype).itemsize
+  u = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+                                       8: jnp.uint32}[width]).astype(jnp.uint32).reshape(-1)
+  i = jax.lax.iota(jnp.uint32, u.size)
+  w0 = i * jnp.uint32(2) + jnp.uint32(1)
+  w1 = (i * jnp.uint32(2654435761)) | jnp.uint32(1)
+  return jnp.stack([jnp.sum(u * w0, dtype=jnp.uint32),
+                    jnp.sum((u ^ (u >> jnp.uint32(15))) * w1, dtype=jnp.uint32)])
+
+
 class MultiStepProgram:
   """Builds and runs the compiled multi-step program for one train step.
 
@@ -331,8 +356,12 @@ class MultiStepProgram:
 
     For the ``"per_device"`` style, whose state is replicated: a step that
     forgets ``lax.pmean(grads, data_axis)`` trains each device's copy apart
-    without any error. Compiled once (a ``pmax``/``pmin`` per leaf on the
-    devices); blocks until ``state`` is ready. NaNs in the same places agree.
+    without any error. Each device reduces every leaf's bits to a fingerprint
+    (:func:`leaf_fingerprint`, two uint32 words); one all-reduce (``pmax`` and
+    ``pmin``) of those ``[leaves, 2]`` words compares them, so the cost is one
+    read of the state per device, not an all-reduce of the whole state.
+    Compiled once; blocks until ``state`` is ready. Bitwise comparison: NaNs
+    with the same bits agree.
 
     Returns:
       ``jax.tree_util.keystr`` paths, in leaf order; empty when all agree.
@@ -340,21 +369,13 @@ class MultiStepProgram:
     if self._replica_check is None:
       axis = self.data_axis
 
-      def differs(x):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-          x = jax.random.key_data(x)
-        if x.dtype == jnp.bool_:
-          x = x.astype(jnp.int8)
-        parts = [x]
-        if jnp.issubdtype(x.dtype, jnp.inexact):  # XLA's max/min all-reduce skips NaNs
-          nan = jnp.isnan(x)
-          parts = [jnp.where(nan, jnp.zeros_like(x), x), nan.astype(jnp.int8)]
-        return jnp.logical_not(jnp.all(jnp.stack([
-            jnp.all(jax.lax.pmax(p, axis) == jax.lax.pmin(p, axis)) for p in parts])))
+      def differs(s):
+        prints = jnp.stack([leaf_fingerprint(x) for x in jax.tree.leaves(s)])  # [L, 2]
+        bad = jnp.any(jax.lax.pmax(prints, axis) != jax.lax.pmin(prints, axis), axis=1)
+        return jax.tree.unflatten(jax.tree.structure(s), list(bad))
 
       self._replica_check = jax.jit(jax.shard_map(
-          lambda s: jax.tree.map(differs, s), mesh=self.mesh, in_specs=P(), out_specs=P(),
-          check_vma=False))
+          differs, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False))
     flags = jax.device_get(self._replica_check(state))
     return [jax.tree_util.keystr(path) or "<root>"
             for path, bad in jax.tree_util.tree_flatten_with_path(flags)[0] if bad]
