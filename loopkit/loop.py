@@ -26,6 +26,7 @@ from loopkit.boundary import agree
 from loopkit.feeding import ChunkFeeder, open_source, warn_if_pmap_layout
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger
+from loopkit.logs import install_default_handler
 from loopkit.planner import TimeBasedK, parse_duration, plan_calls
 from loopkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.program import (
@@ -206,6 +207,7 @@ class TrainLoop:
     self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
                                     mesh=self.mesh, data_axis=data_axis, style=step_style,
                                     step_of=step_of, canonical_convs=canonical_convs)
+    install_default_handler()  # a plain script shows loopkit's lines (loopkit.logs)
     _warn_gpu_while_dispatch(self.mesh)
     self.ledger: Ledger | None = None
     self.status: str | None = None

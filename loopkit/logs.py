@@ -1,0 +1,100 @@
+"""loopkit's console output: visible by default, on process 0 only.
+
+loopkit logs through the Python logger ``"loopkit"``: :class:`~loopkit.LoggingHook`'s
+metric lines, :class:`~loopkit.ConsoleWriter`, the goodput summary, warnings.
+Python shows nothing below WARNING from a logger nobody configured, so a plain
+script (no ``logging.basicConfig``, no ``absl.app.run``) would print none of
+its metrics. Keras and CLU (through absl) print by default; so does loopkit:
+
+* :func:`install_default_handler` (called when a :class:`~loopkit.TrainLoop`
+  is built) gives the ``"loopkit"`` logger a handler that writes to stderr,
+  INFO and above, **only while the application has configured no logging**: it
+  stays silent as soon as the root logger has a handler (``basicConfig``,
+  absl, a framework), which then shows loopkit's records itself, so nothing is
+  printed twice.
+* On multi-host runs processes other than 0 print only warnings and errors.
+* INFO lines print as they are (``step 25: loss=0.0123, ...``); warnings and
+  errors are prefixed ``loopkit WARNING:``.
+
+To silence it: ``logging.getLogger("loopkit").setLevel(logging.WARNING)``, or
+configure logging yourself. Thread-safe (Python logging is).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import jax
+
+__all__ = ["install_default_handler"]
+
+LOGGER_NAME = "loopkit"
+
+
+class _Formatter(logging.Formatter):
+  def format(self, record: logging.LogRecord) -> str:
+    message = record.getMessage()
+    if record.levelno >= logging.WARNING:
+      message = f"{LOGGER_NAME} {record.levelname}: {message}"
+    if record.exc_info:
+      message = f"{message}\n{self.formatException(record.exc_info)}"
+    return message
+
+
+class _DefaultHandler(logging.StreamHandler):
+  """stderr, while nobody configured logging; INFO on process 0 only."""
+
+  def __init__(self):
+    super().__init__(stream=None)  # sys.stderr at emit time (pytest's capture swaps it)
+    self.setFormatter(_Formatter())
+
+  def emit(self, record: logging.LogRecord) -> None:
+    if logging.getLogger().handlers:  # the application configured logging: it shows this
+      return
+    if record.levelno < logging.WARNING and _process_index() != 0:
+      return
+    self.stream = sys.stderr
+    super().emit(record)
+
+
+def _process_index() -> int:
+  try:
+    return jax.process_index()
+  except Exception:  # noqa: BLE001  (a backend that failed to start: still print)
+    return 0
+
+
+class _AsIfUnset(logging.Filter):
+  """While the application configured logging, keep what the root level would keep.
+
+  The logger's INFO level is only for the default handler: an application
+  that configured logging at WARNING must not start seeing loopkit's INFO
+  lines through its own handlers. Inactive once someone else changes the level.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    root = logging.getLogger()
+    if not root.handlers or logging.getLogger(LOGGER_NAME).level != logging.INFO:
+      return True
+    return record.levelno >= root.getEffectiveLevel()
+
+
+def install_default_handler() -> bool:
+  """Makes loopkit's INFO lines visible in a script that configured no logging.
+
+  Idempotent. Leaves the logger alone when it already has a handler or an
+  explicit level (the user's choice).
+
+  Returns:
+    Whether the handler is installed now (or was already).
+  """
+  logger = logging.getLogger(LOGGER_NAME)
+  if any(isinstance(h, _DefaultHandler) for h in logger.handlers):
+    return True
+  if logger.handlers or logger.level != logging.NOTSET:
+    return False
+  logger.addHandler(_DefaultHandler())
+  logger.addFilter(_AsIfUnset())
+  logger.setLevel(logging.INFO)
+  return True
