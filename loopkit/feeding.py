@@ -85,7 +85,7 @@ def _join_stranded_at_exit() -> None:
   for thread, name, wait in stranded:
     thread.join(timeout=max(0.0, min(wait, deadline - time.monotonic())))
     if thread.is_alive():
-      log.warning("loopkit: at exit, the prefetch thread is still inside next() of the data "
+      log.warning("at exit, the prefetch thread is still inside next() of the data "
                   "source %s; the interpreter exits with it there", name)
 
 
@@ -531,7 +531,7 @@ class ChunkFeeder:
     self._thread.join(timeout=wait)
     if self._thread.is_alive():
       if wait > 0:
-        log.warning("loopkit: the data source %s is still inside next() %.1f s after the run "
+        log.warning("the data source %s is still inside next() %.1f s after the run "
                     "stopped; its prefetch thread ends when next() returns (interpreter exit "
                     "waits up to %.1f s for it)", self._source_name, wait,
                     self._close_timeout_secs)
