@@ -103,8 +103,10 @@ def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
   itself, for both step styles. A user coming from ``jax.pmap`` may pass
   ``[D, B / D, ...]`` (D = devices): each device then trains on a
   ``[1, B / D, ...]`` slice with a wrong leading axis, silently. The sign: the
-  batch axis equals the data-parallel size, and every leaf has a second axis
-  of one common size.
+  batch axis equals the data-parallel size, and every leaf (two or more; with a
+  single leaf ``[D, b]`` is as likely D examples of b features) has a second
+  axis of one common size, labels included (a global batch's labels are
+  ``[B]``).
 
   Args:
     batches: a chunk's pytree of ``[K, B, ...]`` arrays (global shapes).
@@ -114,7 +116,7 @@ def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
     Whether it warned.
   """
   shapes = [np.shape(x) for x in jax.tree.leaves(batches)]
-  if data_parallel_size < 2 or not shapes or any(len(s) < 3 for s in shapes):
+  if data_parallel_size < 2 or len(shapes) < 2 or any(len(s) < 3 for s in shapes):
     return False
   if any(s[1] != data_parallel_size for s in shapes) or len({s[2] for s in shapes}) != 1:
     return False
