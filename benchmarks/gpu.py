@@ -433,6 +433,12 @@ def worker(args: argparse.Namespace) -> int:
   _emit("META", {"flag": args.flag, "device_kind": dev.device_kind, "platform": dev.platform,
                  "device_count": jax.device_count(), "jax": jax.__version__,
                  "xla_flags": os.environ.get("XLA_FLAGS", "")})
+  if plan.platform != "cpu" and dev.platform == "cpu":  # no accelerator: ResNet-50 here would
+    for variant in args.variants.split(","):           # only spend the budget
+      _emit("ROW", {"variant": variant, "flag": args.flag, "status": "failed: no accelerator: "
+                    f"JAX sees only cpu devices (plan {plan.name})"})
+    _emit("DONE", {})
+    return 0
   bench = None
   for variant in args.variants.split(","):
     compiled = frozenset(bench.programs) if bench is not None else frozenset()

@@ -96,3 +96,13 @@ def test_a_worker_past_its_deadline_records_skips_not_failures():
   assert got.done and got.returncode == 0 and got.meta["platform"] == "cpu"
   assert [r["variant"] for r in got.rows] == ["K=100", "mlp"]
   assert all(r["status"].startswith("skipped") for r in got.rows)
+
+
+def test_the_accelerator_plan_on_a_cpu_fails_its_variants_at_once():
+  t0 = time.time()
+  got = gpu.launch_worker(gpu.H200, "on", ["mlp", "per-step"], deadline=t0 + 100,
+                          hard_deadline=t0 + 120, estimates=None)
+  assert got.done and got.meta["platform"] == "cpu"
+  assert gpu.COMMAND_BUFFER_FLAG in got.meta["xla_flags"].split()
+  assert [r["status"] for r in got.rows] == [
+      "failed: no accelerator: JAX sees only cpu devices (plan h200)"] * 2
