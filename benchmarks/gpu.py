@@ -58,6 +58,7 @@ import json
 import os
 import queue
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -612,8 +613,9 @@ def run_all(plan: Plan, flags: list[str], variants: list[str] | None,
   metas: dict[str, dict] = {}
   notes: list[str] = []
   estimates = None
-  autotune_dir = (tempfile.mkdtemp(prefix="loopkit-gpu-autotune-")
-                  if autotune_cache and plan.platform == "gpu" else None)
+  made = (tempfile.mkdtemp(prefix="loopkit-gpu-autotune-")
+          if autotune_cache and plan.platform == "gpu" else None)
+  autotune_dir = made
   for i, flag in enumerate(flags):
     todo = [v for v in (variants or ORDER[flag])]
     share_deadline = time.time() + (hard_deadline - time.time()) / (len(flags) - i)
@@ -651,6 +653,8 @@ def run_all(plan: Plan, flags: list[str], variants: list[str] | None,
                    "worker in this flag's share"})
   if autotune_dir:
     notes.append(f"workers shared XLA's autotuning results ({AUTOTUNE_CACHE_FLAG})")
+  if made:
+    shutil.rmtree(made, ignore_errors=True)
   return {"rows": rows, "metas": metas, "wall_s": time.time() - t0, "estimates": estimates,
           "notes": notes}
 

@@ -106,3 +106,13 @@ def test_the_accelerator_plan_on_a_cpu_fails_its_variants_at_once():
   assert gpu.COMMAND_BUFFER_FLAG in got.meta["xla_flags"].split()
   assert [r["status"] for r in got.rows] == [
       "failed: no accelerator: JAX sees only cpu devices (plan h200)"] * 2
+
+
+def test_an_autotune_cache_flag_xla_rejects_is_dropped_and_noted(monkeypatch):
+  # XLA aborts on an unknown flag before JAX is up; the parent retries without it.
+  monkeypatch.setattr(gpu, "AUTOTUNE_CACHE_FLAG", "--xla_gpu_no_such_flag_for_this_test")
+  res = gpu.run_all(gpu.H200, ["off"], ["mlp"], autotune_cache=True)
+  assert [r["status"] for r in res["rows"]] == [
+      "failed: no accelerator: JAX sees only cpu devices (plan h200)"]
+  assert res["notes"] == ["XLA does not know --xla_gpu_no_such_flag_for_this_test: ran without "
+                          "a shared autotuning cache"]
