@@ -148,7 +148,9 @@ class TrainLoop:
     status: ``"completed"``, ``"data_exhausted"``, ``"preempted"`` or ``"stopped"``
       (or the reason given to :meth:`request_stop`) after ``run``.
     preemption: the run's :class:`~loopkit.preemption.PreemptionWatcher`
-      (``loop.preemption.request()`` preempts as a signal would).
+      (``loop.preemption.request()`` preempts as a signal would, also before
+      ``run``); after ``run`` it still tells what stopped the run
+      (``signal_received``), and the next ``run`` starts with a fresh one.
     program: the :class:`~loopkit.program.MultiStepProgram`.
     iterations_per_loop: the compiled slot count K (the cap, for time-based K).
     time_based_k: the :class:`~loopkit.planner.TimeBasedK`, or None.
@@ -215,6 +217,7 @@ class TrainLoop:
     self._stop_reason: str | None = None
     self.preemption_signals = tuple(preemption_signals)
     self.preemption = PreemptionWatcher(self.preemption_signals)
+    self._preemption_used = False
     self._global_batch_size = global_batch_size
     self.target_step: int | None = None
     self._t_mark = 0.0
@@ -259,6 +262,9 @@ class TrainLoop:
       self.time_based_k.start()
     self._state_spec = None
     self._replicas_checked_at = None
+    if self._preemption_used:  # a request made since the last run (or before the first) counts
+      self.preemption = PreemptionWatcher(self.preemption_signals)
+      self._preemption_used = False
     state = self._admit(state, None)
     counter = self.step_of(state)
     if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
@@ -380,7 +386,7 @@ class TrainLoop:
       returning = True
     finally:
       self.preemption.uninstall()
-      self.preemption = PreemptionWatcher(self.preemption_signals)  # the next run starts clean
+      self._preemption_used = True  # kept for reading (signal_received); the next run renews it
       feeder.close(wait_secs=None if returning else 0.0)
       self._tick_total()
     return state
