@@ -10,8 +10,9 @@ Cost of the mechanism (documented, measured in ``benchmarks/``): a call of
 ``n < K`` steps computes only ``n`` steps, but its input chunk still has K slots,
 so ``K - n`` batches of padding cross to the device for that call; calls are
 only shorter than K at events, epoch ends and the tail. A dynamic trip count
-also keeps XLA from unrolling the loop, which is why the step is compiled
-identically for every K and final parameters are bitwise equal across K.
+also keeps XLA from unrolling the loop, which (with the slot padding below)
+is why the step is compiled identically for every K and final parameters are
+bitwise equal across K.
 
 Two step styles:
   * ``"global"``: ``train_step`` sees global arrays (the batch sharded on the
@@ -21,18 +22,22 @@ Two step styles:
     ``lax.pmean(grads, "data")``; the program is
     ``jit(shard_map(fori_loop(step)))`` with the state replicated.
 
-The step compiles alike for every K. With K = 1 the chunk's slot index is a
-size-1 dynamic slice, which XLA folds away: the batch becomes loop-invariant and
-XLA's while-loop invariant code motion hoists every batch-only computation out
-of the loop (one-hot labels, the input's f32 conversion, the batch statistics of
-a BatchNorm on the input), which changes the fusions left in the body and, in
-float16/bfloat16, the results in the last bits (issue 13, case C38: a Flax
-ResNet-18 at K = 1 differed from K = 2, 3, 4, 13 and ``jax.pmap``). So the body
-passes the loop counter, the state and the slot's batch through one
-``lax.optimization_barrier`` before the step and the step's outputs through
-another after it: every input of the step is loop-variant for every K, nothing
-is hoisted, and neither the slicing nor the writing of the ``[K]`` metric
-traces can fuse into the step. Measured cost in ``benchmarks/barrier_cost.py``.
+The step compiles alike for every K. A chunk of K = 1 has a size-1 slot axis,
+and XLA folds a dynamic slice of a size-1 axis into a plain reshape: the batch
+becomes loop-invariant, while-loop invariant code motion hoists the step's
+batch-only work out of the loop (one-hot labels, the input's f32 conversion,
+the batch statistics of a BatchNorm on the input) and the body left behind is
+fused differently, which in float16/bfloat16 changes results in the last bits
+(issue 13, case C38: a Flax ResNet-18 at K = 1 differed from K = 2, 3, 4, 13
+and ``jax.pmap``, which agree bitwise). So the body is compiled for at least
+``MIN_SLOTS = 2`` slots: at K = 1 the program appends one zero slot to the
+chunk on the device (a copy of one batch per call) and keeps a 2-slot metric
+trace, returning its first slot. The K = 1 loop body is then the K = 2 body,
+instruction for instruction (``tests/test_k_invariance.py`` compares the
+optimized HLO). ``lax.optimization_barrier`` around the step was not used: it
+stops the hoisting but XLA:CPU expands barriers before fusion, so the slot
+slice still fused differently at K = 1, and it cost a dispatch-bound step
+about 30% at K = 100 (``benchmarks/k1_slot_cost.py`` has the padding's cost).
 
 The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.
@@ -415,6 +420,11 @@ class MultiStepProgram:
     """Runs ``num_steps`` steps (device int32 scalar) over ``batches`` ``[K, B, ...]``.
 
     Dispatches asynchronously; ``state`` is donated.
+
+    Warns:
+      RecompileWarning: this call compiled the program again (a run should
+        compile once); names every state/batch leaf whose shape, dtype, weak
+        type or sharding differs from the first call's.
     """
     if self._jitted is None:
       self._build(state)
