@@ -172,6 +172,28 @@ def _dtype(x: Any) -> Any:
     return dtype
 
 
+def pad_slots(chunk: Any) -> Any:
+  """A traced chunk ``[K, ...]`` with zero slots appended up to ``MIN_SLOTS`` slots.
+
+  For a ``fori_loop`` over a chunk's slots inside ``jit``: the loop body then
+  never slices a size-1 slot axis, which XLA would fold away and compile the
+  body differently for K = 1 (see the module docstring). The appended slots
+  are never run (the trip count is at most K).
+
+  Args:
+    chunk: pytree of traced arrays with leading axis K (all leaves alike).
+
+  Returns:
+    The chunk with leading axis ``max(K, MIN_SLOTS)``.
+  """
+  def pad(x):
+    extra = MIN_SLOTS - x.shape[0]
+    if extra <= 0:
+      return x
+    return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+  return jax.tree.map(pad, chunk)
+
+
 class RecompileWarning(UserWarning):
   """The train program compiled again in a run; the message names the leaf that changed."""
 
@@ -355,13 +377,8 @@ class MultiStepProgram:
                 else jax.extend.core.jaxpr_as_fun(closed))
     out_def = jax.tree.structure((out_state_shape, metric_shape))
 
-    # The body never sees a slot axis of size 1 (see the module docstring, "The step
-    # compiles alike for every K"): K = 1 runs over two slots, the second all zeros.
+    batches = pad_slots(batches)  # see the module docstring: K = 1 compiles as K = 2
     slots = max(self.k, MIN_SLOTS)
-    if slots > self.k:
-      batches = jax.tree.map(
-          lambda x: jnp.concatenate([x, jnp.zeros((slots - self.k,) + x.shape[1:], x.dtype)]),
-          batches)
     traces0 = jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), metric_shape)
 
     def body(i, carry):
