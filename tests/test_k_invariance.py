@@ -6,8 +6,12 @@ step's batch-only computations out of the loop and fuse the rest differently
 bfloat16 that changed final parameters. The model here is the smallest found
 that showed it: a Flax linen net whose first layer is a BatchNorm over the input
 (batch-only statistics), then conv, BatchNorm, dense; global batch 256, 6 steps.
-With the fix reverted (``MIN_SLOTS = 1`` in program.py) the float16 and
-bfloat16 cases below fail at K = 1 (measured 2026-12-01, jax 0.10.2, XLA:CPU).
+With the fix reverted (``MIN_SLOTS = 1`` in program.py) float16 global,
+float16 per-device, bfloat16 global and the HLO comparison fail at K = 1;
+bfloat16 per-device happens to agree even then and stays as a guard (measured
+2026-12-01, jax 0.10.2, XLA:CPU, 8 fake devices). A plain conv net without
+the input BatchNorm, and Flax's linen ResNet-18 (num_filters 8, 32x32, batch
+64) did not differ in value here, though their K = 1 programs hoisted work too.
 
 C39: a weak-typed leaf (a Python scalar, Flax's ``DynamicScale()``) used to
 compile the program twice; any recompile now warns naming the leaf.
