@@ -10,8 +10,9 @@ Cost of the mechanism (documented, measured in ``benchmarks/``): a call of
 ``n < K`` steps computes only ``n`` steps, but its input chunk still has K slots,
 so ``K - n`` batches of padding cross to the device for that call; calls are
 only shorter than K at events, epoch ends and the tail. A dynamic trip count
-also keeps XLA from unrolling the loop, which is why the step is compiled
-identically for every K and final parameters are bitwise equal across K.
+also keeps XLA from unrolling the loop, which (with the slot padding below)
+is why the step is compiled identically for every K and final parameters are
+bitwise equal across K.
 
 Two step styles:
   * ``"global"``: ``train_step`` sees global arrays (the batch sharded on the
@@ -21,6 +22,23 @@ Two step styles:
     ``lax.pmean(grads, "data")``; the program is
     ``jit(shard_map(fori_loop(step)))`` with the state replicated.
 
+The step compiles alike for every K. A chunk of K = 1 has a size-1 slot axis,
+and XLA folds a dynamic slice of a size-1 axis into a plain reshape: the batch
+becomes loop-invariant, while-loop invariant code motion hoists the step's
+batch-only work out of the loop (one-hot labels, the input's f32 conversion,
+the batch statistics of a BatchNorm on the input) and the body left behind is
+fused differently, which in float16/bfloat16 changes results in the last bits
+(issue 13, case C38: a Flax ResNet-18 at K = 1 differed from K = 2, 3, 4, 13
+and ``jax.pmap``, which agree bitwise). So the body is compiled for at least
+``MIN_SLOTS = 2`` slots: at K = 1 the program appends one zero slot to the
+chunk on the device (a copy of one batch per call) and keeps a 2-slot metric
+trace, returning its first slot. The K = 1 loop body is then the K = 2 body,
+instruction for instruction (``tests/test_k_invariance.py`` compares the
+optimized HLO). ``lax.optimization_barrier`` around the step was not used: it
+stops the hoisting but XLA:CPU expands barriers before fusion, so the slot
+slice still fused differently at K = 1, and it cost a dispatch-bound step
+about 30% at K = 100 (``benchmarks/k1_slot_cost.py`` has the padding's cost).
+
 The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.
 """
@@ -28,6 +46,7 @@ The user's step is traced exactly once per compilation.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -40,6 +59,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from loopkit import conv_layout, metrics as metrics_lib
 
 StepStyle = Literal["global", "per_device"]
+
+# The fewest chunk slots the loop body is compiled for (see the module docstring).
+MIN_SLOTS = 2
 
 
 def tree_mismatch(expected: Any, got: Any, *, what: str,
@@ -150,6 +172,92 @@ def _dtype(x: Any) -> Any:
     return dtype
 
 
+def pad_slots(chunk: Any) -> Any:
+  """A traced chunk ``[K, ...]`` with zero slots appended up to ``MIN_SLOTS`` slots.
+
+  For a ``fori_loop`` over a chunk's slots inside ``jit``: the loop body then
+  never slices a size-1 slot axis, which XLA would fold away and compile the
+  body differently for K = 1 (see the module docstring). The appended slots
+  are never run (the trip count is at most K).
+
+  Args:
+    chunk: pytree of traced arrays with leading axis K (all leaves alike).
+
+  Returns:
+    The chunk with leading axis ``max(K, MIN_SLOTS)``.
+  """
+  def pad(x):
+    extra = MIN_SLOTS - x.shape[0]
+    if extra <= 0:
+      return x
+    return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+  return jax.tree.map(pad, chunk)
+
+
+class RecompileWarning(UserWarning):
+  """The train program compiled again in a run; the message names the leaf that changed."""
+
+
+def strong_typed(tree: Any) -> Any:
+  """``tree`` with its weak-typed leaves made strong, same dtype and placement.
+
+  A Python scalar or ``jnp.asarray(1.0)`` is a *weak-typed* float32; most
+  steps return such a leaf strong (``jnp.float32`` arithmetic with a strong
+  operand), and a jitted program is specialised on weak types, so a weak leaf
+  in the state compiles the program a second time on the next call.
+
+  Args:
+    tree: a pytree of arrays and scalars.
+
+  Returns:
+    The pytree with every weak-typed leaf (Python scalars included) replaced
+    by a strong array of the dtype JAX gives it (``jnp.asarray(1.0)`` ->
+    float32); other leaves unchanged (the same objects).
+  """
+  def strong(x):
+    if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
+      x = jnp.asarray(x)
+    if getattr(x, "weak_type", False):
+      return jax.lax.convert_element_type(x, x.dtype)
+    return x
+  return jax.tree.map(strong, tree)
+
+
+def call_signature(state: Any, batches: Any, num_steps: Any) -> list[tuple[str, tuple]]:
+  """Per leaf of a program call: ``(name, (shape, dtype, weak_type, sharding))``.
+
+  Only metadata is read, so donated (deleted) arrays are fine.
+  """
+  out = []
+  for what, tree in (("state", state), ("batch", batches), ("num_steps", num_steps)):
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      out.append((f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}",
+                  (np.shape(x), _dtype(x), bool(getattr(x, "weak_type", False)),
+                   getattr(x, "sharding", None))))
+  return out
+
+
+def _describe(sig: tuple) -> str:
+  shape, dtype, weak, sharding = sig
+  return f"shape {shape} dtype {dtype}{' (weak-typed)' if weak else ''} sharding {sharding}"
+
+
+def signature_change(first: list[tuple[str, tuple]], now: list[tuple[str, tuple]]) -> str:
+  """Says which leaf's shape, dtype, weak type or sharding differs between two signatures."""
+  if [name for name, _ in first] != [name for name, _ in now]:
+    return ("the tree structure of the state or the batch changed: first call "
+            f"{[n for n, _ in first]}, this call {[n for n, _ in now]}")
+  changed = []
+  for (name, a), (_, b) in zip(first, now):
+    same_sharding = (a[3] is None or b[3] is None or a[3] == b[3]
+                     or a[3].is_equivalent_to(b[3], len(a[0])))
+    if a[:3] != b[:3] or not same_sharding:
+      changed.append(f"{name} has {_describe(b)}, the first call had {_describe(a)}")
+  if not changed:
+    return "no leaf's shape, dtype, weak type or sharding changed (a retrace of the step?)"
+  return "; ".join(changed)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallOutput:
   """What one device call returns besides the state (all replicated, on device).
@@ -243,6 +351,7 @@ class MultiStepProgram:
     self.trace_count = 0
     self._jitted = None
     self._replica_check: Callable[[Any], Any] | None = None
+    self._first_signature: list[tuple[str, tuple]] | None = None
     self.state_shardings = None
 
   @property
@@ -293,7 +402,9 @@ class MultiStepProgram:
                 else jax.extend.core.jaxpr_as_fun(closed))
     out_def = jax.tree.structure((out_state_shape, metric_shape))
 
-    traces0 = jax.tree.map(lambda s: jnp.zeros((self.k,) + s.shape, s.dtype), metric_shape)
+    batches = pad_slots(batches)  # see the module docstring: K = 1 compiles as K = 2
+    slots = max(self.k, MIN_SLOTS)
+    traces0 = jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), metric_shape)
 
     def body(i, carry):
       s, traces = carry
@@ -304,6 +415,7 @@ class MultiStepProgram:
       return new_s, traces
 
     state, traces = jax.lax.fori_loop(0, num_steps, body, (state, traces0))
+    traces = jax.tree.map(lambda t: t[:self.k], traces)
     if self.style == "per_device":
       traces = metrics_lib.reduce_devices(traces, self.data_axis)
     reduced = metrics_lib.reduce_steps(traces, num_steps)
@@ -325,8 +437,13 @@ class MultiStepProgram:
   def place_state(self, state: Any) -> Any:
     """Puts ``state`` on the mesh with the pinned shardings (explicit transfer).
 
-    Leaves that are one and the same array get separate buffers (the state is
-    donated, and a buffer can be donated once)."""
+    Weak-typed leaves (from Python scalars: ``jnp.asarray(1.0)``, Flax's
+    ``DynamicScale()`` defaults) become strong arrays of the same dtype
+    (:func:`strong_typed`), the type the compiled loop returns, so the second
+    call does not compile the program again. Leaves that are one and the same
+    array get separate buffers (the state is donated, and a buffer can be
+    donated once)."""
+    state = strong_typed(state)
     if self._jitted is None:
       self._build(state)
     placed = jax.device_put(state, self.state_shardings)
@@ -345,11 +462,27 @@ class MultiStepProgram:
     """Runs ``num_steps`` steps (device int32 scalar) over ``batches`` ``[K, B, ...]``.
 
     Dispatches asynchronously; ``state`` is donated.
+
+    Warns:
+      RecompileWarning: this call compiled the program again (a run should
+        compile once); names every state/batch leaf whose shape, dtype, weak
+        type or sharding differs from the first call's.
     """
     if self._jitted is None:
       self._build(state)
     assert self._jitted is not None
-    return self._jitted(state, batches, num_steps)
+    compiled = self._jitted._cache_size()
+    out = self._jitted(state, batches, num_steps)
+    if self._jitted._cache_size() > compiled:  # read from the (donated) arrays' metadata
+      signature = call_signature(state, batches, num_steps)
+      if self._first_signature is None:
+        self._first_signature = signature
+      else:
+        warnings.warn(RecompileWarning(
+            f"loopkit: the train program was compiled again (compilation "
+            f"{self._jitted._cache_size()}): "
+            f"{signature_change(self._first_signature, signature)}"), stacklevel=2)
+    return out
 
   def diverged_leaves(self, state: Any) -> list[str]:
     """Paths of the state's leaves whose copies differ between devices on the data axis.
