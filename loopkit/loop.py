@@ -245,8 +245,14 @@ class TrainLoop:
     self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     counter = self.step_of(state)
     if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
+      replicated = np.ndim(counter) == 1 and np.shape(counter)[0] in (
+          self.data_parallel_size, jax.local_device_count())
       raise ValueError(f"the state's step counter must be a scalar integer array, got shape "
-                       f"{np.shape(counter)} dtype {counter.dtype}")
+                       f"{np.shape(counter)} dtype {counter.dtype}" + (
+                           "; this looks like a state replicated for pmap (flax.jax_utils."
+                           "replicate): pass the unreplicated state (jax_utils.unreplicate, "
+                           "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
+                           "itself" if replicated else ""))
     step0 = int(jax.device_get(counter))
     if step0 >= target:
       log.warning("nothing to run: the state is at step %d and num_steps is %d", step0, target)
