@@ -39,7 +39,7 @@ import numpy as np
 
 from loopkit import metrics as metrics_lib
 from loopkit.triggers import Trigger
-from loopkit.writers import ConsoleWriter
+from loopkit.writers import ConsoleWriter, as_writer
 
 log = logging.getLogger("loopkit")
 
@@ -198,7 +198,8 @@ class LoggingHook(Hook):
 
   Args:
     writer: optional object with ``write_scalars(step: int, scalars: dict)``
-      (e.g. :class:`loopkit.writers.JsonlWriter`); metrics are also logged to
+      (e.g. :class:`loopkit.writers.JsonlWriter`, CLU's ``metric_writers``) or
+      Flax's ``tensorboard.SummaryWriter`` (:func:`loopkit.writers.as_writer`); metrics are also logged to
       the ``loopkit`` Python logger at INFO (by process 0 only on multi-host),
       unless the writer prints them itself (a
       :class:`~loopkit.writers.ConsoleWriter`, alone or inside a
@@ -211,7 +212,7 @@ class LoggingHook(Hook):
 
   def __init__(self, writer: Any = None, *, per_step: bool = False, **trigger):
     super().__init__(**trigger)
-    self.writer = writer
+    self.writer = None if writer is None else as_writer(writer)
     self.per_step = per_step
     self._log = not _prints_to_console(writer)
     self._acc: dict[str, metrics_lib.Metric] = {}

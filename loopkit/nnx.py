@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopkit import metrics as metrics_lib
-from loopkit.evaluation import Evaluator
+from loopkit.evaluation import EvalHook, EvalResult, Evaluator
 from loopkit.loop import TrainLoop
 
 try:
@@ -292,6 +292,7 @@ class NnxEvaluator:
     self._parts = _additive(metrics, "NnxEvaluator")
     self._zero = jax.tree.map(jnp.zeros_like, nnx.to_pure_dict(nnx.state(metrics)))
     self._graphdef = None
+    self._eval_clone = None
     self._evaluator: Evaluator | None = None
     self._kwargs = evaluator_kwargs
 
@@ -305,8 +306,8 @@ class NnxEvaluator:
               for n, v in parts.items() for leaf in ("total", "count")}
     return jax.vmap(one)(batch)
 
-  def evaluate(self, batches: Iterable, *, state: Any = None,
-               num_batches: int | None = None) -> dict[str, Any]:
+  def evaluate(self, batches: Iterable, *, state: Any = None, num_batches: int | None = None,
+               eval_mode: bool = False) -> dict[str, Any]:
     """Evaluates the model (or ``state``, a model state) on every example once.
 
     Args:
@@ -314,17 +315,26 @@ class NnxEvaluator:
       state: the model's pure state (e.g. ``NnxTrainLoop.model_state(s)`` in a
         hook); default: the model object's current values.
       num_batches: see :meth:`loopkit.Evaluator.evaluate` (multi-host).
+      eval_mode: evaluate with the structure of ``model.eval()`` (from a
+        clone; the user's model is not switched).
 
     Returns:
       ``metrics.compute()`` of the user's MultiMetric, which now holds the
       totals over all real examples (its previous values are replaced).
     """
-    graphdef, pure = _pure((self.model, self.metrics))
+    model = self.model
+    if eval_mode:
+      if self._eval_clone is None:
+        self._eval_clone = nnx.clone(self.model)
+        self._eval_clone.eval()
+      model = self._eval_clone
+    graphdef, _ = _pure((model, self.metrics))
+    if state is None:
+      state = _pure((self.model, self.metrics))[1][0]
     if self._evaluator is None or graphdef != self._graphdef:
       self._graphdef = graphdef
       self._evaluator = Evaluator(self._per_example, **self._kwargs)
-    self.last = self._evaluator.evaluate(pure[0] if state is None else state, batches,
-                                         num_batches=num_batches)
+    self.last = self._evaluator.evaluate(state, batches, num_batches=num_batches)
     totals = self.last.totals
     new = jax.tree.map(lambda z: z, self._zero)
     parts = new if "" not in self._parts else {"": new}
@@ -339,3 +349,27 @@ class NnxEvaluator:
   def compile_count(self) -> int:
     """Executables compiled for the current eval program (1 in a healthy run)."""
     return 0 if self._evaluator is None else self._evaluator.compile_count()
+
+  def hook(self, batches: Iterable | Callable[[], Iterable], *, num_batches: int | None = None,
+           writer: Any = None, prefix: str = "eval", **trigger) -> EvalHook:
+    """An :class:`loopkit.EvalHook` for an :class:`NnxTrainLoop`'s hooks.
+
+    At each firing it evaluates the train state's model part in inference
+    mode (the structure of ``model.eval()``, taken from a clone, so the
+    user's model stays in training mode) and writes ``{prefix}/{metric}``.
+
+    Args:
+      batches: a re-iterable or a callable returning a fresh iterable.
+      num_batches, writer, prefix, **trigger: as for :class:`loopkit.EvalHook`.
+    """
+    evaluator = self
+
+    class _Adapter:
+      def evaluate(self, state, batches, num_batches=None):
+        values = evaluator.evaluate(batches, state=state, num_batches=num_batches, eval_mode=True)
+        last = evaluator.last
+        return EvalResult({k: float(v) for k, v in values.items()}, last.totals,
+                          last.num_examples, last.num_batches, last.num_calls)
+
+    return EvalHook(_Adapter(), batches, num_batches=num_batches, writer=writer, prefix=prefix,
+                    state_fn=lambda s: s["model"], **trigger)
