@@ -372,3 +372,52 @@ class _TfIterator:
   def set_state(self, state: dict[str, int]) -> None:
     """Re-opens the dataset after ``state["tf_batches"]`` batches."""
     self._open(int(state["tf_batches"]))
+
+
+def steps_per_epoch_of(source: Any) -> int:
+  """The number of batches in one epoch of a sized source (``steps_per_epoch="auto"``).
+
+  Asks, in order: a ``steps_per_epoch`` attribute (:class:`ArraySource`); a
+  ``tf.data.Dataset``'s ``cardinality()`` (also inside a
+  :class:`TfDataSource`); ``len(source)`` (a list of batches, a Grain
+  ``MapDataset`` after ``.batch``). The source is taken to be one epoch.
+
+  Args:
+    source: the batches given to ``TrainLoop.run``.
+
+  Returns:
+    The epoch length in batches (>= 1).
+
+  Raises:
+    ValueError: the length is unknown, naming the source's type and why: an
+      infinite tf.data cardinality (``.repeat()``), an unknown one (e.g. after
+      ``.filter``; ``tf.data.experimental.assert_cardinality(n)`` declares it),
+      an unsized iterator (Grain ``DataLoader`` / ``IterDataset``, generators),
+      or an empty source.
+  """
+  what = f"{type(source).__module__}.{type(source).__qualname__}"
+  n = getattr(source, "steps_per_epoch", None)
+  dataset = getattr(source, "dataset", source) if isinstance(source, TfDataSource) else source
+  if n is None and callable(getattr(dataset, "cardinality", None)):
+    n = int(dataset.cardinality())
+    if n == -1:  # tf.data.INFINITE_CARDINALITY
+      raise ValueError(f"steps_per_epoch='auto': the {what} repeats forever (tf.data "
+                       "cardinality INFINITE): pass steps_per_epoch=N, or the dataset before "
+                       ".repeat()")
+    if n < 0:  # tf.data.UNKNOWN_CARDINALITY
+      raise ValueError(f"steps_per_epoch='auto': tf.data does not know the length of this "
+                       f"{what} (UNKNOWN cardinality, e.g. after .filter): pass "
+                       "steps_per_epoch=N or declare it with "
+                       "dataset.apply(tf.data.experimental.assert_cardinality(N))")
+  if n is None:
+    try:
+      n = len(source)
+    except TypeError:
+      raise ValueError(
+          f"steps_per_epoch='auto' needs a sized source, got a {what} (no len(), no tf.data "
+          "cardinality, no steps_per_epoch): pass steps_per_epoch=N (e.g. "
+          "num_examples // global_batch_size; for a Grain DataLoader, the length of its "
+          "batched MapDataset)") from None
+  if n < 1:
+    raise ValueError(f"steps_per_epoch='auto': the {what} has {n} batches")
+  return int(n)
