@@ -180,6 +180,7 @@ class CheckpointHook(Hook):
     self._manager: ocp.CheckpointManager | None = None
     self._loop: Any = None
     self._in_flight: int | None = None
+    self._warned: set[str] = set()
 
   # -- manager ---------------------------------------------------------------
 
@@ -211,7 +212,10 @@ class CheckpointHook(Hook):
 
   def _open(self) -> ocp.CheckpointManager:
     if self._manager is None:
-      _tidy(self.directory)
+      for message in _tidy(self.directory):
+        if message not in self._warned:  # once per hook, not at every reopening
+          self._warned.add(message)
+          warnings.warn(message, CheckpointWarning, stacklevel=3)
       handlers: dict[str, Any] = {name: ocp.JsonCheckpointHandler() for name in _ITEMS}
       handlers["state"] = ocp.StandardCheckpointHandler()
       self._manager = ocp.CheckpointManager(self.directory, options=self._options(),
@@ -304,8 +308,9 @@ class CheckpointHook(Hook):
       log.info("loopkit: checkpoint %d already exists in %s", step, self.directory)
       return False
     if (self.directory / str(step)).exists():  # a folder loopkit did not write (see _tidy)
-      _warn(f"loopkit: not saving step {step}: {self.directory / str(step)} exists and is "
-            f"not a loopkit checkpoint (no {_COMMIT_FILE}); it is left as it is")
+      warnings.warn(f"loopkit: not saving step {step}: {self.directory / str(step)} exists "
+                    f"and is not a loopkit checkpoint (no {_COMMIT_FILE}); it is left as it is",
+                    CheckpointWarning, stacklevel=2)
       return False
     ranked = None
     if self.best_metric is not None:
@@ -489,10 +494,6 @@ def _rmtree(p: epath.Path, attempts: int = 20) -> None:
       time.sleep(0.05 * (i + 1))
 
 
-def _warn(message: str) -> None:
-  warnings.warn(message, CheckpointWarning, stacklevel=4)
-
-
 def _step_of_name(name: str) -> int | None:
   """The step of a name loopkit's Orbax manager writes (``12`` or ``12.orbax-checkpoint-tmp-*``)."""
   base = name.split(_TMP_MARK, 1)[0]
@@ -526,14 +527,15 @@ def _unfinished_write(p: epath.Path) -> bool:
   return all(c.name.split(_TMP_MARK, 1)[0] in allowed for c in p.iterdir())
 
 
-def _tidy(directory: epath.Path) -> None:
-  """Removes this hook's unfinished saves; warns about what loopkit does not read.
+def _tidy(directory: epath.Path) -> list[str]:
+  """Removes this hook's unfinished saves; returns warnings about what loopkit does not read.
 
   Runs on process 0, then syncs the processes. Only :func:`_unfinished_write`
   entries are deleted (case C21); digit-named folders that are not complete
-  checkpoints (C35) and other programs' checkpoints (C41) are left in place
-  with one :class:`CheckpointWarning`.
+  checkpoints (C35) and other programs' checkpoints (C41) are left in place,
+  each kind named in one message.
   """
+  messages = []
   if jax.process_index() == 0 and directory.exists():
     kept, foreign = [], []
     for p in sorted(directory.iterdir(), key=lambda q: q.name):
@@ -546,17 +548,20 @@ def _tidy(directory: epath.Path) -> None:
       elif _step_of_name(name) is None and _FOREIGN_CHECKPOINT.search(name):
         foreign.append(name)
     if kept:
-      _warn(f"loopkit: {directory} holds {', '.join(kept)}: named like loopkit checkpoints "
-            f"but neither complete (no {_COMMIT_FILE}) nor an unfinished loopkit save; "
-            "left in place, not read, and a save at that step is skipped")
+      messages.append(
+          f"loopkit: {directory} holds {', '.join(kept)}: named like loopkit checkpoints but "
+          f"neither complete (no {_COMMIT_FILE}) nor an unfinished loopkit save; left in "
+          "place, not read, and a save at that step is skipped")
     if foreign:
-      _warn(f"loopkit: {directory} holds checkpoints loopkit does not read: "
-            f"{', '.join(foreign)} (e.g. from flax.training.checkpoints); the run does not "
-            "resume from them. To start from such a state, restore it yourself and pass it "
-            "to TrainLoop.run (docs/checkpointing.md, 'Starting from another checkpoint')")
+      messages.append(
+          f"loopkit: {directory} holds checkpoints loopkit does not read: "
+          f"{', '.join(foreign)} (e.g. from flax.training.checkpoints); the run does not "
+          "resume from them. To start from such a state, restore it yourself and pass it "
+          "to TrainLoop.run (docs/checkpointing.md, 'Starting from another checkpoint')")
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("loopkit_checkpoint_remove_unfinished")
+  return messages
 
 
 def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
