@@ -1,16 +1,26 @@
 """Checkpoints with Orbax: exact resume, retention, asynchronous saves.
 
 :class:`CheckpointHook` saves, as one Orbax Composite checkpoint per step, the
-four things a run needs to continue exactly where it stopped:
+four things a run needs to continue exactly where it stopped, and a record of
+the state's leaves:
 
 ====== ================================= ====================================
 item   content                           Orbax args
 ====== ================================= ====================================
 state  the train state (sharded arrays)  ``StandardSave`` / ``StandardRestore``
+leaves each leaf's path, shape, dtype     ``JsonSave`` / ``JsonRestore``
+       (and PRNG key impl)
 ledger :class:`~loopkit.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
 data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
 hooks  other hooks' ``checkpoint_state`` ``JsonSave`` / ``JsonRestore``
 ====== ================================= ====================================
+
+**Leaf kinds.** Every leaf kind round-trips bitwise (case C28, tested in a
+fresh process): typed PRNG keys (``jax.random.key``, any impl, also inside
+Flax NNX ``nnx.Rngs``; Orbax stores their key data and impl and wraps them
+back), bool, int8, uint32, int64/uint64 under x64, bfloat16, 0-d, zero-size
+(Orbax refuses them: they are saved as None and re-made from the live state's
+shape, dtype and sharding) and None leaves.
 
 Step directories are named by the global step (= updates applied = the
 state's step = the optimizer's count). Saves are asynchronous: the hook
@@ -18,7 +28,10 @@ returns once the arrays are copied off the device, so the next (donating)
 call may start while files are written; a save first waits for the previous
 one, and ``on_run_end`` waits for the last one. A failed asynchronous save
 raises :class:`CheckpointError` at the next boundary (or at run end); the hook
-stays usable and later saves work.
+stays usable and later saves work. When ``run`` ends by an exception (a hook
+raised, say), :meth:`CheckpointHook.on_run_error` first lets the save in
+flight commit (or removes it, if it failed), so nothing is written after
+``run`` raised and a new hook on the directory resumes (case C33).
 
 **Resume.** ``TrainLoop.run`` calls :meth:`CheckpointHook.on_run_start`, which
 restores the latest complete checkpoint, if any (the checkpoint wins over the
@@ -31,10 +44,17 @@ checkpoint whose tree, shapes or dtypes differ from the live state raises
 
 **Complete or invisible.** A step directory counts only if Orbax finalized it
 (it holds ``commit_success.txt``, written last in both of Orbax's atomicity
-modes). When the hook opens a directory it deletes unfinished leftovers
-(``<step>.orbax-checkpoint-tmp*`` or a step directory without the commit file,
-e.g. from a kill during a write), so they are never taken as the latest and
-never block a new save at that step. Only one run may write a directory.
+modes). When the hook opens a directory it deletes what is evidently its own
+unfinished save (e.g. from a kill during a write): ``<step>.orbax-checkpoint-tmp*``
+(Orbax's atomic-rename mode, used on local disks), or a ``<step>`` directory
+without the commit file whose Orbax ``_CHECKPOINT_METADATA`` has a start but
+no commit time and which holds nothing but loopkit's items (commit-file mode,
+used on GCS). It never deletes anything else (case C35): another digit-named
+folder (a user's ``5``, an older Orbax's complete checkpoint without the
+commit file) is left in place, not read, and a save at its step is skipped,
+with a :class:`CheckpointWarning`; so are other programs' checkpoints, e.g.
+``checkpoint_50`` from ``flax.training.checkpoints`` (case C41). Only one run
+may write a directory.
 
 **Data position.** The position stored is ``LoopInfo.data_position``: the
 source's position after the last *consumed* chunk, never a prefetched one
