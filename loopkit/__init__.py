@@ -44,7 +44,7 @@ __version__ = "0.1.0"
 
 _LAZY = {  # need the optional orbax-checkpoint (pip install loopkit[checkpoint])
     "CheckpointError": "loopkit.checkpoint", "CheckpointHook": "loopkit.checkpoint",
-    "RestoredCheckpoint": "loopkit.checkpoint",
+    "CheckpointWarning": "loopkit.checkpoint", "RestoredCheckpoint": "loopkit.checkpoint",
 }
 
 
@@ -59,7 +59,8 @@ def __getattr__(name):
   raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
 
 __all__ = [
-    "CheckpointError", "CheckpointHook", "PreemptionWatcher", "RestoredCheckpoint",
+    "CheckpointError", "CheckpointHook", "CheckpointWarning", "PreemptionWatcher",
+    "RestoredCheckpoint",
     "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter", "Ledger", "LoggingHook",
     "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
     "data_parallel_mesh",

@@ -126,6 +126,20 @@ class Hook:
     """Called once at the end of ``run`` (also after a stop or preemption)."""
     return None
 
+  def on_run_error(self, loop: Any, error: BaseException) -> None:
+    """Called once when ``run`` leaves by an exception raised after ``on_run_start``.
+
+    For cleanup that must finish before the error reaches the caller, e.g. waiting
+    for a background write (:class:`~loopkit.checkpoint.CheckpointHook` waits for
+    its in-flight save and releases its directory). ``on_run_end`` is not called
+    then. Exceptions raised here are logged, not raised: ``run`` raises ``error``.
+
+    Args:
+      loop: the :class:`~loopkit.loop.TrainLoop`.
+      error: the exception that ends the run (any ``BaseException``, e.g. a
+        ``KeyboardInterrupt``).
+    """
+
 
 class CallbackHook(Hook):
   """Calls ``fn(info, state)`` when the trigger fires; ``fn`` may return a new state.

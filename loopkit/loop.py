@@ -361,6 +361,13 @@ class TrainLoop:
         if new is not None:
           state = self._check_replacement(h, new)
       returning = True
+    except BaseException as error:  # invariant 5: no save left in flight (Hook.on_run_error)
+      for h in self.hooks:
+        try:
+          getattr(h, "on_run_error", lambda loop, e: None)(self, error)
+        except Exception:  # pylint: disable=broad-except  # the run's own error propagates
+          log.exception("loopkit: %s.on_run_error failed", type(h).__name__)
+      raise
     finally:
       self.preemption.uninstall()
       feeder.close(wait_secs=None if returning else 0.0)
