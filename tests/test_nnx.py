@@ -156,8 +156,6 @@ def _worker(*args, check=True):
   return out
 
 
-@pytest.mark.xfail(strict=True, reason="needs C28 (h-ckpt): typed PRNG keys (nnx.Rngs) "
-                   "do not survive a checkpoint yet")
 def test_kill_and_resume_in_a_fresh_process_is_bitwise(tmp_path):
   ref, ckpt = tmp_path / "ref", tmp_path / "ckpt"
   _worker("--out", str(ref))
