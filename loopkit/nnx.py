@@ -56,12 +56,13 @@ import numpy as np
 
 from loopkit import metrics as metrics_lib
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator
+from loopkit.extras import missing
 from loopkit.loop import TrainLoop
 
 try:
   from flax import nnx
-except ImportError as e:  # pragma: no cover - exercised without flax only
-  raise ImportError("loopkit.nnx needs Flax: pip install 'loopkit[nnx]'") from e
+except ImportError as e:
+  raise missing(e, "loopkit.nnx") from e
 
 __all__ = ["NnxEvaluator", "NnxTrainLoop"]
 

@@ -45,6 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from loopkit.extras import require
+
 
 def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
   index = jax.process_index() if process_index is None else int(process_index)
@@ -115,7 +117,7 @@ def tfds_split_for_process(split: str, *, process_index: int | None = None,
   Returns:
     A split for ``tfds.load(split=...)``, sized like :func:`process_shard_bounds`.
   """
-  import tensorflow_datasets as tfds  # heavy; imported on use
+  tfds = require("tensorflow_datasets", "loopkit.tfds_split_for_process")  # heavy: on use
 
   index, count = _process(process_index, process_count)
   return tfds.split_for_jax_process(split, process_index=index, process_count=count,
@@ -135,7 +137,7 @@ def grain_shard_options(*, process_index: int | None = None, process_count: int 
   Returns:
     ``grain.sharding.ShardOptions`` for a sampler or ``MapDataset`` slicing.
   """
-  import grain  # heavy; imported on use
+  grain = require("grain", "loopkit.grain_shard_options")  # heavy: on use
 
   if process_index is None and process_count is None:
     return grain.sharding.ShardByJaxProcess(drop_remainder=drop_remainder)
@@ -351,7 +353,7 @@ class _TfIterator:
     self._open(0)
 
   def _open(self, n: int) -> None:
-    import tensorflow_datasets as tfds  # heavy; imported on use
+    tfds = require("tensorflow_datasets", "loopkit.TfDataSource")  # heavy: on use
 
     ds = self._dataset.skip(n) if n else self._dataset
     self._it = iter(tfds.as_numpy(ds))

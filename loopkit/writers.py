@@ -42,6 +42,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from loopkit.extras import require
+
 __all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
            "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer"]
 
@@ -142,7 +144,7 @@ class TensorBoardWriter:
     flush_secs: how often tensorboardX flushes on its own (seconds).
 
   Raises:
-    ImportError: if ``tensorboardX`` is not installed (``pip install tensorboardX``).
+    ImportError: if ``tensorboardX`` is not installed (``pip install 'loopkit[observability]'``).
 
   Writes only on process 0. Not thread-safe (wrap in :class:`AsyncWriter`).
   """
@@ -151,7 +153,7 @@ class TensorBoardWriter:
     self.logdir = os.fspath(logdir)
     self._w = None
     if _is_writer_process():
-      from tensorboardX import SummaryWriter  # lazy: an optional dependency
+      SummaryWriter = require("tensorboardX", "loopkit.TensorBoardWriter").SummaryWriter
       self._w = SummaryWriter(self.logdir, flush_secs=flush_secs)
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
