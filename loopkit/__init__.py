@@ -5,6 +5,7 @@ results that do not depend on K.
 """
 
 from loopkit import conv_layout, goodput, metrics
+from loopkit.accumulation import accumulate
 from loopkit.device_data import DeviceDataset, DeviceDataState
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate, per_example
 from loopkit.goodput import GoodputHook, GoodputSummary
@@ -71,7 +72,7 @@ __all__ = [
     "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
     "data_parallel_mesh",
     "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",
-    "AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "as_writer", "per_example",
+    "accumulate", "AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "as_writer", "per_example",
     "steps_per_epoch_of", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
     "ProfilerHook", "ProgressHook", "TensorBoardWriter", "TimeBasedK", "create_default_writer",
     "conv_layout", "goodput", "nnx", "tune",
