@@ -102,8 +102,8 @@ class NnxTrainLoop:
   """Trains NNX objects with an in-place step, K steps per device call.
 
   Example:
-    >>> loop = loopkit.nnx.NnxTrainLoop(train_step, model, optimizer, metrics,
-    ...                                 extra=(rngs,), iterations_per_loop=100)  # doctest: +SKIP
+    >>> loop = loopkit.nnx.NnxTrainLoop(  # doctest: +SKIP
+    ...     train_step, model, optimizer, metrics, extra=(rngs,), iterations_per_loop=100)
     >>> loop.run(train_ds.as_numpy_iterator(), num_steps=1000)  # doctest: +SKIP
     >>> metrics.compute()  # the objects hold the results  # doctest: +SKIP
 
