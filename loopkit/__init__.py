@@ -34,9 +34,9 @@ from loopkit.triggers import Trigger
 from loopkit.writers import (
   AsyncWriter,
   ConsoleWriter,
+  FlaxSummaryWriter,
   JsonlWriter,
   MetricWriter,
-  FlaxSummaryWriter,
   MultiWriter,
   NullWriter,
   TensorBoardWriter,

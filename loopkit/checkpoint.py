@@ -87,6 +87,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from loopkit.extras import missing
 
 try:

@@ -213,7 +213,8 @@ class LoggingHook(Hook):
   Args:
     writer: optional object with ``write_scalars(step: int, scalars: dict)``
       (e.g. :class:`loopkit.writers.JsonlWriter`, CLU's ``metric_writers``) or
-      Flax's ``tensorboard.SummaryWriter`` (:func:`loopkit.writers.as_writer`); metrics are also logged to
+      Flax's ``tensorboard.SummaryWriter`` (see :func:`loopkit.writers.as_writer`);
+      metrics are also logged to
       the ``loopkit`` Python logger at INFO (by process 0 only on multi-host),
       unless the writer prints them itself (a
       :class:`~loopkit.writers.ConsoleWriter`, alone or inside a

@@ -119,8 +119,10 @@ class NnxTrainLoop:
     **loop_kwargs: :class:`loopkit.TrainLoop` arguments (``iterations_per_loop``,
       ``hooks``, ``mesh``, ``data_axis``, ``step_style``, ``steps_per_epoch``,
       ...). Hooks that take the state get the pure state (a dict
-      ``{"model", "optimizer", "metrics", "extra"}`` of arrays);
-      :class:`loopkit.CheckpointHook` saves and restores it.
+      ``{"model", "optimizer", "metrics", "extra"}`` of arrays, see
+      :meth:`state`); :class:`loopkit.CheckpointHook` saves and restores it
+      (typed keys of ``nnx.Rngs`` included). ``step_of`` defaults to the
+      optimizer's ``step``.
 
   Raises:
     ValueError: (at ``run``) the objects' structure changed since construction
@@ -141,7 +143,7 @@ class NnxTrainLoop:
     self._names = _NAMES if self._has_metrics else _NAMES[:2]
     self._objects = (model, optimizer, *((metrics,) if self._has_metrics else ()), *extra)
     self._num_extra = len(extra)
-    self.graphdef, state = _pure(self._objects)
+    self.graphdef, _ = _pure(self._objects)
     style = loop_kwargs.get("step_style", "global")
     self._axis = loop_kwargs.get("data_axis", "data")
     self._log_parts = {}
@@ -154,7 +156,6 @@ class NnxTrainLoop:
     self._per_device = style == "per_device"
     loop_kwargs.setdefault("step_of", lambda s: s["optimizer"]["step"])
     self.loop = TrainLoop(self._pure_step, **loop_kwargs)
-    del state
 
   # -- state -----------------------------------------------------------------
 
@@ -173,8 +174,10 @@ class NnxTrainLoop:
   def state(self) -> dict[str, Any]:
     """The objects' current state: ``{"model", "optimizer", "metrics", "extra"}``.
 
-    Leaves are the objects' own arrays (not copies); ``metrics`` is ``{}``
-    without a MultiMetric.
+    Leaves are the objects' own arrays (not copies). Without a MultiMetric
+    there is no ``"metrics"`` key; ``extra`` is a list, one entry per extra
+    object (``{}`` when its variables belong to an earlier object, e.g. an
+    ``nnx.Rngs`` the model holds).
     """
     graphdef, pure = _pure(self._objects)
     if graphdef != self.graphdef:
@@ -254,10 +257,6 @@ class NnxTrainLoop:
     """The compiled :class:`~loopkit.program.MultiStepProgram`."""
     return self.loop.program
 
-  def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
-    """The model's part of a train state (for :class:`NnxEvaluator` in an EvalHook)."""
-    return state["model"]
-
 
 class NnxEvaluator:
   """Evaluates an NNX model with an in-place eval step, exactly over all examples.
@@ -313,8 +312,8 @@ class NnxEvaluator:
 
     Args:
       batches: iterable of batches ``[b, ...]`` (short ones are padded).
-      state: the model's pure state (e.g. ``NnxTrainLoop.model_state(s)`` in a
-        hook); default: the model object's current values.
+      state: the model's pure state (e.g. ``s["model"]`` of an
+        :class:`NnxTrainLoop` state); default: the model object's current values.
       num_batches: see :meth:`loopkit.Evaluator.evaluate` (multi-host).
       eval_mode: evaluate with the structure of ``model.eval()`` (from a
         clone; the user's model is not switched).

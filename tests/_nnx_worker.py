@@ -34,11 +34,11 @@ if __name__ == "__main__":  # set the device count before JAX is imported
   sys.path[:0] = [os.path.dirname(here), here]
 
 import jax  # noqa: E402
+import nnx_models  # noqa: E402
 import numpy as np  # noqa: E402
 
 import loopkit  # noqa: E402
 import loopkit.nnx  # noqa: E402
-import nnx_models  # noqa: E402
 
 
 def main(args) -> None:

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import toy
 
 import loopkit
-import toy
 
 
 def make_step(m, tx=toy.TX):

@@ -8,15 +8,15 @@ import sys
 from pathlib import Path
 
 import jax
+import nnx_models
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from nnx_models import arrays, batches, make
 
 import loopkit
 import loopkit.nnx
-import nnx_models
-from nnx_models import arrays, batches, make
 
 STEPS = 12
 DATA = batches(STEPS)

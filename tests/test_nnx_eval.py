@@ -3,13 +3,13 @@ exact per-example mean over the whole set, padding excluded (C15, C18), on 1 and
 
 import jax
 import jax.numpy as jnp
+import nnx_models
 import numpy as np
 import optax
 import pytest
 
 import loopkit
 import loopkit.nnx
-import nnx_models
 
 N, B = 37, 8  # 5 batches, the last one 5 examples: padded by 3 rows
 

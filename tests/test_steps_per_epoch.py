@@ -1,11 +1,10 @@
 """steps_per_epoch="auto": inferred from a sized source (len, tf.data cardinality, Grain,
 ArraySource), with a clear error when the source cannot tell."""
 
-import numpy as np
 import pytest
+import toy
 
 import loopkit
-import toy
 from loopkit.sources import steps_per_epoch_of
 
 tf = pytest.importorskip("tensorflow")

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 import pytest
+import toy
 
 import loopkit
-import toy
 from loopkit import writers as writers_lib
 
 tf = pytest.importorskip("tensorflow")
