@@ -360,7 +360,10 @@ class NnxEvaluator:
 
     Args:
       batches: a re-iterable or a callable returning a fresh iterable.
-      num_batches, writer, prefix, **trigger: as for :class:`loopkit.EvalHook`.
+      num_batches: as for :class:`loopkit.EvalHook`.
+      writer: as for :class:`loopkit.EvalHook` (see :func:`loopkit.as_writer`).
+      prefix: as for :class:`loopkit.EvalHook`.
+      **trigger: as for :class:`loopkit.EvalHook` (``every_steps``, ...).
     """
     evaluator = self
 
