@@ -1,16 +1,26 @@
 """Checkpoints with Orbax: exact resume, retention, asynchronous saves.
 
 :class:`CheckpointHook` saves, as one Orbax Composite checkpoint per step, the
-four things a run needs to continue exactly where it stopped:
+four things a run needs to continue exactly where it stopped, and a record of
+the state's leaves:
 
 ====== ================================= ====================================
 item   content                           Orbax args
 ====== ================================= ====================================
 state  the train state (sharded arrays)  ``StandardSave`` / ``StandardRestore``
+leaves each leaf's path, shape, dtype     ``JsonSave`` / ``JsonRestore``
+       (and PRNG key impl)
 ledger :class:`~loopkit.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
 data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
 hooks  other hooks' ``checkpoint_state`` ``JsonSave`` / ``JsonRestore``
 ====== ================================= ====================================
+
+**Leaf kinds.** Every leaf kind round-trips bitwise (case C28, tested in a
+fresh process): typed PRNG keys (``jax.random.key``, any impl, also inside
+Flax NNX ``nnx.Rngs``; Orbax stores their key data and impl and wraps them
+back), bool, int8, uint32, int64/uint64 under x64, bfloat16, 0-d, zero-size
+(Orbax refuses them: they are saved as None and re-made from the live state's
+shape, dtype and sharding) and None leaves.
 
 Step directories are named by the global step (= updates applied = the
 state's step = the optimizer's count). Saves are asynchronous: the hook
@@ -18,7 +28,10 @@ returns once the arrays are copied off the device, so the next (donating)
 call may start while files are written; a save first waits for the previous
 one, and ``on_run_end`` waits for the last one. A failed asynchronous save
 raises :class:`CheckpointError` at the next boundary (or at run end); the hook
-stays usable and later saves work.
+stays usable and later saves work. When ``run`` ends by an exception (a hook
+raised, say), :meth:`CheckpointHook.on_run_error` first lets the save in
+flight commit (or removes it, if it failed), so nothing is written after
+``run`` raised and a new hook on the directory resumes (case C33).
 
 **Resume.** ``TrainLoop.run`` calls :meth:`CheckpointHook.on_run_start`, which
 restores the latest complete checkpoint, if any (the checkpoint wins over the
@@ -31,10 +44,17 @@ checkpoint whose tree, shapes or dtypes differ from the live state raises
 
 **Complete or invisible.** A step directory counts only if Orbax finalized it
 (it holds ``commit_success.txt``, written last in both of Orbax's atomicity
-modes). When the hook opens a directory it deletes unfinished leftovers
-(``<step>.orbax-checkpoint-tmp*`` or a step directory without the commit file,
-e.g. from a kill during a write), so they are never taken as the latest and
-never block a new save at that step. Only one run may write a directory.
+modes). When the hook opens a directory it deletes what is evidently its own
+unfinished save (e.g. from a kill during a write): ``<step>.orbax-checkpoint-tmp*``
+(Orbax's atomic-rename mode, used on local disks), or a ``<step>`` directory
+without the commit file whose Orbax ``_CHECKPOINT_METADATA`` has a start but
+no commit time and which holds nothing but loopkit's items (commit-file mode,
+used on GCS). It never deletes anything else (case C35): another digit-named
+folder (a user's ``5``, an older Orbax's complete checkpoint without the
+commit file) is left in place, not read, and a save at its step is skipped,
+with a :class:`CheckpointWarning`; so are other programs' checkpoints, e.g.
+``checkpoint_50`` from ``flax.training.checkpoints`` (case C41). Only one run
+may write a directory.
 
 **Data position.** The position stored is ``LoopInfo.data_position``: the
 source's position after the last *consumed* chunk, never a prefetched one
@@ -57,30 +77,48 @@ import base64
 import dataclasses
 import json
 import logging
+import math
+import re
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
-from orbax.checkpoint import checkpoint_managers as ocp_managers
+
+from loopkit.extras import missing
+
+try:
+  import orbax.checkpoint as ocp
+  from etils import epath
+  from orbax.checkpoint import checkpoint_managers as ocp_managers
+except ImportError as e:
+  raise missing(e, "loopkit.checkpoint") from e
 
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger
 
 log = logging.getLogger("loopkit")
 
-__all__ = ["CheckpointError", "CheckpointHook", "RestoredCheckpoint"]
+__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]
 
 _COMMIT_FILE = "commit_success.txt"
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (written when a save starts)
 _TMP_MARK = ".orbax-checkpoint-tmp"
-_ITEMS = ("state", "ledger", "data", "hooks")
+_ITEMS = ("state", "ledger", "data", "hooks", "leaves")
+# A name that looks like someone else's checkpoint: flax.training.checkpoints'
+# "checkpoint_50", TensorFlow's "ckpt-100.index", an Orbax manager with a step prefix.
+_FOREIGN_CHECKPOINT = re.compile(r"(checkpoint|ckpt)\D{0,3}\d+", re.IGNORECASE)
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint save failed (the message names the step and directory)."""
+
+
+class CheckpointWarning(UserWarning):
+  """The checkpoint directory holds files loopkit did not write and leaves alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +206,7 @@ class CheckpointHook(Hook):
     self._manager: ocp.CheckpointManager | None = None
     self._loop: Any = None
     self._in_flight: int | None = None
+    self._warned: set[str] = set()
 
   # -- manager ---------------------------------------------------------------
 
@@ -179,24 +218,34 @@ class CheckpointHook(Hook):
       policies.append(ocp_managers.BestN(
           get_metric_fn=self._metric_of, reverse=self.best_mode == "min", n=self.keep_best,
           keep_checkpoints_without_metrics=True))
+    # A step is one Orbax committed: a digit-named directory holding commit_success.txt
+    # (written last in both of Orbax's atomicity modes). By default Orbax takes *any*
+    # digit-named directory on a local disk as a step (and would restore or delete a
+    # user's folder "5"); validating with the commit-file class makes it look for the file.
+    # Unfinished writes are removed by _tidy, not by Orbax's cleanup_tmp_directories
+    # (which on GCS deletes every digit-named directory without the file).
+    name_format = ocp.step.standard_name_format(
+        temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath)
     return ocp.CheckpointManagerOptions(
         enable_async_checkpointing=self.async_save,
         preservation_policy=ocp_managers.AnyPreservationPolicy(policies),
         best_fn=self._metric_of if self.best_metric else None,
-        best_mode=self.best_mode, cleanup_tmp_directories=True, create=True)
+        best_mode=self.best_mode, step_name_format=name_format,
+        cleanup_tmp_directories=False, create=True)
 
   def _metric_of(self, metrics: dict[str, Any]) -> float:
     return float(metrics[self.best_metric])
 
   def _open(self) -> ocp.CheckpointManager:
     if self._manager is None:
-      _remove_unfinished(self.directory)
-      self._manager = ocp.CheckpointManager(
-          self.directory, options=self._options(),
-          item_handlers={"state": ocp.StandardCheckpointHandler(),
-                         "ledger": ocp.JsonCheckpointHandler(),
-                         "data": ocp.JsonCheckpointHandler(),
-                         "hooks": ocp.JsonCheckpointHandler()})
+      for message in _tidy(self.directory):
+        if message not in self._warned:  # once per hook, not at every reopening
+          self._warned.add(message)
+          warnings.warn(message, CheckpointWarning, stacklevel=3)
+      handlers: dict[str, Any] = {name: ocp.JsonCheckpointHandler() for name in _ITEMS}
+      handlers["state"] = ocp.StandardCheckpointHandler()
+      self._manager = ocp.CheckpointManager(self.directory, options=self._options(),
+                                            item_handlers=handlers)
     return self._manager
 
   def close(self) -> None:
@@ -284,6 +333,11 @@ class CheckpointHook(Hook):
     if step in manager.all_steps():
       log.info("loopkit: checkpoint %d already exists in %s", step, self.directory)
       return False
+    if (self.directory / str(step)).exists():  # a folder loopkit did not write (see _tidy)
+      warnings.warn(f"loopkit: not saving step {step}: {self.directory / str(step)} exists "
+                    f"and is not a loopkit checkpoint (no {_COMMIT_FILE}); it is left as it is",
+                    CheckpointWarning, stacklevel=2)
+      return False
     ranked = None
     if self.best_metric is not None:
       if not metrics or self.best_metric not in metrics:
@@ -291,7 +345,8 @@ class CheckpointHook(Hook):
                          f"{sorted(metrics or {})}")
       ranked = {self.best_metric: float(metrics[self.best_metric])}
     args = ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
+        state=ocp.args.StandardSave(_storable(state)),
+        leaves=ocp.args.JsonSave(_leaf_record(state)),
         ledger=ocp.args.JsonSave(ledger.to_dict()),
         data=ocp.args.JsonSave(_encode_positions(data_position)),
         hooks=ocp.args.JsonSave(self._hook_states()))
@@ -347,12 +402,17 @@ class CheckpointHook(Hook):
     if step is None or step not in steps:
       raise FileNotFoundError(f"no complete checkpoint{'' if step is None else f' {step}'} "
                               f"in {self.directory} (found {sorted(steps)})")
-    meta = manager.item_metadata(step)["state"]
-    problem = _tree_difference(getattr(meta, "tree", meta), like)
+    if (self.directory / str(step) / "leaves").exists():
+      saved = _leaves_from_record(manager.restore(step, args=ocp.args.Composite(
+          leaves=ocp.args.JsonRestore()))["leaves"])
+    else:  # written before loopkit recorded its leaves: Orbax's metadata
+      meta = manager.item_metadata(step)["state"]
+      saved = _leaves_from_orbax(getattr(meta, "tree", meta))
+    problem = _tree_difference(saved, like)
     if problem:
       raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
                        f"state: {problem}")
-    abstract = jax.tree.map(_abstract, like)
+    abstract = jax.tree.map(lambda x: None if _is_empty(x) else _abstract(x), like)
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), ledger=ocp.args.JsonRestore(),
         data=ocp.args.JsonRestore(), hooks=ocp.args.JsonRestore()))
@@ -412,6 +472,22 @@ class CheckpointHook(Hook):
     self.close()
     return None
 
+  def on_run_error(self, loop: Any, error: BaseException) -> None:
+    """The run ends by ``error``: lets the in-flight save commit, then releases the directory.
+
+    If that save fails too, its failure is logged (``error`` is what ``run``
+    raises) and its unfinished directory is removed, so that a new hook on the
+    directory (in this process or another) resumes from the last committed step.
+    Involves no collective (other processes may not be raising).
+    """
+    step = self._in_flight
+    try:
+      self.close()
+    except CheckpointError as e:
+      log.warning("loopkit: while the run raised %s: %s", type(error).__name__, e)
+      if step is not None and jax.process_index() == 0:
+        _remove_tmp_dirs(self.directory, step)
+
 
 # -- helpers -------------------------------------------------------------------
 
@@ -444,23 +520,139 @@ def _rmtree(p: epath.Path, attempts: int = 20) -> None:
       time.sleep(0.05 * (i + 1))
 
 
-def _remove_unfinished(directory: epath.Path) -> None:
-  """Deletes unfinished step directories (process 0), then syncs the processes."""
+def _step_of_name(name: str) -> int | None:
+  """The step of a name loopkit's Orbax manager writes (``12`` or ``12.orbax-checkpoint-tmp-*``)."""
+  base = name.split(_TMP_MARK, 1)[0]
+  return int(base) if base.isdigit() else None
+
+
+def _unfinished_write(p: epath.Path) -> bool:
+  """Whether ``p`` (a step's directory or tmp directory) is an unfinished save of this hook.
+
+  The evidence: a tmp name (Orbax's atomic-rename mode, any local disk: the
+  directory is renamed to ``<step>`` only once complete), or, for ``<step>``
+  itself (Orbax's commit-file mode, used on GCS), no ``commit_success.txt``
+  *and* Orbax's ``_CHECKPOINT_METADATA`` with a start time but no commit time
+  *and* nothing inside but that file and loopkit's items. A folder without this
+  evidence (a user's ``5``, an older Orbax's complete checkpoint) is not one.
+  """
+  if _step_of_name(p.name) is None or not p.is_dir():
+    return False
+  if _TMP_MARK in p.name:
+    return True
+  if (p / _COMMIT_FILE).exists():
+    return False
+  try:
+    meta = json.loads((p / _STEP_METADATA).read_text())
+  except (OSError, ValueError):
+    return False
+  if not isinstance(meta, dict) or meta.get("commit_timestamp_nsecs") is not None \
+      or meta.get("init_timestamp_nsecs") is None:
+    return False
+  allowed = {_STEP_METADATA, *_ITEMS}
+  return all(c.name.split(_TMP_MARK, 1)[0] in allowed for c in p.iterdir())
+
+
+def _tidy(directory: epath.Path) -> list[str]:
+  """Removes this hook's unfinished saves; returns warnings about what loopkit does not read.
+
+  Runs on process 0, then syncs the processes. Only :func:`_unfinished_write`
+  entries are deleted (case C21); digit-named folders that are not complete
+  checkpoints (C35) and other programs' checkpoints (C41) are left in place,
+  each kind named in one message.
+  """
+  messages = []
   if jax.process_index() == 0 and directory.exists():
-    for p in directory.iterdir():
+    kept, foreign = [], []
+    for p in sorted(directory.iterdir(), key=lambda q: q.name):
       name = p.name
-      unfinished = (_TMP_MARK in name
-                    or (name.isdigit() and p.is_dir() and not (p / _COMMIT_FILE).exists()))
-      if unfinished:
+      if _unfinished_write(p):
         log.warning("loopkit: removing unfinished checkpoint directory %s", p)
-        _rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        _rmtree(p)
+      elif name.isdigit() and not (p / _COMMIT_FILE).exists():
+        kept.append(name)
+      elif _step_of_name(name) is None and _FOREIGN_CHECKPOINT.search(name):
+        foreign.append(name)
+    if kept:
+      messages.append(
+          f"loopkit: {directory} holds {', '.join(kept)}: named like loopkit checkpoints but "
+          f"neither complete (no {_COMMIT_FILE}) nor an unfinished loopkit save; left in "
+          "place, not read, and a save at that step is skipped")
+    if foreign:
+      messages.append(
+          f"loopkit: {directory} holds checkpoints loopkit does not read: "
+          f"{', '.join(foreign)} (e.g. from flax.training.checkpoints); the run does not "
+          "resume from them. To start from such a state, restore it yourself and pass it "
+          "to TrainLoop.run (docs/checkpointing.md, 'Starting from another checkpoint')")
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("loopkit_checkpoint_remove_unfinished")
+  return messages
+
+
+def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
+  """Removes the unfinished directories of one failed save (no collective)."""
+  if not directory.exists():
+    return
+  for p in directory.iterdir():
+    if _step_of_name(p.name) == step and _unfinished_write(p):
+      log.warning("loopkit: removing unfinished checkpoint directory %s", p)
+      _rmtree(p)
+
+
+# -- leaves ----------------------------------------------------------------------
+#
+# Orbax (>= 0.11) saves typed PRNG keys natively, as their uint32 key data plus
+# the impl's name, and wraps them back on restore; its metadata then shows the
+# key data's shape and dtype. It refuses zero-size arrays. loopkit therefore
+# saves zero-size leaves as None (the live state gives their shape and dtype
+# back) and writes its own JSON record of every leaf's logical shape and dtype
+# (item "leaves"), which the mismatch check reads.
+
+
+def _is_key(x: Any) -> bool:
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _is_empty(x: Any) -> bool:
+  return math.prod(x.shape) == 0
+
+
+def _storable(state: Any) -> Any:
+  return jax.tree.map(lambda x: None if _is_empty(x) else x, state)
+
+
+def _dtype_name(x: Any) -> str:
+  return str(x.dtype) if _is_key(x) else str(np.dtype(x.dtype))
+
+
+def _leaf_record(state: Any) -> dict[str, Any]:
+  """``{"leaves": [{"path", "key", "shape", "dtype"[, "impl"]}, ...]}`` of a state."""
+  leaves = []
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    entry = {"path": jax.tree_util.keystr(path) or "<root>", "key": list(_orbax_key(path)),
+             "shape": list(x.shape), "dtype": _dtype_name(x)}
+    if _is_key(x) and isinstance(x, jax.Array):
+      entry["impl"] = str(jax.random.key_impl(x))
+    leaves.append(entry)
+  return {"leaves": leaves}
+
+
+def _leaves_from_record(record: dict[str, Any]) -> dict[tuple[str, ...], dict[str, Any]]:
+  return {tuple(e["key"]): {"shape": tuple(e["shape"]), "dtype": e["dtype"],
+                            "impl": e.get("impl")} for e in record["leaves"]}
+
+
+def _leaves_from_orbax(tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
+  """The same from Orbax's metadata (checkpoints without the record): key data for keys."""
+  return {key: {"shape": tuple(getattr(m, "shape", ()) or ()),
+                "dtype": str(np.dtype(m.dtype)) if getattr(m, "dtype", None) is not None
+                else None, "impl": None, "physical": True}
+          for key, m in ocp.tree.to_flat_dict(tree).items() if m is not None}
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
 def _orbax_key(path: tuple) -> tuple[str, ...]:
@@ -476,9 +668,12 @@ def _orbax_key(path: tuple) -> tuple[str, ...]:
   return tuple(out)
 
 
-def _tree_difference(saved_tree: Any, like: Any) -> str | None:
-  """First difference between saved leaf metadata and a live state, or None."""
-  saved = ocp.tree.to_flat_dict(saved_tree)
+def _described(dtype: str | None, impl: str | None) -> str:
+  return f"{dtype} (impl {impl})" if impl else str(dtype)
+
+
+def _tree_difference(saved: dict[tuple[str, ...], dict[str, Any]], like: Any) -> str | None:
+  """First difference between the saved leaves and a live state, or None."""
   seen = set()
   for path, x in jax.tree_util.tree_flatten_with_path(like)[0]:
     key = _orbax_key(path)
@@ -487,28 +682,35 @@ def _tree_difference(saved_tree: Any, like: Any) -> str | None:
       return f"leaf {name} of the train state is not in the checkpoint"
     seen.add(key)
     m = saved[key]
-    m_shape = tuple(getattr(m, "shape", ()) or ())
-    if m_shape != tuple(np.shape(x)):
-      return (f"leaf {name} has shape {m_shape} in the checkpoint, "
-              f"{tuple(np.shape(x))} in the train state")
-    m_dtype = getattr(m, "dtype", None)
-    if m_dtype is not None and np.dtype(m_dtype) != np.dtype(x.dtype):
-      return (f"leaf {name} has dtype {np.dtype(m_dtype)} in the checkpoint, "
-              f"{np.dtype(x.dtype)} in the train state")
-  for key, m in saved.items():
-    if key not in seen and m is not None:
+    shape, dtype = tuple(x.shape), _dtype_name(x)
+    impl = str(jax.random.key_impl(x)) if _is_key(x) and isinstance(x, jax.Array) else None
+    if m.get("physical") and _is_key(x):  # Orbax's metadata shows a key's data
+      data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+      shape, dtype = tuple(data.shape), str(data.dtype)
+    if m["shape"] != shape:
+      return f"leaf {name} has shape {m['shape']} in the checkpoint, {shape} in the train state"
+    if m["dtype"] is not None and m["dtype"] != dtype:
+      return (f"leaf {name} has dtype {_described(m['dtype'], m.get('impl'))} in the "
+              f"checkpoint, {_described(dtype, impl)} in the train state")
+  for key in saved:
+    if key not in seen:
       return f"the checkpoint has leaf {'.'.join(key)} that the train state lacks"
   return None
 
 
+def _empty_like(x: Any) -> jax.Array:
+  return jnp.zeros(x.shape, x.dtype, device=getattr(x, "sharding", None))
+
+
 def _into_structure(restored: Any, like: Any) -> Any:
-  """Puts restored leaves into exactly ``like``'s tree structure."""
+  """Puts restored leaves into exactly ``like``'s tree structure (zero-size ones anew)."""
+  like_leaves = jax.tree_util.tree_flatten_with_path(like)[0]
   like_def = jax.tree.structure(like)
   if jax.tree.structure(restored) == like_def:  # type: ignore[operator]
     return restored
-  flat = ocp.tree.to_flat_dict(restored)
-  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
-  return jax.tree.unflatten(like_def, [flat[_orbax_key(p)] for p in paths])
+  flat = {_orbax_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+  return jax.tree.unflatten(like_def, [_empty_like(x) if _is_empty(x) else flat[_orbax_key(p)]
+                                       for p, x in like_leaves])
 
 
 def _jsonable(x: Any) -> Any:

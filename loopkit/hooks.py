@@ -46,7 +46,7 @@ import numpy as np
 
 from loopkit import metrics as metrics_lib
 from loopkit.triggers import Trigger
-from loopkit.writers import ConsoleWriter
+from loopkit.writers import ConsoleWriter, as_writer
 
 log = logging.getLogger("loopkit")
 
@@ -133,6 +133,20 @@ class Hook:
     """Called once at the end of ``run`` (also after a stop or preemption)."""
     return None
 
+  def on_run_error(self, loop: Any, error: BaseException) -> None:
+    """Called once when ``run`` leaves by an exception raised after ``on_run_start``.
+
+    For cleanup that must finish before the error reaches the caller, e.g. waiting
+    for a background write (:class:`~loopkit.checkpoint.CheckpointHook` waits for
+    its in-flight save and releases its directory). ``on_run_end`` is not called
+    then. Exceptions raised here are logged, not raised: ``run`` raises ``error``.
+
+    Args:
+      loop: the :class:`~loopkit.loop.TrainLoop`.
+      error: the exception that ends the run (any ``BaseException``, e.g. a
+        ``KeyboardInterrupt``).
+    """
+
 
 class CallbackHook(Hook):
   """Calls ``fn(info, state)`` when the trigger fires; ``fn`` may return a new state.
@@ -205,7 +219,9 @@ class LoggingHook(Hook):
 
   Args:
     writer: optional object with ``write_scalars(step: int, scalars: dict)``
-      (e.g. :class:`loopkit.writers.JsonlWriter`); metrics are also logged to
+      (e.g. :class:`loopkit.writers.JsonlWriter`, CLU's ``metric_writers``) or
+      Flax's ``tensorboard.SummaryWriter`` (see :func:`loopkit.writers.as_writer`);
+      metrics are also logged to
       the ``loopkit`` Python logger at INFO (by process 0 only on multi-host),
       unless the writer prints them itself (a
       :class:`~loopkit.writers.ConsoleWriter`, alone or inside a
@@ -225,7 +241,7 @@ class LoggingHook(Hook):
 
   def __init__(self, writer: Any = None, *, per_step: bool = False, **trigger):
     super().__init__(**trigger)
-    self.writer = writer
+    self.writer = None if writer is None else as_writer(writer)
     self.per_step = per_step
     self._log = not _prints_to_console(writer)
     self._acc: dict[str, metrics_lib.Metric] = {}

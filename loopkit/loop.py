@@ -39,6 +39,7 @@ from loopkit.program import (
   resolve_mesh,
   tree_mismatch,
 )
+from loopkit.sources import steps_per_epoch_of
 
 log = logging.getLogger("loopkit")
 
@@ -127,6 +128,9 @@ class TrainLoop:
       (pmap style: the step sees its device's slice and uses collectives over
       ``data_axis``).
     steps_per_epoch: steps in one epoch; calls never cross an epoch end.
+      ``"auto"``: the length of the source given to each ``run`` (one epoch;
+      :func:`loopkit.sources.steps_per_epoch_of`: ``len``, tf.data
+      cardinality, ``ArraySource.steps_per_epoch``).
     global_batch_size: if given, checked now against the data-parallel size.
     prefetch: chunks prepared ahead by a background thread (0 = none).
     step_of: returns the state's step counter (default ``state.step``).
@@ -164,7 +168,7 @@ class TrainLoop:
                max_iterations_per_loop: int | None = None,
                hooks: Sequence[Hook] = (), mesh: Mesh | None = None,
                data_axis: str = "data", step_style: StepStyle = "global",
-               steps_per_epoch: int | None = None, global_batch_size: int | None = None,
+               steps_per_epoch: int | str | None = None, global_batch_size: int | None = None,
                prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
                preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
                canonical_convs: bool | None = None):
@@ -188,8 +192,11 @@ class TrainLoop:
       self.time_based_k = iterations_per_loop
       iterations_per_loop = iterations_per_loop.max_iterations_per_loop
     iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
-    if steps_per_epoch is not None and steps_per_epoch < 1:
-      raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+    self._auto_steps_per_epoch = steps_per_epoch == "auto"  # from the source, at each run
+    if self._auto_steps_per_epoch:
+      steps_per_epoch = None
+    elif steps_per_epoch is not None and steps_per_epoch < 1:
+      raise ValueError(f"steps_per_epoch must be >= 1 or 'auto', got {steps_per_epoch!r}")
     self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
     if global_batch_size is not None:
       check_global_batch_size(global_batch_size, self.data_parallel_size)
@@ -254,6 +261,8 @@ class TrainLoop:
       DataExhaustedWarning: ``batches`` ran out; the run stops after the last
       full step, hooks see only steps that ran, ``status == "data_exhausted"``.
     """
+    if self._auto_steps_per_epoch:
+      self.steps_per_epoch = steps_per_epoch_of(batches)
     target = self._target(num_steps, num_epochs)
     self.target_step = target
     self._num_epochs = num_epochs
@@ -268,8 +277,14 @@ class TrainLoop:
     state = self._admit(state, None)
     counter = self.step_of(state)
     if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
+      replicated = np.ndim(counter) == 1 and np.shape(counter)[0] in (
+          self.data_parallel_size, jax.local_device_count())
       raise ValueError(f"the state's step counter must be a scalar integer array, got shape "
-                       f"{np.shape(counter)} dtype {counter.dtype}")
+                       f"{np.shape(counter)} dtype {counter.dtype}" + (
+                           "; this looks like a state replicated for pmap (flax.jax_utils."
+                           "replicate): pass the unreplicated state (jax_utils.unreplicate, "
+                           "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
+                           "itself" if replicated else ""))
     step0 = int(jax.device_get(counter))
     if step0 >= target:
       log.warning("nothing to run: the state is at step %d and num_steps is %d", step0, target)
@@ -384,6 +399,13 @@ class TrainLoop:
         if new is not None:
           state = self._admit(new, h)
       returning = True
+    except BaseException as error:  # invariant 5: no save left in flight (Hook.on_run_error)
+      for h in self.hooks:
+        try:
+          getattr(h, "on_run_error", lambda loop, e: None)(self, error)
+        except Exception:  # pylint: disable=broad-except  # the run's own error propagates
+          log.exception("loopkit: %s.on_run_error failed", type(h).__name__)
+      raise
     finally:
       self.preemption.uninstall()
       self._preemption_used = True  # kept for reading (signal_received); the next run renews it

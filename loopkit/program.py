@@ -392,8 +392,17 @@ class MultiStepProgram:
           raise ValueError(f"train_step metric {k!r}: {e}") from None
       return new_s, out
 
-    closed, (out_state_shape, metric_shape) = jax.make_jaxpr(
-        step_fn, return_shape=True)(state, batch0)
+    try:
+      closed, (out_state_shape, metric_shape) = jax.make_jaxpr(
+          step_fn, return_shape=True)(state, batch0)
+    except NameError as e:  # a collective over an axis that is not the data axis
+      if "unbound axis name" not in str(e):
+        raise
+      raise NameError(f"{e}\nloopkit: the train step uses a collective over an axis the "
+                      f"program does not map; its data axis is {self.data_axis!r} "
+                      f"(style {self.style!r}): pass data_axis=<the step's axis name> "
+                      "(e.g. 'batch' for Flax's pmap examples) and step_style='per_device', "
+                      "with a mesh that has that axis") from e
     problem = tree_mismatch(state, out_state_shape,
                             what="train_step returned a state unlike the one it received")
     if problem:

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import jax
 
+from loopkit.extras import require
 from loopkit.hooks import Hook, LoopInfo
 
 __all__ = ["ProgressHook", "format_eta"]
@@ -153,7 +154,7 @@ class ProgressHook(Hook):
     self._logged_step = step
 
   def _open_bar(self, initial: int) -> None:
-    from tqdm.auto import tqdm  # lazy: only when a bar is shown
+    tqdm = require("tqdm.auto", "loopkit.ProgressHook's bar").tqdm  # lazy: only for a bar
     self._bar = tqdm(total=self._total, initial=initial, unit="step", file=self._stream,
                      dynamic_ncols=True, smoothing=0.3)
 

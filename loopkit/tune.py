@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loopkit.extras import require
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.loop import DataExhaustedWarning, TrainLoop
 
@@ -313,7 +314,7 @@ def plot(result: TuneResult, path: str, *, title: str | None = None) -> None:
     path: the PNG file to write.
     title: the plot's title (default names the recommendation).
   """
-  import matplotlib  # lazy: only the tuner needs it
+  matplotlib = require("matplotlib", "loopkit.tune's plot")  # lazy: only the tuner needs it
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 

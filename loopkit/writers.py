@@ -11,7 +11,10 @@ writers:
 * :class:`MultiWriter` fans out to several; :class:`AsyncWriter` moves the
   writing to a background thread so the training loop never waits on disk.
 
-:func:`create_default_writer` combines them. Only process 0 writes on
+:func:`create_default_writer` combines them. :func:`as_writer` takes the writers
+users already have: CLU's ``metric_writers`` as they are, Flax's
+``tensorboard.SummaryWriter`` through :class:`FlaxSummaryWriter`; hooks that take
+a ``writer`` call it. Only process 0 writes on
 multi-host: on the other processes every writer is a no-op (decided at
 construction from ``jax.process_index()``).
 
@@ -39,8 +42,10 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-__all__ = ["AsyncWriter", "ConsoleWriter", "JsonlWriter", "MetricWriter", "MultiWriter",
-           "NullWriter", "TensorBoardWriter", "create_default_writer"]
+from loopkit.extras import require
+
+__all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
+           "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer"]
 
 log = logging.getLogger("loopkit")
 
@@ -139,7 +144,7 @@ class TensorBoardWriter:
     flush_secs: how often tensorboardX flushes on its own (seconds).
 
   Raises:
-    ImportError: if ``tensorboardX`` is not installed (``pip install tensorboardX``).
+    ImportError: if ``tensorboardX`` is not installed (``pip install 'loopkit[observability]'``).
 
   Writes only on process 0. Not thread-safe (wrap in :class:`AsyncWriter`).
   """
@@ -148,7 +153,7 @@ class TensorBoardWriter:
     self.logdir = os.fspath(logdir)
     self._w = None
     if _is_writer_process():
-      from tensorboardX import SummaryWriter  # lazy: an optional dependency
+      SummaryWriter = require("tensorboardX", "loopkit.TensorBoardWriter").SummaryWriter
       self._w = SummaryWriter(self.logdir, flush_secs=flush_secs)
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -332,3 +337,58 @@ def create_default_writer(logdir: str | os.PathLike | None, *, asynchronous: boo
   if console:
     writers.append(ConsoleWriter())
   return writers[0] if len(writers) == 1 else MultiWriter(writers)
+
+
+class FlaxSummaryWriter:
+  """Adapts Flax's ``flax.metrics.tensorboard.SummaryWriter`` to :class:`MetricWriter`.
+
+  Flax's writer (the one Flax's examples make) writes one tag at a time:
+  ``writer.scalar(tag, value, step)``; this calls it once per scalar.
+
+  Args:
+    writer: the Flax ``SummaryWriter`` (or any object with ``scalar(tag,
+      value, step)``, and optionally ``flush()`` and ``close()``).
+
+  Thread-safety and multi-host behaviour are the wrapped writer's (Flax's
+  writes on every process that makes one: make it on process 0 only).
+  """
+
+  def __init__(self, writer: Any):
+    self.writer = writer
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    for tag, value in scalars.items():
+      self.writer.scalar(tag, _to_python(value), int(step))
+
+  def flush(self) -> None:
+    if hasattr(self.writer, "flush"):
+      self.writer.flush()
+
+  def close(self) -> None:
+    if hasattr(self.writer, "close"):
+      self.writer.close()
+
+
+def as_writer(writer: Any) -> MetricWriter:
+  """The :class:`MetricWriter` for a writer users already have.
+
+  * anything with ``write_scalars(step, scalars)``: returned as it is. This
+    covers loopkit's writers and CLU's ``clu.metric_writers`` (whose
+    ``MetricWriter`` interface is ``write_scalars(step, scalars)``,
+    ``write_images``, ..., ``flush()``, ``close()``: e.g. the writer of
+    ``metric_writers.create_default_writer(workdir)``, as in Flax's linen
+    examples);
+  * Flax's ``flax.metrics.tensorboard.SummaryWriter`` (``scalar(tag, value,
+    step)``, as in Flax's NNX examples): wrapped in :class:`FlaxSummaryWriter`.
+
+  Raises:
+    TypeError: neither shape; the message names the object's type.
+  """
+  if callable(getattr(writer, "write_scalars", None)):
+    return writer
+  if callable(getattr(writer, "scalar", None)):
+    return FlaxSummaryWriter(writer)
+  raise TypeError(
+      f"{type(writer).__module__}.{type(writer).__qualname__} is not a metric writer: give an "
+      "object with write_scalars(step, scalars) (loopkit.writers, clu.metric_writers) or "
+      "scalar(tag, value, step) (flax.metrics.tensorboard.SummaryWriter)")

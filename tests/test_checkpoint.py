@@ -6,14 +6,16 @@ and hook on the same directory, with a differently initialised state that the
 restore must replace. Kills and other processes: tests/test_checkpoint_process.py.
 """
 
+import dataclasses
 import os
-import shutil
 import signal
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 import toy
 
@@ -235,22 +237,45 @@ def test_retention_max_to_keep_and_best_max(tmp_path):
   assert best.all_steps() == [10, 12] and best.best_step() == 12
 
 
-@pytest.mark.parametrize("leftover", ["orbax_tmp", "no_commit_file"])
-def test_c21_unfinished_directory_is_invisible_and_removed(tmp_path, leftover, ref12):
+def _commit_file_mode(monkeypatch):
+  """Makes CheckpointHook write in Orbax's commit-file mode (its default on GCS): step
+  directories are written in place and commit_success.txt marks them complete."""
+  options = CheckpointHook._options
+
+  def patched(self):
+    return dataclasses.replace(
+        options(self), temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath)
+
+  monkeypatch.setattr(CheckpointHook, "_options", patched)
+
+
+@pytest.mark.parametrize("mode", ["atomic_rename", "commit_file"])
+def test_c21_unfinished_save_is_invisible_and_removed(tmp_path, mode, monkeypatch, ref12):
+  """A real failed save of step 12 (Orbax's leftover of either atomicity mode) is removed."""
   data, ref = toy.batches(12), ref12
+  if mode == "commit_file":
+    _commit_file_mode(monkeypatch)
   first = CheckpointHook(tmp_path, every_steps=4)
   make_loop(4, [first]).run(toy.init_state(), data, num_steps=8)
   assert first.all_steps() == [4, 8]
-  name = "12.orbax-checkpoint-tmp" if leftover == "orbax_tmp" else "12"
-  shutil.copytree(tmp_path / "8", tmp_path / name)  # a step-12 write cut short:
-  os.remove(tmp_path / name / "commit_success.txt")  # no commit marker,
-  shutil.rmtree(tmp_path / name / "hooks")  # and an item missing
+  with monkeypatch.context() as m:
+    _fail_ledger_write_at(m, 12)
+    with pytest.raises(CheckpointError, match="save of step 12"):
+      make_loop(4, [CheckpointHook(tmp_path, every_steps=4)]).run(toy.init_state(), data,
+                                                                   num_steps=12)
+  left = sorted(n for n in os.listdir(tmp_path) if n.startswith("12"))
+  if mode == "atomic_rename":
+    assert len(left) == 1 and left[0].startswith("12.orbax-checkpoint-tmp")
+  else:
+    assert left == ["12"] and not os.path.exists(tmp_path / "12" / "commit_success.txt")
   hook = CheckpointHook(tmp_path, every_steps=4)
-  final = make_loop(4, [hook]).run(toy.init_state(), data, num_steps=12)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", loopkit.CheckpointWarning)  # removed, not warned about
+    final = make_loop(4, [hook]).run(toy.init_state(), data, num_steps=12)
   assert hook.restored_step == 8
   assert hook.saved_steps == [12]
   assert hook.all_steps() == [4, 8, 12]
-  assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ["12", "4", "8"]
   assert os.path.exists(tmp_path / "12" / "commit_success.txt")
   assert_bitwise(final, ref)
   assert_bitwise(hook.restore(toy.init_state(), 12).state, ref)
