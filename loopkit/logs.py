@@ -30,6 +30,9 @@ import jax
 __all__ = ["install_default_handler"]
 
 LOGGER_NAME = "loopkit"
+# The level install_default_handler sets: lets INFO through like logging.INFO, and tells
+# "loopkit set it" apart from a user's (or pytest caplog's) explicit setLevel(logging.INFO).
+_DEFAULT_LEVEL = logging.INFO - 1
 
 
 class _Formatter(logging.Formatter):
@@ -75,7 +78,7 @@ class _AsIfUnset(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     root = logging.getLogger()
-    if not root.handlers or logging.getLogger(LOGGER_NAME).level != logging.INFO:
+    if not root.handlers or logging.getLogger(LOGGER_NAME).level != _DEFAULT_LEVEL:
       return True
     return record.levelno >= root.getEffectiveLevel()
 
@@ -96,5 +99,5 @@ def install_default_handler() -> bool:
     return False
   logger.addHandler(_DefaultHandler())
   logger.addFilter(_AsIfUnset())
-  logger.setLevel(logging.INFO)
+  logger.setLevel(_DEFAULT_LEVEL)
   return True
