@@ -81,14 +81,14 @@ def test_loop_writes_tensorboard_and_per_step_traces_at_true_steps(tmp_path):
   writer.close()
   got = read_tb(tmp_path)
   assert got["s"] == [(4, 2.5), (8, 6.5), (10, 9.5)]
-  assert got["s_per_step"] == [(s, float(s)) for s in range(1, 11)]
-  assert got["x0_per_step"] == [(s, s - 1 + 0.25) for s in range(1, 11)]
+  assert got["per_step/s"] == [(s, float(s)) for s in range(1, 11)]
+  assert got["per_step/x0"] == [(s, s - 1 + 0.25) for s in range(1, 11)]
   assert got["examples_seen"] == [(4, 32.0), (8, 64.0), (10, 80.0)]
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  reports = [r for r in rows if "s_per_step" not in r]
+  reports = [r for r in rows if "per_step/s" not in r]
   assert [(r["step"], r["s"], r["x0"]) for r in reports] == [
       (4, 2.5, 1.75), (8, 6.5, 5.75), (10, 9.5, 8.75)]
-  per_step = [(r["step"], r["s_per_step"]) for r in rows if "s_per_step" in r]
+  per_step = [(r["step"], r["per_step/s"]) for r in rows if "per_step/s" in r]
   assert per_step == [(s, float(s)) for s in range(1, 11)]
 
 
