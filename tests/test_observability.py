@@ -3,6 +3,7 @@ rows from the injected clock; per-step rows under their own keys; the progress b
 pseudo-terminal."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -212,3 +213,83 @@ def test_per_step_rows_have_their_own_keys():
   assert rec.rows[3][1]["loss"] == pytest.approx(
       np.mean([r["per_step/loss"] for _, r in rec.rows[:3]]), rel=1e-6)
 
+
+
+BAR_SCRIPT = textwrap.dedent("""
+    import jax.numpy as jnp, numpy as np
+    import loopkit
+
+    def step(state, batch):
+      loss = jnp.mean(batch["x"])
+      return {"w": state["w"] + loss, "step": state["step"] + 1}, {"loss": loss}
+
+    loop = loopkit.TrainLoop(step, iterations_per_loop=10,
+                             hooks=[loopkit.ProgressHook(), loopkit.LoggingHook(every_steps=20)])
+    batches = [{"x": np.full((16, 2), float(i), np.float32)} for i in range(40)]
+    loop.run({"w": jnp.zeros(()), "step": jnp.zeros((), jnp.int32)}, batches, num_steps=40)
+""")
+
+
+def run_in_terminal(code, cols=80, timeout=120):
+  """Runs ``code`` with stdout and stderr on one pseudo-terminal of ``cols`` columns.
+
+  Returns the raw bytes written to the terminal, decoded.
+  """
+  import fcntl
+  import pty
+  import select
+  import struct
+  import termios
+  import time
+  master, slave = pty.openpty()
+  fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, cols, 0, 0))
+  env = dict(subprocess_env(), COLUMNS=str(cols), TERM="xterm")
+  proc = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave,
+                          stderr=slave, env=env, close_fds=True)
+  os.close(slave)
+  out, deadline = b"", time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    ready, _, _ = select.select([master], [], [], 1.0)
+    if ready:
+      try:
+        chunk = os.read(master, 65536)
+      except OSError:  # the child closed the terminal
+        break
+      if not chunk:
+        break
+      out += chunk
+    elif proc.poll() is not None:
+      break
+  proc.wait(timeout=10)
+  os.close(master)
+  assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+  return out.decode()
+
+
+def screen(raw):
+  """What the terminal shows: each line with its carriage returns applied (text overwrites
+  from column 0), trailing blanks removed. No cursor-movement escapes are expected."""
+  assert "\x1b" not in raw, repr(raw)
+  lines = []
+  for line in raw.replace("\r\n", "\n").split("\n"):
+    cells: list[str] = []
+    for seg in line.split("\r"):
+      cells[:len(seg)] = seg
+    lines.append("".join(cells).rstrip())
+  while lines and not lines[-1]:
+    lines.pop()
+  return lines
+
+
+def test_progress_bar_in_a_terminal_keeps_log_lines_on_their_own_lines():
+  """80 columns: 'compiling' once, each log line alone on its line, one final bar with the
+  loss, one rate and a labelled ETA, no stale bar left above."""
+  raw = run_in_terminal(BAR_SCRIPT)
+  shown = screen(raw)
+  assert shown[0] == "step 0/40: compiling the first device call", shown
+  assert shown[1] == "step 20: loss=9.5, epoch=0, examples_seen=320", shown
+  assert shown[2] == "step 40: loss=29.5, epoch=0, examples_seen=640", shown
+  assert re.fullmatch(r"step 40/40 \|\u2588{20}\| 100%, \d+(\.\d)? steps/s, ETA 0:00:00, "
+                      r"loss=34\.5", shown[3]), shown
+  assert len(shown) == 4, shown
+  assert all(len(line) <= 80 for line in shown)
