@@ -260,8 +260,8 @@ class TensorBoardWriter:
   become text summaries; :meth:`write_images` writes ``[H, W, C]`` or
   ``[N, H, W, C]`` arrays (C = 1, 3 or 4; uint8 in 0..255 or floats in
   [0, 1]; N images are tiled into one, as tensorboardX's ``add_images``);
-  :meth:`write_histograms` writes histograms (``num_buckets[name]`` buckets,
-  default TensorFlow's exponential buckets); :meth:`write_hparams` writes the
+  :meth:`write_histograms` writes histograms (``num_buckets[name]`` equal-width
+  buckets, default 30 as TensorBoard's ``tf.summary.histogram``); :meth:`write_hparams` writes the
   HParams plugin's experiment and session summaries at step 0.
 
   Events are written synchronously to the file (no tensorboardX queue
@@ -325,16 +325,15 @@ class TensorBoardWriter:
     for name, value in scalars.items():
       value = _to_python(value)
       if isinstance(value, str):
-        self._write(step, summary.text(name, value))
+        self._write(step, _text_summary(name, value))
       else:
         self._write(step, summary.scalar(name, float(value)))
 
   def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
     if not self._enabled:
       return
-    from tensorboardX import summary
     for name, text in texts.items():
-      self._write(step, summary.text(name, str(text)))
+      self._write(step, _text_summary(name, str(text)))
 
   def write_images(self, step: int, images: Mapping[str, Any]) -> None:
     if not self._enabled:
@@ -356,7 +355,7 @@ class TensorBoardWriter:
       return
     from tensorboardX import summary
     for name, values in arrays.items():
-      bins = (num_buckets or {}).get(name, "tensorflow")
+      bins = int((num_buckets or {}).get(name, 30))
       self._write(step, summary.histogram(name, np.asarray(values, np.float64).ravel(), bins))
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
@@ -376,6 +375,15 @@ class TensorBoardWriter:
     if self._w is not None:
       self._w.close()
       self._w = None
+
+
+def _text_summary(name: str, text: str) -> Any:
+  """A text-plugin summary tagged ``name`` (tensorboardX's own would tag it
+  ``name/text_summary``; TensorFlow's ``tf.summary.text`` and CLU use ``name``)."""
+  from tensorboardX import summary
+  s = summary.text(name, text)
+  s.value[0].tag = name
+  return s
 
 
 class ConsoleWriter:
