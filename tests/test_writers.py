@@ -282,7 +282,8 @@ def test_tensorboard_writer_images_histograms_texts_hparams_round_trip(tmp_path)
   e = acc.Images("gray")[0]  # N images tiled side by side
   assert (e.step, e.width, e.height) == (3, 10, 4)
   tiles = np.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("L"))
-  np.testing.assert_array_equal(tiles[:, :5], np.floor(gray[0, ..., 0] * 255).astype(np.uint8))  # 0, 63, 127, 191, 255
+  expected = np.floor(gray[0, ..., 0] * 255).astype(np.uint8)  # 0, 63, 127, 191, 255
+  np.testing.assert_array_equal(tiles[:, :5], expected)
 
   h = acc.Histograms("w")[0]
   hv = h.histogram_value
@@ -350,8 +351,9 @@ def test_multi_and_async_fan_out_every_method_and_skip_writers_without_it(wrap):
   w.write_images(2, {"i": np.zeros((1, 1, 1))})
   w.write_histograms(3, {"h": np.zeros(2)}, num_buckets={"h": 4})
   w.close()
-  assert full.rows == [(None, ("hparams", {"lr": 0.1})), (1, {"a": 1.0}), (1, ("texts", {"t": "x"})),
-                       (2, ("images", ["i"])), (3, ("histograms", ["h"], {"h": 4}))]
+  assert full.rows == [(None, ("hparams", {"lr": 0.1})), (1, {"a": 1.0}),
+                       (1, ("texts", {"t": "x"})), (2, ("images", ["i"])),
+                       (3, ("histograms", ["h"], {"h": 4}))]
   assert scalars_only.rows == [(1, {"a": 1.0})]
   nw = writers_lib.NullWriter()
   nw.write_images(1, {}), nw.write_histograms(1, {}), nw.write_texts(1, {}), nw.write_hparams({})
