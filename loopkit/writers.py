@@ -28,15 +28,15 @@ its first write at step ``s`` drops the old rows at steps ``>= s`` (JSONL:
 rewritten atomically; TensorBoard: a ``purge_step``), so after a kill and a
 resume every step appears once.
 
-=================  ========  ==========  ==========  ======  =======
-method             TB        JSONL       console     Null    Multi/Async
-=================  ========  ==========  ==========  ======  =======
-write_scalars      scalars   row         line        --      fan out
-write_texts        text      row         line        --      fan out
-write_images       images    skipped     skipped     --      fan out
-write_histograms   histos    skipped     skipped     --      fan out
-write_hparams      hparams   hparams row line        --      fan out
-=================  ========  ==========  ==========  ======  =======
+=================  ===========  ===========  =========  ====  ===========
+method             TensorBoard  JSONL        console    Null  Multi/Async
+=================  ===========  ===========  =========  ====  ===========
+write_scalars      scalars      row          line       --    fan out
+write_texts        text         row          line       --    fan out
+write_images       images       skipped      skipped    --    fan out
+write_histograms   histograms   skipped      skipped    --    fan out
+write_hparams      hparams      hparams row  line       --    fan out
+=================  ===========  ===========  =========  ====  ===========
 
 ("skipped" writes one DEBUG log record.)
 
