@@ -484,8 +484,13 @@ class TrainLoop:
         or self._replicas_checked_at == self.ledger.step):
       return
     t0 = time.perf_counter()
+    jax.block_until_ready(state)  # the call's own device time is device_wait, not the check's
+    t1 = time.perf_counter()
+    self.ledger.add_time("device_wait", t1 - t0)
     diverged = self.program.diverged_leaves(state)
-    self.ledger.add_time("replica_check", time.perf_counter() - t0)
+    # The first check of a run includes compiling the check program.
+    self.ledger.add_time("compile" if self._replicas_checked_at is None else "replica_check",
+                         time.perf_counter() - t1)
     self._replicas_checked_at = self.ledger.step
     if diverged:
       axis = self.program.data_axis

@@ -311,3 +311,12 @@ def test_replica_fingerprint_sees_one_changed_element_and_a_swap(dtype):
   assert np.array_equal(fp(x), fp(jnp.array(x, copy=True)))
   assert not np.array_equal(fp(x), fp(changed))
   assert not np.array_equal(fp(x), fp(swapped))
+
+
+def test_c40_no_warning_for_a_single_leaf_or_a_global_batch_of_device_count_examples():
+  from loopkit.feeding import warn_if_pmap_layout
+  assert not warn_if_pmap_layout({"x": np.zeros((2, 8, 2))}, 8)  # 8 examples x 2 features
+  assert not warn_if_pmap_layout({"x": np.zeros((2, 8, 3, 3)), "y": np.zeros((2, 8))}, 8)
+  assert not warn_if_pmap_layout({"x": np.zeros((2, 16, 2, 2)), "y": np.zeros((2, 16, 2))}, 8)
+  with pytest.warns(loopkit.BatchLayoutWarning):
+    assert warn_if_pmap_layout({"x": np.zeros((2, 8, 2, 5)), "y": np.zeros((2, 8, 2))}, 8)
