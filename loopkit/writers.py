@@ -178,12 +178,20 @@ class JsonlWriter:
     self.flush_secs = flush_secs
     self.clock = clock
     self._f = None
+    self._checked = False  # the old rows were checked against the first stepped row
     self._enabled = _is_writer_process()
     self._last_flush = clock()
     if self._enabled:
       os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
 
   def _open(self, first_step: int | None) -> None:
+    """Opens the file for appending; at the first row with a step, drops the old rows at
+    steps ``>= first_step`` first (closing and reopening the file if it was open)."""
+    if first_step is not None:
+      self._checked = True
+      if self._f is not None:
+        self._f.close()
+        self._f = None
     if first_step is not None and os.path.exists(self.path) and os.path.getsize(self.path):
       kept, dropped = [], 0
       with open(self.path) as f:
@@ -210,7 +218,7 @@ class JsonlWriter:
     self._f = open(self.path, "a")
 
   def _write_row(self, row: dict[str, Any]) -> None:
-    if self._f is None:
+    if self._f is None or (not self._checked and "step" in row):
       self._open(row.get("step"))
     self._f.write(json.dumps(row) + "\n")
     if self.clock() - self._last_flush >= self.flush_secs:

@@ -146,6 +146,30 @@ def test_jsonl_resume_drops_rows_at_and_after_the_first_new_step(tmp_path):
   assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
 
 
+def test_jsonl_resume_that_writes_hparams_first_still_drops_the_old_rows(tmp_path):
+  path = tmp_path / "m.jsonl"
+  path.write_text('{"step": 5, "a": 1}\n{"step": 10, "a": 2}\n')
+  w = loopkit.JsonlWriter(path)
+  w.write_hparams({"lr": 0.1})
+  w.write_scalars(10, {"a": 20})
+  w.write_scalars(15, {"a": 30})
+  w.close()
+  assert read_jsonl(path) == [{"step": 5, "a": 1}, {"hparams": {"lr": 0.1}},
+                              {"step": 10, "a": 20}, {"step": 15, "a": 30}]
+
+
+def test_tensorboard_resume_that_writes_hparams_first_still_purges(tmp_path):
+  w = loopkit.TensorBoardWriter(tmp_path)
+  w.write_scalars(5, {"a": 1.0})
+  w.write_scalars(10, {"a": 2.0})
+  w.close()
+  w = loopkit.TensorBoardWriter(tmp_path)  # a resumed run from step 5
+  w.write_hparams({"lr": 0.1})
+  w.write_scalars(10, {"a": 20.0})
+  w.close()
+  assert read_tb(tmp_path)["a"] == [(5, 1.0), (10, 20.0)]
+
+
 class Recorder(toy.FakeClock):
   def __init__(self):
     super().__init__()
@@ -293,3 +317,25 @@ def test_progress_bar_in_a_terminal_keeps_log_lines_on_their_own_lines():
                       r"loss=34\.5", shown[3]), shown
   assert len(shown) == 4, shown
   assert all(len(line) <= 80 for line in shown)
+
+
+# Modules whose log calls still start with "loopkit: " (the default handler already prefixes
+# warnings "loopkit WARNING:"); remove a module from here once its messages are fixed.
+KNOWN_PREFIXED = {"checkpoint.py"}
+
+
+def test_log_messages_do_not_repeat_the_loggers_name():
+  import ast
+  found = set()
+  pkg = os.path.join(REPO, "loopkit")
+  for name in sorted(os.listdir(pkg)):
+    if not name.endswith(".py"):
+      continue
+    tree = ast.parse(open(os.path.join(pkg, name)).read())
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr in ("debug", "info", "warning", "error", "exception")
+          and node.args and isinstance(node.args[0], ast.Constant)
+          and str(node.args[0].value).startswith("loopkit: ")):
+        found.add(name)
+  assert found == KNOWN_PREFIXED
