@@ -227,8 +227,9 @@ class LoggingHook(Hook):
     **trigger: see :class:`Hook` (default: every call).
 
   Durability: :meth:`flush` flushes the writer; :meth:`checkpoint_state`
-  (called by :class:`~loopkit.checkpoint.CheckpointHook` at each save) calls
-  it, so the rows up to a checkpoint are on disk before the checkpoint is.
+  (called by :class:`~loopkit.checkpoint.CheckpointHook` at each save) and
+  ``on_run_end`` call it, so the rows up to a checkpoint are on disk before
+  the checkpoint is.
   Put the LoggingHook *before* the CheckpointHook in ``hooks`` so that the
   row of the checkpoint's own step is written (and flushed) before the save.
 
@@ -282,6 +283,11 @@ class LoggingHook(Hook):
     flush = getattr(self.writer, "flush", None)
     if flush is not None:
       flush()
+
+  def on_run_end(self, loop: Any, state: Any) -> None:
+    """Flushes the writer: the run's last rows are on disk even if the writer is never closed."""
+    del loop, state
+    self.flush()
 
   def checkpoint_state(self) -> dict[str, Any]:
     """The running accumulator (metrics merged since the last row), for checkpoints.
