@@ -3,8 +3,8 @@ rows from the injected clock; per-step rows under their own keys; the progress b
 pseudo-terminal."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import textwrap
