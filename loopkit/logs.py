@@ -22,14 +22,20 @@ configure logging yourself. Thread-safe (Python logging is).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
+from typing import IO, Any
 
 import jax
 
-__all__ = ["install_default_handler"]
+__all__ = ["install_default_handler", "console_lines_above_bar"]
 
 LOGGER_NAME = "loopkit"
+# The level install_default_handler sets: lets INFO through like logging.INFO, and tells
+# "loopkit set it" apart from a user's (or pytest caplog's) explicit setLevel(logging.INFO).
+_DEFAULT_LEVEL = logging.INFO - 1
 
 
 class _Formatter(logging.Formatter):
@@ -54,8 +60,64 @@ class _DefaultHandler(logging.StreamHandler):
       return
     if record.levelno < logging.WARNING and _process_index() != 0:
       return
-    self.stream = sys.stderr
+    self.stream = _bar_safe(sys.stderr)
     super().emit(record)
+
+
+class _BarSafeStream:
+  """A console stream whose writes go through ``tqdm.write``: the open bars are cleared,
+  the text is written on its own line, the bars are redrawn below it."""
+
+  def __init__(self, stream: IO[str], tqdm_class: Any):
+    self.stream = stream
+    self.tqdm_class = tqdm_class
+
+  def write(self, text: str) -> None:
+    self.tqdm_class.write(text, file=self.stream, end="")
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+
+_bar_class: Any = None  # the tqdm class while a progress bar is open
+
+
+def _bar_safe(stream: IO[str]) -> Any:
+  return stream if _bar_class is None else _BarSafeStream(stream, _bar_class)
+
+
+@contextlib.contextmanager
+def console_lines_above_bar(tqdm_class: Any) -> Iterator[None]:
+  """While open, console log lines print above a tqdm bar instead of onto it.
+
+  Covers loopkit's default handler and every ``StreamHandler`` on stdout or
+  stderr of the root and ``"loopkit"`` loggers (their streams are wrapped to
+  write through ``tqdm_class.write``). Unlike
+  ``tqdm.contrib.logging.logging_redirect_tqdm`` it adds no handler, so a
+  logger that printed nothing still prints nothing, and a handler keeps its
+  own filters and level. Not re-entrant (an inner use is a no-op).
+
+  Args:
+    tqdm_class: the bar's class (``tqdm.auto.tqdm``).
+  """
+  global _bar_class
+  if _bar_class is not None:
+    yield
+    return
+  swapped = []
+  for logger in (logging.getLogger(), logging.getLogger(LOGGER_NAME)):
+    for h in logger.handlers:
+      if (isinstance(h, logging.StreamHandler) and not isinstance(h, _DefaultHandler)
+          and h.stream in (sys.stdout, sys.stderr)):
+        swapped.append((h, h.stream))
+        h.stream = _BarSafeStream(h.stream, tqdm_class)
+  _bar_class = tqdm_class
+  try:
+    yield
+  finally:
+    _bar_class = None
+    for h, stream in swapped:
+      h.stream = stream
 
 
 def _process_index() -> int:
@@ -75,7 +137,7 @@ class _AsIfUnset(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     root = logging.getLogger()
-    if not root.handlers or logging.getLogger(LOGGER_NAME).level != logging.INFO:
+    if not root.handlers or logging.getLogger(LOGGER_NAME).level != _DEFAULT_LEVEL:
       return True
     return record.levelno >= root.getEffectiveLevel()
 
@@ -96,5 +158,5 @@ def install_default_handler() -> bool:
     return False
   logger.addHandler(_DefaultHandler())
   logger.addFilter(_AsIfUnset())
-  logger.setLevel(logging.INFO)
+  logger.setLevel(_DEFAULT_LEVEL)
   return True
