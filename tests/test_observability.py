@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import types
 
 import numpy as np
 import pytest
@@ -16,8 +15,8 @@ import pytest
 import loopkit
 from tests import toy
 
-sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+# No 'tensorboard.compat.notf' marker (see tests/test_writers.py).
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

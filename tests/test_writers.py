@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +17,10 @@ import pytest
 import loopkit
 from loopkit import writers as writers_lib
 
-# TensorBoard's reader imports TensorFlow when it can; the stub module below makes it use
-# its own TF-free implementation (the marker module some tensorboard builds ship).
-sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+# TensorBoard's reader uses TensorFlow when it is installed (the test extra has it). No
+# 'tensorboard.compat.notf' marker here: it would make TensorBoard's summary ops (used by
+# Flax's SummaryWriter in tests/test_writer_adapters.py) fail for the rest of the session.
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
 def read_tb(logdir):
