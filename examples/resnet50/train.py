@@ -338,8 +338,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return _train_and_evaluate(config, workdir)
 
 
+def make_mesh(devices: list[jax.Device]) -> jax.sharding.Mesh:
+  """The run's mesh: one ``"data"`` axis over ``devices`` (jax's default axis type)."""
+  return jax.make_mesh((len(devices),), ("data",), devices=devices)
+
+
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  mesh = make_mesh(jax.devices())
   per_device = config.step_style == "per_device"
   axis_name = "data" if per_device else None
   dtype = compute_dtype(config)
@@ -428,3 +433,80 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   results["state"] = state
   return results
 
+
+
+# -- ahead-of-time compilation --------------------------------------------------
+
+# Split sizes for --compile_only without the dataset (TFDS imagenet2012 metadata).
+KNOWN_SPLIT_SIZES = {("imagenet2012", "train"): 1_281_167,
+                     ("imagenet2012", "validation"): 50_000}
+
+
+def _split_size(config: ml_collections.ConfigDict, split: str, override: int) -> int:
+  if override:
+    return int(override)
+  try:
+    return KNOWN_SPLIT_SIZES[(config.dataset, split)]
+  except KeyError:
+    raise ValueError(f"--compile_only needs the size of {config.dataset}/{split}: set "
+                     "config.num_train_examples / num_eval_examples") from None
+
+
+def compile_only(config: ml_collections.ConfigDict, topology: str, *,
+                 hbm_bytes: int | None = None) -> Any:
+  """Compiles the run's train and eval programs for a topology; no data, no training.
+
+  The same steps, K, batch shapes (``{"image": uint8 [B, S, S, 3], "label":
+  int32 [B]}``), shardings and donation as :func:`train_and_evaluate`, from
+  abstract state (``jax.eval_shape``), through :func:`loopkit.aot.compile_for`.
+
+  Args:
+    config: the example's configuration.
+    topology: a TPU topology (``"v5e:2x2"``, ``"v4-32"``, see
+      :func:`loopkit.aot.parse_topology`) or ``"local"`` (this machine's devices).
+    hbm_bytes: HBM per device to check against instead of the chip's.
+
+  Returns:
+    The :class:`loopkit.aot.AotReport`.
+
+  Raises:
+    ValueError: unknown topology, a batch the topology cannot split, or a
+      program that does not fit (:class:`loopkit.aot.ProgramDoesNotFitError`).
+  """
+  from loopkit import aot
+
+  devices = jax.devices() if topology == "local" else aot.topology_devices(topology)
+  mesh = make_mesh(devices)
+  num_processes = len({d.process_index for d in devices})
+  # steps_per_epoch as input_pipeline.TrainBatches computes it on the target's processes
+  # (it sets the learning-rate schedule's constants, not the program's shapes).
+  n_train = _split_size(config, config.train_split, config.num_train_examples)
+  smallest = input_pipeline.shard_size(n_train, num_processes - 1, num_processes)
+  steps_per_epoch = max(1, smallest // (config.global_batch_size // num_processes))
+  per_device = config.step_style == "per_device"
+  axis_name = "data" if per_device else None
+  dtype = compute_dtype(config)
+  schedule = learning_rate_schedule(config, steps_per_epoch)
+  tx = create_optimizer(config, schedule)
+  graphdef = nnx.split(nnx.eval_shape(lambda: create_model(config, axis_name=axis_name)))[0]
+  state = jax.eval_shape(lambda: create_train_state(create_model(config, axis_name=axis_name),
+                                                    tx)[1])
+  size = config.image_size
+
+  def batch(b):
+    return {"image": jax.ShapeDtypeStruct((b, size, size, 3), jnp.uint8),
+            "label": jax.ShapeDtypeStruct((b,), jnp.int32)}
+
+  evaluator = evaluation.Evaluator(make_eval_step(graphdef, dtype=dtype),
+                                   iterations_per_loop=config.eval_iterations_per_loop,
+                                   mesh=mesh, step_style=config.step_style,
+                                   global_batch_size=config.eval_batch_size,
+                                   prefetch=config.prefetch)
+  program = loopkit.MultiStepProgram(
+      make_train_step(graphdef, tx, schedule, num_classes=config.num_classes,
+                      label_smoothing=config.label_smoothing, dtype=dtype, axis_name=axis_name),
+      iterations_per_loop=config.iterations_per_loop, mesh=mesh, style=config.step_style)
+  return aot.compile_for(program, state, batch(config.global_batch_size), topology=topology,
+                         mesh=mesh, evaluator=evaluator,
+                         eval_batch=batch(config.eval_batch_size), prefetch=config.prefetch,
+                         hbm_bytes=hbm_bytes)
