@@ -337,7 +337,9 @@ class AotReport:
 def _fmt_bytes(b: int | None) -> str:
   if b is None:
     return "-"
-  return f"{b / GiB:.3f} GiB" if abs(b) >= GiB else f"{b / 2**20:.2f} MiB"
+  if abs(b) >= GiB:
+    return f"{b / GiB:.3f} GiB"
+  return f"{b / 2**20:.2f} MiB" if abs(b) >= 2**20 else f"{b} bytes"
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:

@@ -453,7 +453,7 @@ def _split_size(config: ml_collections.ConfigDict, split: str, override: int) ->
 
 
 def compile_only(config: ml_collections.ConfigDict, topology: str, *,
-                 hbm_bytes: int | None = None) -> Any:
+                 hbm_bytes: int | None = None, with_eval: bool = True) -> Any:
   """Compiles the run's train and eval programs for a topology; no data, no training.
 
   The same steps, K, batch shapes (``{"image": uint8 [B, S, S, 3], "label":
@@ -465,6 +465,7 @@ def compile_only(config: ml_collections.ConfigDict, topology: str, *,
     topology: a TPU topology (``"v5e:2x2"``, ``"v4-32"``, see
       :func:`loopkit.aot.parse_topology`) or ``"local"`` (this machine's devices).
     hbm_bytes: HBM per device to check against instead of the chip's.
+    with_eval: also compile the evaluator's program.
 
   Returns:
     The :class:`loopkit.aot.AotReport`.
@@ -507,6 +508,6 @@ def compile_only(config: ml_collections.ConfigDict, topology: str, *,
                       label_smoothing=config.label_smoothing, dtype=dtype, axis_name=axis_name),
       iterations_per_loop=config.iterations_per_loop, mesh=mesh, style=config.step_style)
   return aot.compile_for(program, state, batch(config.global_batch_size), topology=topology,
-                         mesh=mesh, evaluator=evaluator,
+                         mesh=mesh, evaluator=evaluator if with_eval else None,
                          eval_batch=batch(config.eval_batch_size), prefetch=config.prefetch,
                          hbm_bytes=hbm_bytes)
