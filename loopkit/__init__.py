@@ -4,7 +4,7 @@ K train steps per device call, events landing exactly on their steps, and
 results that do not depend on K.
 """
 
-from loopkit import conv_layout, goodput, metrics
+from loopkit import aot, conv_layout, goodput, metrics
 from loopkit.device_data import DeviceDataset, DeviceDataState
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate
 from loopkit.goodput import GoodputHook, GoodputSummary
@@ -66,7 +66,7 @@ __all__ = [
     "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",
     "AsyncWriter", "ConsoleWriter", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
     "ProfilerHook", "ProgressHook", "TensorBoardWriter", "TimeBasedK", "create_default_writer",
-    "conv_layout", "goodput", "tune",
+    "aot", "conv_layout", "goodput", "tune",
     "ArraySource", "DeviceDataState", "DeviceDataset", "EvalHook", "EvalResult", "Evaluator",
     "TfDataSource", "batch_arrays", "eval_batches_per_process", "evaluate",
     "grain_shard_for_process", "grain_shard_options", "process_shard_bounds",

@@ -381,8 +381,9 @@ def _nbytes(tree: Any, devices: int) -> int:
              for x in jax.tree.leaves(tree)) // devices
 
 
-def _report(name: str, lowered: Any, traced: Any, *, k: int, batch_size: int, dp: int, chunk_bytes: int,
-            prefetch: int, chip: Chip | None, hbm_bytes: int | None) -> ProgramReport:
+def _report(name: str, lowered: Any, traced: Any, *, k: int, batch_size: int, dp: int,
+            chunk_bytes: int, prefetch: int, chip: Chip | None,
+            hbm_bytes: int | None) -> ProgramReport:
   t0 = time.perf_counter()
   compiled = lowered.compile()
   secs = time.perf_counter() - t0
