@@ -291,6 +291,25 @@ class ThroughputHook(loopkit.Hook):
       self.examples_per_sec = (info.examples_seen - n0) / secs
 
 
+class RunStartLedgerHook(loopkit.Hook):
+  """Copies the ledger's time buckets when the run starts, after any checkpoint restore.
+
+  Placed after the checkpoint hook, it sees the restored ledger (whose buckets add up
+  the earlier runs), so ``ledger.seconds - at_start`` is this run's share: e.g. the
+  compile seconds a resume spent (less with the persistent compilation cache).
+  """
+
+  needs_state = False
+
+  def __init__(self):
+    super().__init__()
+    self.at_start: dict[str, float] = {}
+
+  def on_run_start(self, loop, state):
+    del state
+    self.at_start = dict(loop.ledger.seconds)
+
+
 def _maybe_mock(config: ml_collections.ConfigDict):
   """``tfds.testing.mock_data`` when ``config.mock_data`` (smoke tests), else nothing."""
   if not config.get("mock_data", False):
@@ -325,7 +344,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Summary dict: ``eval_accuracy``, ``eval_loss``, ``eval_count``, ``step``,
     ``ledger`` (the final ledger as a dict), ``restored_step``,
     ``steps_per_epoch``, ``iterations_per_loop``, ``device_calls``,
-    ``compile_count``, ``train_examples_per_sec`` (steady state),
+    ``compile_count``, ``compile_secs`` (this run's train compile, or cache load,
+    from the ledger) and ``compile_secs_all_runs`` (over resumes),
+    ``train_examples_per_sec`` (steady state),
     ``train_seconds``, ``status``, ``num_params``, paths, and ``state`` (the
     final :class:`TrainState`).
 
@@ -384,7 +405,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         every_epochs=config.checkpoint_every_epochs or None,
         max_to_keep=config.max_checkpoints_to_keep)
     hooks.append(ckpt)
-  hooks += [eval_hook,
+  run_start = RunStartLedgerHook()
+  hooks += [run_start, eval_hook,
             progress.ProgressHook(total_steps, log_every_secs=config.progress_every_secs,
                                   logger=logging.getLogger("loopkit")),
             goodput.GoodputHook(writer, workdir=workdir, log_summary=True)]
@@ -422,6 +444,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       "device_calls": loop.ledger.loop_index, "num_devices": jax.device_count(),
       "compile_count": loop.program.compile_count(),
       "eval_compile_count": evaluator.compile_count(), "status": loop.status,
+      # the train program's first dispatch (trace + compile, or a persistent-cache load)
+      "compile_secs": round(loop.ledger.seconds.get("compile", 0.0)
+                            - run_start.at_start.get("compile", 0.0), 3),
+      "compile_secs_all_runs": round(loop.ledger.seconds.get("compile", 0.0), 3),
       "train_examples_per_sec": throughput.examples_per_sec,
       "train_seconds": round(train_seconds, 3), "num_params": num_params,
       "model": f"ResNet-{config.model.depth}", "workdir": os.path.abspath(workdir),
