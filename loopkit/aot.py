@@ -8,7 +8,8 @@ trees, no data), for a named TPU topology (through ``libtpu``'s compile-only
 devices: ``pip install 'loopkit[tpu]'``) or for the local devices. It returns an
 :class:`AotReport`: per-device bytes from XLA's memory analysis, the chip's HBM
 and the headroom, FLOPs per step from XLA's cost analysis, and a roofline lower
-bound on the step time at the chip's peak bf16 rate and HBM bandwidth.
+bound on the step time at the chip's peak bf16 rate (with, beside it, XLA's
+estimate of the HBM traffic at the chip's bandwidth).
 
 What a report proves: the program compiles for that topology with those
 shardings, and XLA's buffer assignment fits the chip's HBM. What it does not:
@@ -234,9 +235,12 @@ class ProgramReport:
     bytes_accessed_per_step: HBM bytes read and written per step, per device
       (XLA's estimate).
     compute_bound_secs: ``flops_per_step / peak_bf16_flops``.
-    memory_bound_secs: ``bytes_accessed_per_step / hbm_bytes_per_sec``.
-    step_secs: the roofline lower bound ``max(compute, memory)`` per step;
-      None without a chip.
+    memory_secs: ``bytes_accessed_per_step / hbm_bytes_per_sec``: XLA's
+      estimate of the HBM traffic at peak bandwidth. Indicative, not a bound
+      (the estimate can be above or below the real traffic); when it exceeds
+      the compute bound, the step is likely memory-bound.
+    step_secs: the roofline lower bound at the chip's peak bf16 rate,
+      ``compute_bound_secs``; None without a chip.
     examples_per_sec: ``global_batch_size / step_secs`` (an upper bound).
     compile_secs: wall time of ``lower().compile()`` on this machine.
     trace_count: times the step was traced for this program (1).
@@ -261,7 +265,7 @@ class ProgramReport:
   flops_per_step: float
   bytes_accessed_per_step: float
   compute_bound_secs: float | None
-  memory_bound_secs: float | None
+  memory_secs: float | None
   step_secs: float | None
   examples_per_sec: float | None
   compile_secs: float
@@ -326,11 +330,13 @@ class AotReport:
           f"    {p.flops_per_step:.4g} FLOPs and {p.bytes_accessed_per_step:.4g} bytes accessed "
           f"per {'step' if p.name == 'train' else 'batch'}"]
       if p.step_secs is not None:
-        lines.append(
-            f"    roofline lower bound {p.step_secs * 1e3:.2f} ms per "
-            f"{'step' if p.name == 'train' else 'batch'} (compute "
-            f"{p.compute_bound_secs * 1e3:.2f} ms, memory {p.memory_bound_secs * 1e3:.2f} ms): "
-            f"at most {p.examples_per_sec:,.0f} examples/s (an estimate, not a measurement)")
+        unit = "step" if p.name == "train" else "batch"
+        mem_rate = p.global_batch_size / p.memory_secs if p.memory_secs else float("inf")
+        lines += [
+            f"    roofline: >= {p.step_secs * 1e3:.4g} ms per {unit} at peak bf16, i.e. <= "
+            f"{p.examples_per_sec:,.0f} examples/s (a bound, not a measurement)",
+            f"    XLA's HBM traffic estimate at peak bandwidth: {p.memory_secs * 1e3:.4g} ms per "
+            f"{unit} (<= {mem_rate:,.0f} examples/s if that traffic is real)"]
     return "\n".join(lines)
 
 
@@ -397,20 +403,19 @@ def _report(name: str, lowered: Any, traced: Any, *, k: int, batch_size: int, dp
   used = peak + prefetch * chunk_bytes
   flops = float(cost.get("flops", 0.0))
   accessed = float(cost.get("bytes accessed", 0.0))
-  compute = memory = step = rate = None
+  compute = memory = rate = None
   if chip is not None:
     compute = flops / chip.peak_bf16_flops
     memory = accessed / chip.hbm_bytes_per_sec
-    step = max(compute, memory)
-    rate = batch_size / step if step > 0 else None
+    rate = batch_size / compute if compute > 0 else None
   return ProgramReport(
       name=name, iterations_per_loop=k, global_batch_size=batch_size,
       per_device_batch=batch_size // dp, argument_bytes=arg, output_bytes=out, alias_bytes=alias,
       temp_bytes=temp, generated_code_bytes=mem.generated_code_size_in_bytes, peak_bytes=peak,
       chunk_bytes=chunk_bytes, prefetch_chunks=prefetch, used_bytes=used, hbm_bytes=hbm_bytes,
       headroom_bytes=None if hbm_bytes is None else hbm_bytes - used, flops_per_step=flops,
-      bytes_accessed_per_step=accessed, compute_bound_secs=compute, memory_bound_secs=memory,
-      step_secs=step, examples_per_sec=rate, compile_secs=secs,
+      bytes_accessed_per_step=accessed, compute_bound_secs=compute, memory_secs=memory,
+      step_secs=compute, examples_per_sec=rate, compile_secs=secs,
       trace_count=traced.trace_count, executable=compiled)
 
 
