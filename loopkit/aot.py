@@ -43,11 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from loopkit.evaluation import Evaluator
-from loopkit.program import (
-  MultiStepProgram,
-  check_global_batch_size,
-  data_parallel_mesh,
-)
+from loopkit.program import MultiStepProgram, check_global_batch_size
 
 GiB = 2**30
 
@@ -460,7 +456,7 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
     mesh: the target mesh, e.g. over :func:`topology_devices` (needed when
       the loop's mesh has more than one axis; ``topology`` then only names
       it); default: a 1-D mesh over the topology's (or local) devices named
-      after the loop's data axis.
+      after the loop's data axis, with the loop's mesh axis type.
     evaluator: also compile this evaluator's program.
     eval_batch: one eval batch, leaves ``[B_eval, ...]`` (without the mask);
       required with ``evaluator``.
@@ -499,7 +495,9 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
       raise ValueError(f"the loop's mesh has axes {dict(program.mesh.shape)}: pass mesh=..., "
                        "a mesh with the same axis names over "
                        "loopkit.aot.topology_devices(topology)")
-    mesh = data_parallel_mesh(data_axis, devices)
+    # the loop's axis type (Auto for loopkit's default mesh, Explicit for jax.make_mesh's)
+    mesh = jax.make_mesh((len(devices),), (data_axis,), devices=list(devices),
+                         axis_types=tuple(program.mesh.axis_types))
   if data_axis not in mesh.axis_names:
     raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
   dp = mesh.shape[data_axis]
