@@ -4,7 +4,7 @@ K train steps per device call, events landing exactly on their steps, and
 results that do not depend on K.
 """
 
-from loopkit import conv_layout, goodput, metrics
+from loopkit import aot, conv_layout, goodput, metrics
 from loopkit.accumulation import accumulate
 from loopkit.device_data import DeviceDataset, DeviceDataState
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate, per_example
@@ -77,7 +77,7 @@ __all__ = [
     "accumulate", "AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "as_writer", "per_example",
     "steps_per_epoch_of", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
     "ProfilerHook", "ProgressHook", "TensorBoardWriter", "TimeBasedK", "create_default_writer",
-    "conv_layout", "goodput", "nnx", "tune",
+    "aot", "conv_layout", "goodput", "nnx", "tune",
     "ArraySource", "DeviceDataState", "DeviceDataset", "EvalHook", "EvalResult", "Evaluator",
     "TfDataSource", "batch_arrays", "eval_batches_per_process", "evaluate",
     "grain_shard_for_process", "grain_shard_options", "process_shard_bounds",

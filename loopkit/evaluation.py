@@ -277,6 +277,24 @@ class Evaluator:
 
   __call__ = evaluate
 
+  def lower(self, state: Any, chunk: Any) -> jax.stages.Lowered:
+    """Lowers the program an eval call would run, without running it (ahead of time).
+
+    Args:
+      state: the state passed to ``eval_step``: arrays or ``jax.ShapeDtypeStruct``.
+      chunk: ``{"batch": [K, B, ...] leaves, "mask": bool [K, B]}``: arrays or
+        ``jax.ShapeDtypeStruct`` (B split over the data axis).
+
+    Returns:
+      ``jax.stages.Lowered`` for ``(state, chunk, num_batches: int32 scalar)``,
+      the chunk on the evaluator's batch sharding and ``num_batches`` replicated,
+      as the feeder places them.
+    """
+    chunk = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding), chunk)
+    num = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
+    return self._jitted.lower(state, chunk, num)
+
   def compile_count(self) -> int:
     """Executables compiled for the eval program (1 in a healthy run)."""
     return self._jitted._cache_size()  # type: ignore[attr-defined]  # jax's jit cache

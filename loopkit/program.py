@@ -522,6 +522,23 @@ class MultiStepProgram:
     return [jax.tree_util.keystr(path) or "<root>"
             for path, bad in jax.tree_util.tree_flatten_with_path(flags)[0] if bad]
 
+  def lower(self, state: Any, batches: Any) -> jax.stages.Lowered:
+    """Lowers the program a call would run, without running it (ahead of time).
+
+    Args:
+      state: the state pytree: arrays or ``jax.ShapeDtypeStruct`` (its shardings
+        pinned as for a call: see :meth:`state_sharding_for`).
+      batches: the chunk ``[K, B, ...]``: arrays or ``jax.ShapeDtypeStruct``.
+
+    Returns:
+      ``jax.stages.Lowered`` for ``(state, batches, num_steps: int32 scalar)``;
+      ``.compile()`` builds the executable (:func:`loopkit.aot.compile_for`).
+    """
+    if self._jitted is None:
+      self._build(state)
+    assert self._jitted is not None
+    return self._jitted.lower(state, batches, jax.ShapeDtypeStruct((), jnp.int32))
+
   def compile_count(self) -> int:
     """Number of executables compiled for this program (1 in a healthy run)."""
     return 0 if self._jitted is None else self._jitted._cache_size()

@@ -284,6 +284,9 @@ def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
   assert r["step"] == 6 and r["ledger"]["step"] == 6
   assert r["ledger"]["loop_index"] == 3  # one more device call of K = 2
   assert r["ledger"]["examples_seen"] == 6 * 16
+  # this run's compile seconds come on top of the restored ledger's
+  assert 0 < r["compile_secs"] == pytest.approx(
+      r["compile_secs_all_runs"] - first["compile_secs_all_runs"], abs=2e-3)
   train_rows = [row for row in _metrics_rows(workdir) if "loss" in row]
   assert [row["step"] for row in train_rows] == [2, 4, 6]
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))
@@ -328,6 +331,21 @@ def test_main_cli_smoke(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   assert "eval accuracy" in out.stdout and str(tmp_path) in out.stdout
   assert json.load(open(tmp_path / "results.json"))["step"] == 4
+  assert any(f.startswith("jit__loop") for f in os.listdir(tmp_path / "jax_cache"))
+
+
+@pytest.mark.slow
+def test_main_cli_compile_only_for_a_tpu_topology(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
+       "--config=examples/resnet50/configs/smoke.py", "--compile_only=v5e:2x2"], cwd=REPO,
+      capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "AOT report: v5e:2x2, 4 devices" in out.stdout and "headroom" in out.stdout
+  report = json.load(open(tmp_path / "aot_report.json"))
+  assert set(report["programs"]) == {"train", "eval"}
+  assert report["programs"]["train"]["trace_count"] == 1
+  assert not os.path.exists(tmp_path / "checkpoints")  # nothing trained
 
 
 @pytest.mark.slow

@@ -291,6 +291,25 @@ class ThroughputHook(loopkit.Hook):
       self.examples_per_sec = (info.examples_seen - n0) / secs
 
 
+class RunStartLedgerHook(loopkit.Hook):
+  """Copies the ledger's time buckets when the run starts, after any checkpoint restore.
+
+  Placed after the checkpoint hook, it sees the restored ledger (whose buckets add up
+  the earlier runs), so ``ledger.seconds - at_start`` is this run's share: e.g. the
+  compile seconds a resume spent (less with the persistent compilation cache).
+  """
+
+  needs_state = False
+
+  def __init__(self):
+    super().__init__()
+    self.at_start: dict[str, float] = {}
+
+  def on_run_start(self, loop, state):
+    del state
+    self.at_start = dict(loop.ledger.seconds)
+
+
 def _maybe_mock(config: ml_collections.ConfigDict):
   """``tfds.testing.mock_data`` when ``config.mock_data`` (smoke tests), else nothing."""
   if not config.get("mock_data", False):
@@ -325,7 +344,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Summary dict: ``eval_accuracy``, ``eval_loss``, ``eval_count``, ``step``,
     ``ledger`` (the final ledger as a dict), ``restored_step``,
     ``steps_per_epoch``, ``iterations_per_loop``, ``device_calls``,
-    ``compile_count``, ``train_examples_per_sec`` (steady state),
+    ``compile_count``, ``compile_secs`` (this run's train compile, or cache load,
+    from the ledger) and ``compile_secs_all_runs`` (over resumes),
+    ``train_examples_per_sec`` (steady state),
     ``train_seconds``, ``status``, ``num_params``, paths, and ``state`` (the
     final :class:`TrainState`).
 
@@ -338,8 +359,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return _train_and_evaluate(config, workdir)
 
 
+def make_mesh(devices: list[jax.Device]) -> jax.sharding.Mesh:
+  """The run's mesh: one ``"data"`` axis over ``devices`` (jax's default axis type)."""
+  return jax.make_mesh((len(devices),), ("data",), devices=devices)
+
+
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  mesh = make_mesh(jax.devices())
   per_device = config.step_style == "per_device"
   axis_name = "data" if per_device else None
   dtype = compute_dtype(config)
@@ -379,7 +405,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         every_epochs=config.checkpoint_every_epochs or None,
         max_to_keep=config.max_checkpoints_to_keep)
     hooks.append(ckpt)
-  hooks += [eval_hook,
+  run_start = RunStartLedgerHook()
+  hooks += [run_start, eval_hook,
             progress.ProgressHook(total_steps, log_every_secs=config.progress_every_secs,
                                   logger=logging.getLogger("loopkit")),
             goodput.GoodputHook(writer, workdir=workdir, log_summary=True)]
@@ -417,6 +444,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       "device_calls": loop.ledger.loop_index, "num_devices": jax.device_count(),
       "compile_count": loop.program.compile_count(),
       "eval_compile_count": evaluator.compile_count(), "status": loop.status,
+      # the train program's first dispatch (trace + compile, or a persistent-cache load)
+      "compile_secs": round(loop.ledger.seconds.get("compile", 0.0)
+                            - run_start.at_start.get("compile", 0.0), 3),
+      "compile_secs_all_runs": round(loop.ledger.seconds.get("compile", 0.0), 3),
       "train_examples_per_sec": throughput.examples_per_sec,
       "train_seconds": round(train_seconds, 3), "num_params": num_params,
       "model": f"ResNet-{config.model.depth}", "workdir": os.path.abspath(workdir),
@@ -428,3 +459,81 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   results["state"] = state
   return results
 
+
+
+# -- ahead-of-time compilation --------------------------------------------------
+
+# Split sizes for --compile_only without the dataset (TFDS imagenet2012 metadata).
+KNOWN_SPLIT_SIZES = {("imagenet2012", "train"): 1_281_167,
+                     ("imagenet2012", "validation"): 50_000}
+
+
+def _split_size(config: ml_collections.ConfigDict, split: str, override: int) -> int:
+  if override:
+    return int(override)
+  try:
+    return KNOWN_SPLIT_SIZES[(config.dataset, split)]
+  except KeyError:
+    raise ValueError(f"--compile_only needs the size of {config.dataset}/{split}: set "
+                     "config.num_train_examples / num_eval_examples") from None
+
+
+def compile_only(config: ml_collections.ConfigDict, topology: str, *,
+                 hbm_bytes: int | None = None, with_eval: bool = True) -> Any:
+  """Compiles the run's train and eval programs for a topology; no data, no training.
+
+  The same steps, K, batch shapes (``{"image": uint8 [B, S, S, 3], "label":
+  int32 [B]}``), shardings and donation as :func:`train_and_evaluate`, from
+  abstract state (``jax.eval_shape``), through :func:`loopkit.aot.compile_for`.
+
+  Args:
+    config: the example's configuration.
+    topology: a TPU topology (``"v5e:2x2"``, ``"v4-32"``, see
+      :func:`loopkit.aot.parse_topology`) or ``"local"`` (this machine's devices).
+    hbm_bytes: HBM per device to check against instead of the chip's.
+    with_eval: also compile the evaluator's program.
+
+  Returns:
+    The :class:`loopkit.aot.AotReport`.
+
+  Raises:
+    ValueError: unknown topology, a batch the topology cannot split, or a
+      program that does not fit (:class:`loopkit.aot.ProgramDoesNotFitError`).
+  """
+  from loopkit import aot
+
+  devices = jax.devices() if topology == "local" else aot.topology_devices(topology)
+  mesh = make_mesh(devices)
+  num_processes = len({d.process_index for d in devices})
+  # steps_per_epoch as input_pipeline.TrainBatches computes it on the target's processes
+  # (it sets the learning-rate schedule's constants, not the program's shapes).
+  n_train = _split_size(config, config.train_split, config.num_train_examples)
+  smallest = input_pipeline.shard_size(n_train, num_processes - 1, num_processes)
+  steps_per_epoch = max(1, smallest // (config.global_batch_size // num_processes))
+  per_device = config.step_style == "per_device"
+  axis_name = "data" if per_device else None
+  dtype = compute_dtype(config)
+  schedule = learning_rate_schedule(config, steps_per_epoch)
+  tx = create_optimizer(config, schedule)
+  graphdef = nnx.split(nnx.eval_shape(lambda: create_model(config, axis_name=axis_name)))[0]
+  state = jax.eval_shape(lambda: create_train_state(create_model(config, axis_name=axis_name),
+                                                    tx)[1])
+  size = config.image_size
+
+  def batch(b):
+    return {"image": jax.ShapeDtypeStruct((b, size, size, 3), jnp.uint8),
+            "label": jax.ShapeDtypeStruct((b,), jnp.int32)}
+
+  evaluator = evaluation.Evaluator(make_eval_step(graphdef, dtype=dtype),
+                                   iterations_per_loop=config.eval_iterations_per_loop,
+                                   mesh=mesh, step_style=config.step_style,
+                                   global_batch_size=config.eval_batch_size,
+                                   prefetch=config.prefetch)
+  program = loopkit.MultiStepProgram(
+      make_train_step(graphdef, tx, schedule, num_classes=config.num_classes,
+                      label_smoothing=config.label_smoothing, dtype=dtype, axis_name=axis_name),
+      iterations_per_loop=config.iterations_per_loop, mesh=mesh, style=config.step_style)
+  return aot.compile_for(program, state, batch(config.global_batch_size), topology=topology,
+                         mesh=mesh, evaluator=evaluator if with_eval else None,
+                         eval_batch=batch(config.eval_batch_size), prefetch=config.prefetch,
+                         hbm_bytes=hbm_bytes)

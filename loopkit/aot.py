@@ -1,0 +1,541 @@
+"""Ahead-of-time compilation for a TPU topology, on a machine without one.
+
+:func:`compile_for` compiles exactly the program(s) ``TrainLoop.run`` would
+dispatch (the train program of K steps over a chunk ``[K, B, ...]``, with its
+shardings and the state donated; and an :class:`~loopkit.Evaluator`'s program
+when one is given) from abstract state and batch specs (``jax.ShapeDtypeStruct``
+trees, no data), for a named TPU topology (through ``libtpu``'s compile-only
+devices: ``pip install 'loopkit[tpu]'``) or for the local devices. It returns an
+:class:`AotReport`: per-device bytes from XLA's memory analysis, the chip's HBM
+and the headroom, FLOPs per step from XLA's cost analysis, and a roofline lower
+bound on the step time at the chip's peak bf16 rate (with, beside it, XLA's
+estimate of the HBM traffic at the chip's bandwidth).
+
+What a report proves: the program compiles for that topology with those
+shardings, and XLA's buffer assignment fits the chip's HBM. What it does not:
+the speed. The step time is a lower bound (peak FLOP/s, peak bandwidth, no
+communication time, no input pipeline), not a measurement.
+
+Counting notes (checked in ``tests/test_aot.py``): XLA's cost analysis counts
+a while loop's body once, whatever its trip count, so the FLOPs of the
+K-step program are the FLOPs of one step (plus the small reductions of the
+metrics after the loop), the same for every K; the numbers are per device
+(the SPMD-partitioned program).
+
+Example::
+
+  report = loopkit.aot.compile_for(loop, state_spec, batch_spec, topology="v5e:2x2")
+  print(report)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from loopkit.evaluation import Evaluator
+from loopkit.program import MultiStepProgram, check_global_batch_size
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU chip generation as Google Cloud documents it (one JAX device per chip).
+
+  Attributes:
+    name: short name used in topology names, e.g. ``"v5e"``.
+    device_kind: ``jax.Device.device_kind`` of its devices, e.g. ``"TPU v5 lite"``.
+    hbm_bytes: HBM per chip in bytes, as documented (the runtime reserves a
+      little of it, so the usable amount is slightly lower).
+    peak_bf16_flops: peak bf16 compute per chip, FLOP/s.
+    hbm_bytes_per_sec: HBM bandwidth per chip, bytes/s.
+    cores_per_chip: TensorCores per chip (the ``-N`` of a Cloud accelerator
+      type counts cores for v4/v5p, chips for v5e/v6e).
+    chip_config_name: libtpu's chip configuration (``"megacore"``: the chip's
+      two TensorCores are one device, as JAX runs v4 and v5p).
+    source: the Google Cloud TPU documentation page of the numbers.
+  """
+
+  name: str
+  device_kind: str
+  hbm_bytes: int
+  peak_bf16_flops: float
+  hbm_bytes_per_sec: float
+  cores_per_chip: int
+  chip_config_name: str
+  source: str
+
+
+# The numbers of each chip's "System architecture" table, read on 2026-12-01.
+# Units as the pages print them: v4 and v5e give GiB; v5p and v6e give "GB", taken here as
+# 1e9 bytes (the smaller reading, so the headroom is not overstated).
+CHIPS: dict[str, Chip] = {c.name: c for c in (
+    # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s (bf16), HBM2 32 GiB, 1200 GBps.
+    Chip("v4", "TPU v4", 32 * GiB, 275e12, 1200e9, 2, "megacore",
+         "https://cloud.google.com/tpu/docs/v4"),
+    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s (bf16), HBM 16 GiB, 819 GBps.
+    Chip("v5e", "TPU v5 lite", 16 * GiB, 197e12, 819e9, 1, "default",
+         "https://cloud.google.com/tpu/docs/v5e"),
+    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s (bf16), HBM2e 95 GB, 2765 GBps.
+    Chip("v5p", "TPU v5", 95 * 10**9, 459e12, 2765e9, 2, "megacore",
+         "https://cloud.google.com/tpu/docs/v5p"),
+    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s (bf16), HBM 32 GB, 1640 GBps.
+    Chip("v6e", "TPU v6 lite", 32 * 10**9, 918e12, 1640e9, 1, "default",
+         "https://cloud.google.com/tpu/docs/v6e"),
+)}
+_ALIASES = {"v5litepod": "v5e"}
+
+# Slice shapes of the Cloud accelerator types (the pages above, "Supported configurations").
+_SHAPES = {
+    "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
+    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
+    "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+}
+
+
+def _accelerator_types() -> dict[str, str]:
+  """``"v4-32" -> "v4:2x2x4"``, ``"v5e-32"``/``"v5litepod-32" -> "v5e:4x8"``, ..."""
+  names = {}
+  for chip, shapes in _SHAPES.items():
+    for shape in shapes:
+      n = math.prod(int(d) for d in shape.split("x")) * CHIPS[chip].cores_per_chip
+      names[f"{chip}-{n}"] = f"{chip}:{shape}"
+      if chip == "v5e":
+        names[f"v5litepod-{n}"] = f"{chip}:{shape}"
+  return names
+
+
+ACCELERATOR_TYPES: dict[str, str] = _accelerator_types()
+
+
+def known_topologies() -> str:
+  """A one-line description of the topology names :func:`topology_devices` accepts."""
+  return (f"'CHIP:SHAPE' with CHIP one of {sorted(CHIPS) + sorted(_ALIASES)} (e.g. 'v5e:2x2', "
+          f"'v5e:4x8', 'v4:2x2x4', 'v5p:2x2x2', 'v6e:4x4'), or a Cloud accelerator type: "
+          f"{', '.join(sorted(ACCELERATOR_TYPES, key=_type_key))}")
+
+
+def _type_key(name: str) -> tuple[str, int]:
+  chip, n = name.rsplit("-", 1)
+  return chip, int(n)
+
+
+def parse_topology(topology: str) -> tuple[Chip, str]:
+  """Resolves a topology name to its chip and libtpu's ``"chip:AxBxC"`` name.
+
+  Args:
+    topology: ``"v5e:4x8"`` (libtpu's form) or an accelerator type ``"v4-32"``.
+
+  Returns:
+    ``(chip, name)``, e.g. ``(CHIPS["v4"], "v4:2x2x4")`` for ``"v4-32"``.
+
+  Raises:
+    ValueError: the name is malformed or its chip is not in :data:`CHIPS` (the
+      message lists the known names).
+  """
+  name = ACCELERATOR_TYPES.get(topology, topology)
+  m = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+){1,2})", name)
+  chip = m and _ALIASES.get(m.group(1), m.group(1))
+  if not m or chip not in CHIPS:
+    raise ValueError(f"unknown TPU topology {topology!r}; known: {known_topologies()}")
+  return CHIPS[chip], f"{chip}:{m.group(2)}"
+
+
+def topology_devices(topology: str) -> list[jax.Device]:
+  """Compile-only devices of a TPU topology (one per chip), from ``libtpu``.
+
+  No TPU is needed: libtpu describes the topology and compiles for it.
+  Setting ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` (unless set) lets several processes
+  load libtpu at once (it otherwise takes ``/tmp/libtpu_lockfile``); the
+  default JAX backend is unchanged (CPU stays CPU).
+
+  Args:
+    topology: see :func:`parse_topology`.
+
+  Returns:
+    The devices, in libtpu's order (``len`` = chips in the slice).
+
+  Raises:
+    ValueError: unknown topology name, or one libtpu refuses (its message
+      included).
+    ImportError: libtpu is not installed.
+  """
+  chip, name = parse_topology(topology)
+  try:
+    import libtpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    raise ImportError("compiling for a TPU topology needs libtpu: pip install 'loopkit[tpu]' "
+                      "(jax[tpu])") from e
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    devices = topologies.get_topology_desc(name, "tpu",
+                                           chip_config_name=chip.chip_config_name).devices
+  except jax.errors.JaxRuntimeError as e:
+    raise ValueError(f"libtpu refused the TPU topology {topology!r} ({name}): {e}; "
+                     f"known: {known_topologies()}") from None
+  return list(devices)
+
+
+def chip_of(device: jax.Device) -> Chip | None:
+  """The :class:`Chip` of a device (by ``device_kind``), or None (CPU, GPU, unknown TPU)."""
+  for c in CHIPS.values():
+    if device.device_kind == c.device_kind:
+      return c
+  return None
+
+
+class ProgramDoesNotFitError(ValueError):
+  """A compiled program needs more bytes per device than the chip's HBM."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+  """Memory and cost of one compiled program, per device.
+
+  Bytes are XLA's ``memory_analysis()`` of the compiled SPMD program (one
+  device's share); FLOPs and bytes accessed are its ``cost_analysis()``, in
+  which a while loop's body counts once: for the K-step program that is one
+  step.
+
+  Attributes:
+    name: ``"train"`` or ``"eval"``.
+    iterations_per_loop: K, slots of the chunk ``[K, B, ...]``.
+    global_batch_size: B (examples per step over all devices).
+    per_device_batch: B / data-parallel size.
+    argument_bytes: the state, the chunk and the step count.
+    output_bytes: the new state and the call's metrics.
+    alias_bytes: outputs that reuse donated argument buffers (the state).
+    temp_bytes: temporaries (activations, gradients, the loop carry).
+    generated_code_bytes: the executable's code.
+    peak_bytes: ``argument + output - alias + temp`` (MaxText's
+      ``train_compile`` total).
+    chunk_bytes: one input chunk (part of ``argument_bytes``).
+    prefetch_chunks: chunks the feeder holds on the device besides the
+      running call's (the loop's ``prefetch``).
+    used_bytes: ``peak_bytes + prefetch_chunks * chunk_bytes``.
+    hbm_bytes: the chip's HBM (None off TPU unless given).
+    headroom_bytes: ``hbm_bytes - used_bytes`` (negative: does not fit).
+    flops_per_step: FLOPs of one step (one eval batch), per device.
+    bytes_accessed_per_step: HBM bytes read and written per step, per device
+      (XLA's estimate).
+    compute_bound_secs: ``flops_per_step / peak_bf16_flops``.
+    memory_secs: ``bytes_accessed_per_step / hbm_bytes_per_sec``: XLA's
+      estimate of the HBM traffic at peak bandwidth. Indicative, not a bound
+      (the estimate can be above or below the real traffic); when it exceeds
+      the compute bound, the step is likely memory-bound.
+    step_secs: the roofline lower bound at the chip's peak bf16 rate,
+      ``compute_bound_secs``; None without a chip.
+    examples_per_sec: ``global_batch_size / step_secs`` (an upper bound).
+    compile_secs: wall time of ``lower().compile()`` on this machine.
+    trace_count: times the step was traced for this program (1).
+    executable: the ``jax.stages.Compiled``.
+  """
+
+  name: str
+  iterations_per_loop: int
+  global_batch_size: int
+  per_device_batch: int
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  generated_code_bytes: int
+  peak_bytes: int
+  chunk_bytes: int
+  prefetch_chunks: int
+  used_bytes: int
+  hbm_bytes: int | None
+  headroom_bytes: int | None
+  flops_per_step: float
+  bytes_accessed_per_step: float
+  compute_bound_secs: float | None
+  memory_secs: float | None
+  step_secs: float | None
+  examples_per_sec: float | None
+  compile_secs: float
+  trace_count: int
+  executable: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class AotReport:
+  """What :func:`compile_for` compiled, for which devices, and what it costs.
+
+  Attributes:
+    topology: the name asked for (``"local"`` for the local devices).
+    chip: the :class:`Chip`, or None (CPU/GPU devices).
+    num_devices: devices in the mesh (chips, for a TPU topology).
+    num_processes: host processes of the slice (distinct ``process_index``).
+    mesh_shape: the mesh's axis sizes by name.
+    programs: ``{"train": ProgramReport, "eval": ProgramReport}`` (eval only
+      when an evaluator was given), one executable each.
+  """
+
+  topology: str
+  chip: Chip | None
+  num_devices: int
+  num_processes: int
+  mesh_shape: dict[str, int]
+  programs: dict[str, ProgramReport]
+
+  @property
+  def train(self) -> ProgramReport:
+    return self.programs["train"]
+
+  def to_dict(self) -> dict[str, Any]:
+    """The report as JSON-ready data (without the executables)."""
+    return {"topology": self.topology, "chip": None if self.chip is None else
+            dataclasses.asdict(self.chip), "num_devices": self.num_devices,
+            "num_processes": self.num_processes, "mesh_shape": self.mesh_shape,
+            "programs": {k: {f.name: getattr(p, f.name) for f in dataclasses.fields(p)
+                             if f.name != "executable"} for k, p in self.programs.items()}}
+
+  def __str__(self) -> str:
+    gib = _fmt_bytes
+    chip = self.chip
+    head = (f"AOT report: {self.topology}, {self.num_devices} devices"
+            f" ({self.num_processes} host{'s' if self.num_processes > 1 else ''}), mesh "
+            f"{self.mesh_shape}" + (f", chip {chip.name}: {chip.hbm_bytes / GiB:.1f} GiB HBM, "
+                                    f"{chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+                                    f"{chip.hbm_bytes_per_sec / 1e9:.0f} GB/s ({chip.source})"
+                                    if chip else ", no chip numbers (not a known TPU)"))
+    lines = [head, "per device:"]
+    for p in self.programs.values():
+      lines += [
+          f"  {p.name}: K={p.iterations_per_loop}, batch {p.global_batch_size} "
+          f"({p.per_device_batch} per device), compiled in {p.compile_secs:.1f} s",
+          f"    arguments {gib(p.argument_bytes)} (chunk {gib(p.chunk_bytes)}), "
+          f"temporaries {gib(p.temp_bytes)}, outputs {gib(p.output_bytes)}, "
+          f"aliased {gib(p.alias_bytes)}, code {gib(p.generated_code_bytes)}",
+          f"    used {gib(p.used_bytes)} (= arguments + outputs - aliased + temporaries"
+          f" + {p.prefetch_chunks} prefetched chunks)" + (
+              f" of HBM {gib(p.hbm_bytes)}: headroom {gib(p.headroom_bytes)}"
+              if p.hbm_bytes is not None else ""),
+          f"    {p.flops_per_step:.4g} FLOPs and {p.bytes_accessed_per_step:.4g} bytes accessed "
+          f"per {'step' if p.name == 'train' else 'batch'}"]
+      if p.step_secs is not None:
+        unit = "step" if p.name == "train" else "batch"
+        mem_rate = p.global_batch_size / p.memory_secs if p.memory_secs else float("inf")
+        lines += [
+            f"    roofline: >= {p.step_secs * 1e3:.4g} ms per {unit} at peak bf16, i.e. <= "
+            f"{p.examples_per_sec:,.0f} examples/s (a bound, not a measurement)",
+            f"    XLA's HBM traffic estimate at peak bandwidth: {p.memory_secs * 1e3:.4g} ms per "
+            f"{unit} (<= {mem_rate:,.0f} examples/s if that traffic is real)"]
+    return "\n".join(lines)
+
+
+def _fmt_bytes(b: int | None) -> str:
+  if b is None:
+    return "-"
+  if abs(b) >= GiB:
+    return f"{b / GiB:.3f} GiB"
+  return f"{b / 2**20:.2f} MiB" if abs(b) >= 2**20 else f"{b} bytes"
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _onto(state: Any, mesh: Mesh) -> Any:
+  """Abstract state on ``mesh``: a leaf's ``NamedSharding`` is carried over (same
+  spec on the target mesh) when the mesh has its axes; other leaves are left
+  without a sharding, which the program replicates (as ``run`` does)."""
+  def leaf(x):
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, NamedSharding):
+      axes = {a for part in sh.spec if part is not None
+              for a in (part if isinstance(part, tuple) else (part,))}
+      if axes <= set(mesh.axis_names):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, sh.spec))
+    return _spec(x)
+  return jax.tree.map(leaf, state)
+
+
+def _batch_size(batch: Any, what: str) -> int:
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not leaves:
+    raise ValueError(f"the {what} batch spec has no leaves")
+  sizes = {jax.tree_util.keystr(p): (np.shape(x)[0] if np.ndim(x) else None) for p, x in leaves}
+  if len(set(sizes.values())) != 1 or None in sizes.values():
+    raise ValueError(f"every leaf of the {what} batch spec needs the same leading batch "
+                     f"dimension B (the global batch); got {sizes}")
+  return next(iter(sizes.values()))
+
+
+def _chunk(batch: Any, k: int) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((k,) + tuple(np.shape(x)), x.dtype), batch)
+
+
+def _nbytes(tree: Any, devices: int) -> int:
+  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree)) // devices
+
+
+def _report(name: str, lowered: Any, traced: Any, *, k: int, batch_size: int, dp: int,
+            chunk_bytes: int, prefetch: int, chip: Chip | None,
+            hbm_bytes: int | None) -> ProgramReport:
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  secs = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+    cost = cost[0]
+  arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
+  alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+  peak = arg + out - alias + temp
+  used = peak + prefetch * chunk_bytes
+  flops = float(cost.get("flops", 0.0))
+  accessed = float(cost.get("bytes accessed", 0.0))
+  compute = memory = rate = None
+  if chip is not None:
+    compute = flops / chip.peak_bf16_flops
+    memory = accessed / chip.hbm_bytes_per_sec
+    rate = batch_size / compute if compute > 0 else None
+  return ProgramReport(
+      name=name, iterations_per_loop=k, global_batch_size=batch_size,
+      per_device_batch=batch_size // dp, argument_bytes=arg, output_bytes=out, alias_bytes=alias,
+      temp_bytes=temp, generated_code_bytes=mem.generated_code_size_in_bytes, peak_bytes=peak,
+      chunk_bytes=chunk_bytes, prefetch_chunks=prefetch, used_bytes=used, hbm_bytes=hbm_bytes,
+      headroom_bytes=None if hbm_bytes is None else hbm_bytes - used, flops_per_step=flops,
+      bytes_accessed_per_step=accessed, compute_bound_secs=compute, memory_secs=memory,
+      step_secs=compute, examples_per_sec=rate, compile_secs=secs,
+      trace_count=traced.trace_count, executable=compiled)
+
+
+def _check_fits(p: ProgramReport, where: str) -> None:
+  if p.headroom_bytes is not None and p.headroom_bytes < 0:
+    g = _fmt_bytes
+    raise ProgramDoesNotFitError(
+        f"the {p.name} program does not fit {where}: it needs {g(p.used_bytes)} per device "
+        f"(arguments {g(p.argument_bytes)} + outputs {g(p.output_bytes)} - aliased "
+        f"{g(p.alias_bytes)} + temporaries {g(p.temp_bytes)} + {p.prefetch_chunks} prefetched "
+        f"chunks of {g(p.chunk_bytes)}) but the device has {g(p.hbm_bytes)} of HBM: "
+        f"{g(-p.headroom_bytes)} over, at K={p.iterations_per_loop} and batch "
+        f"{p.global_batch_size} ({p.per_device_batch} per device); lower K, the batch or "
+        f"the prefetch")
+
+
+def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = None,
+                mesh: Mesh | None = None, evaluator: Evaluator | None = None,
+                eval_batch: Any = None, eval_state: Any = None, prefetch: int | None = None,
+                hbm_bytes: int | None = None, check_fits: bool = True,
+                canonical_convs: bool | None = None) -> AotReport:
+  """Compiles the program(s) ``loop.run`` would dispatch, for a TPU topology, without data.
+
+  The train program is built by the same :class:`~loopkit.MultiStepProgram`
+  code as the loop's (same train step, K, step style, data axis, step
+  counter; chunk ``[K, B, ...]`` split over the data axis; the state's
+  shardings pinned and the state donated), on a mesh over the target
+  devices. With ``evaluator``, its program is compiled the same way (an
+  :class:`~loopkit.Evaluator` with the same eval step, eval K and step style on
+  the target mesh). Each program is traced and compiled once; the loop's own
+  program is not touched (its ``compile_count()`` does not change).
+
+  Args:
+    loop: a :class:`~loopkit.TrainLoop` or a :class:`~loopkit.MultiStepProgram`.
+    state: the train state: a pytree of ``jax.ShapeDtypeStruct`` (e.g.
+      ``jax.eval_shape(init)``) or arrays. A leaf's ``NamedSharding`` is kept
+      (same ``PartitionSpec`` on the target mesh); other leaves are replicated.
+    batch: one step's global batch, leaves ``[B, ...]`` (``ShapeDtypeStruct``
+      or arrays), as the source yields it on one process.
+    topology: a TPU topology (``"v5e:2x2"``, ``"v4-32"``: see
+      :func:`parse_topology`); None: the local devices.
+    mesh: the target mesh, e.g. over :func:`topology_devices` (needed when
+      the loop's mesh has more than one axis; ``topology`` then only names
+      it); default: a 1-D mesh over the topology's (or local) devices named
+      after the loop's data axis, with the loop's mesh axis type.
+    evaluator: also compile this evaluator's program.
+    eval_batch: one eval batch, leaves ``[B_eval, ...]`` (without the mask);
+      required with ``evaluator``.
+    eval_state: what ``eval_step`` receives, if not the train state.
+    prefetch: chunks the feeder holds ahead on the device (default: the
+      loop's ``prefetch``; 0 for a bare program), counted in ``used_bytes``.
+    hbm_bytes: HBM per device to check against (default: the chip's).
+    check_fits: raise when a program does not fit.
+    canonical_convs: as in ``TrainLoop`` (default: on for CPU meshes only,
+      what ``run`` would do on the target devices).
+
+  Returns:
+    An :class:`AotReport` (``print(report)`` gives a table).
+
+  Raises:
+    ValueError: unknown topology (the message lists the known ones); B not
+      divisible by the target's data-parallel size; ragged batch specs; a
+      multi-axis loop mesh without ``mesh``; ``evaluator`` without
+      ``eval_batch``.
+    ProgramDoesNotFitError: (a ``ValueError``) a program needs more than
+      ``hbm_bytes`` per device; the message gives the numbers.
+    ImportError: a TPU topology without libtpu installed.
+  """
+  program = loop.program if hasattr(loop, "program") else loop
+  if not isinstance(program, MultiStepProgram):
+    raise TypeError(f"compile_for needs a TrainLoop or MultiStepProgram, got {type(loop)}")
+  if prefetch is None:
+    prefetch = getattr(loop, "prefetch", 0)
+  if evaluator is not None and eval_batch is None:
+    raise ValueError("compile_for(evaluator=...) needs eval_batch, one eval batch's spec")
+  data_axis = program.data_axis
+  if mesh is None:
+    devices: Sequence[jax.Device] = (jax.devices() if topology is None
+                                     else topology_devices(topology))
+    if len(program.mesh.axis_names) != 1:
+      raise ValueError(f"the loop's mesh has axes {dict(program.mesh.shape)}: pass mesh=..., "
+                       "a mesh with the same axis names over "
+                       "loopkit.aot.topology_devices(topology)")
+    # the loop's axis type (Auto for loopkit's default mesh, Explicit for jax.make_mesh's)
+    mesh = jax.make_mesh((len(devices),), (data_axis,), devices=list(devices),
+                         axis_types=tuple(program.mesh.axis_types))
+  if data_axis not in mesh.axis_names:
+    raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
+  dp = mesh.shape[data_axis]
+  chip = chip_of(mesh.devices.flat[0])
+  hbm = hbm_bytes if hbm_bytes is not None else (chip.hbm_bytes if chip else None)
+  where = f"on {topology or 'the local devices'}"
+
+  target = MultiStepProgram(program.train_step, iterations_per_loop=program.k, mesh=mesh,
+                            data_axis=data_axis, style=program.style, step_of=program.step_of,
+                            canonical_convs=canonical_convs)
+  b = _batch_size(batch, "train")
+  check_global_batch_size(b, dp)
+  chunk = _chunk(batch, program.k)
+  state_spec = _onto(state, mesh)
+  lowered = target.lower(state_spec, chunk)
+  train = _report("train", lowered, target, k=program.k, batch_size=b, dp=dp,
+                  chunk_bytes=_nbytes(chunk, dp), prefetch=prefetch, chip=chip, hbm_bytes=hbm)
+  programs = {"train": train}
+  if check_fits:
+    _check_fits(train, where)
+
+  if evaluator is not None:
+    be = _batch_size(eval_batch, "eval")
+    ev = Evaluator(evaluator.eval_step, iterations_per_loop=evaluator.k, mesh=mesh,
+                   data_axis=evaluator.data_axis, step_style=evaluator.step_style,
+                   global_batch_size=be, prefetch=evaluator.prefetch)
+    echunk = {"batch": _chunk(eval_batch, ev.k),
+              "mask": jax.ShapeDtypeStruct((ev.k, be), np.bool_)}
+    # eval_step sees the train state as the loop placed it (EvalHook), unless told otherwise.
+    estate = (_onto(eval_state, mesh) if eval_state is not None else jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        state_spec, target.state_shardings))
+    programs["eval"] = _report("eval", ev.lower(estate, echunk), ev, k=ev.k, batch_size=be, dp=dp,
+                               chunk_bytes=_nbytes(echunk, dp), prefetch=evaluator.prefetch,
+                               chip=chip, hbm_bytes=hbm)
+    if check_fits:
+      _check_fits(programs["eval"], where)
+
+  procs = len({d.process_index for d in mesh.devices.flat})
+  return AotReport(topology=topology or "local", chip=chip, num_devices=mesh.devices.size,
+                   num_processes=procs, mesh_shape=dict(mesh.shape), programs=programs)
