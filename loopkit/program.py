@@ -290,6 +290,46 @@ def default_step_of(state: Any) -> jax.Array:
       "(attribute or dict key) or pass step_of=... to TrainLoop")
 
 
+def _describe(x: Any) -> str:
+  """A short description of a traced step output: its type, and shape/dtype if an array."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} dtype {x.dtype}"
+  if isinstance(x, dict):
+    return f"a dict with keys {sorted(map(str, x))[:6]}"
+  return f"a {type(x).__name__}"
+
+
+def unpack_step_output(out: Any, state: Any) -> tuple[Any, dict]:
+  """Checks what ``train_step`` returned: ``(new_state, metrics: dict)``.
+
+  Raises:
+    TypeError: naming what was returned and what is expected, for the first
+      mistakes people make: the state alone, a 1-tuple, ``(state, loss)``
+      with a bare loss, or ``(loss, state)`` in the wrong order.
+  """
+  expected = ("train_step must return (new_state, metrics) with metrics a dict of "
+              "scalars, e.g. `return new_state, {'loss': loss}`")
+  if not isinstance(out, tuple) or len(out) != 2:
+    if isinstance(out, tuple):
+      got = f"a tuple of {len(out)}: ({', '.join(_describe(x) for x in out[:4])})"
+    elif jax.tree.structure(out) == jax.tree.structure(state):
+      got = "only a state (no metrics)"
+    else:
+      got = _describe(out)
+    raise TypeError(f"{expected}; it returned {got}")
+  new_state, metrics = out
+  state_def = jax.tree.structure(state)
+  if jax.tree.structure(metrics) == state_def and jax.tree.structure(new_state) != state_def:
+    raise TypeError(f"{expected}; the state and the metrics look swapped: its first element is "
+                    f"{_describe(new_state)} and its second has the state's structure")
+  if not isinstance(metrics, dict):
+    hint = ""
+    if hasattr(metrics, "shape") and not getattr(metrics, "shape", (1,)):
+      hint = " (a bare scalar: wrap it, {'loss': loss})"
+    raise TypeError(f"{expected}; its second element is {_describe(metrics)}{hint}")
+  return new_state, metrics
+
+
 def leaf_fingerprint(x: jax.Array) -> jax.Array:
   """Two uint32 words that summarise the bits of an array (any dtype, typed PRNG keys too).
 
@@ -381,9 +421,7 @@ class MultiStepProgram:
     batch0 = jax.tree.map(lambda x: x[0], batches)
 
     def step_fn(s, b):
-      new_s, m = self.train_step(s, b)
-      if not isinstance(m, dict):
-        raise TypeError(f"train_step must return (state, metrics: dict), got {type(m)}")
+      new_s, m = unpack_step_output(self.train_step(s, b), state)
       out = {}
       for k, v in m.items():
         try:

@@ -320,3 +320,26 @@ def test_c40_no_warning_for_a_single_leaf_or_a_global_batch_of_device_count_exam
   assert not warn_if_pmap_layout({"x": np.zeros((2, 16, 2, 2)), "y": np.zeros((2, 16, 2))}, 8)
   with pytest.warns(loopkit.BatchLayoutWarning):
     assert warn_if_pmap_layout({"x": np.zeros((2, 8, 2, 5)), "y": np.zeros((2, 8, 2))}, 8)
+
+
+@pytest.mark.parametrize("returns,message", [
+    (lambda s, loss: s, "it returned only a state \\(no metrics\\)"),
+    (lambda s, loss: (s,), "it returned a tuple of 1: \\(a dict with keys \\['opt', 'params', "
+                           "'step'\\]\\)"),
+    (lambda s, loss: (s, loss), "its second element is an array of shape \\(\\) dtype float32 "
+                                "\\(a bare scalar: wrap it, \\{'loss': loss\\}\\)"),
+    (lambda s, loss: (s, "loss"), "its second element is a str"),
+    (lambda s, loss: ({"loss": loss}, s), "the state and the metrics look swapped"),
+    (lambda s, loss: (s, {"loss": loss}, 1), "it returned a tuple of 3"),
+])
+def test_wrong_train_step_returns_say_what_was_returned_and_expected(returns, message):
+  inner = toy.make_global_step()
+
+  def step(state, batch):
+    new, m = inner(state, batch)
+    return returns(new, m["loss"])
+
+  loop = loopkit.TrainLoop(step, iterations_per_loop=2)
+  with pytest.raises(TypeError, match=r"train_step must return \(new_state, metrics\) with "
+                     r"metrics a dict of scalars.*; " + message):
+    loop.run(toy.init_state(), toy.batches(2), num_steps=2)
