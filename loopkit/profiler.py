@@ -57,7 +57,9 @@ class ProfilerHook(Hook):
       raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     self.start_step = int(start_step)
     self.stop_step = int(start_step) + int(num_steps)
-    super().__init__(at_steps=[self.start_step, self.stop_step], at_end=False)
+    # A start at step 0 is handled by on_run_start (no call ends at step 0).
+    super().__init__(at_steps=[s for s in (self.start_step, self.stop_step) if s > 0],
+                     at_end=False)
     self.logdir = os.fspath(logdir)
     self.trace_dirs: list[str] = []
     self._active = False
