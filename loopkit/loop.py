@@ -62,6 +62,27 @@ def _warn_gpu_while_dispatch(mesh: Mesh) -> None:
                   "dispatch asynchronously (see docs/tuning.md)", GPU_WHILE_FLAG)
 
 
+def _warn_logging_after_checkpoint(hooks: Sequence[Hook]) -> None:
+  """Warns when a LoggingHook comes after a checkpoint hook in ``hooks``.
+
+  Hooks fire in list order; a checkpoint saves every hook's ``checkpoint_state``
+  when it runs. A LoggingHook after it, firing at the same boundary, is saved
+  with the running average *before* its row, so a resumed run's first row would
+  average again steps that the row already covered.
+  """
+  seen_checkpoint = None
+  for h in hooks:
+    if getattr(h, "time_bucket", None) == "checkpoint" and seen_checkpoint is None:
+      seen_checkpoint = h
+    elif seen_checkpoint is not None and type(h).__name__ == "LoggingHook":
+      warnings.warn(
+          f"hooks: LoggingHook comes after {type(seen_checkpoint).__name__}; at a step where "
+          "both fire, the checkpoint would hold the running average before the row is "
+          "written and a resumed run would average those steps again: put the LoggingHook "
+          "before the checkpoint hook", UserWarning, stacklevel=3)
+      return
+
+
 def _fetch(tree: Any, copy_async: bool) -> Any:
   """``jax.device_get`` of a pytree of fully addressable ``jax.Array``, cheaper on CPU.
 
@@ -208,6 +229,7 @@ class TrainLoop:
       if missing:
         raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
                         "(or wrap a function in loopkit.CallbackHook)")
+    _warn_logging_after_checkpoint(self.hooks)
     self.steps_per_epoch = steps_per_epoch
     if steps_per_epoch is not None:
       self._check_triggers()

@@ -343,3 +343,13 @@ def test_wrong_train_step_returns_say_what_was_returned_and_expected(returns, me
   with pytest.raises(TypeError, match=r"train_step must return \(new_state, metrics\) with "
                      r"metrics a dict of scalars.*; " + message):
     loop.run(toy.init_state(), toy.batches(2), num_steps=2)
+
+
+def test_c42_a_logging_hook_after_the_checkpoint_hook_is_warned_about(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  ckpt, log = loopkit.CheckpointHook(tmp_path), loopkit.LoggingHook(every_steps=10)
+  with pytest.warns(UserWarning, match="LoggingHook comes after CheckpointHook"):
+    loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[ckpt, log])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[log, ckpt])
