@@ -26,8 +26,8 @@ Every decision to fire is the same on every process: step marks are
 deterministic, and the wall-clock part of a trigger (``every_secs``), stop
 requests and preemption flags are agreed at each boundary
 (:mod:`loopkit.boundary`). A run that makes no device call (stopped before the
-first one, or started at its target) fires its ``at_end`` hooks once with an
-empty :class:`LoopInfo` (``num_steps == 0``, no metrics).
+first one, or started at its target) fires its ``at_end`` hooks that have a
+mark once with an empty :class:`LoopInfo` (``num_steps == 0``, no metrics).
 
 Hooks are not thread-safe; on multi-host every process runs every hook (a hook
 that writes files should write on process 0 only).

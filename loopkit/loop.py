@@ -118,7 +118,7 @@ class _Pending:
   step_in_epoch: int
   examples_seen: int
   out: Any
-  firing: list[Hook] | None  # None until the boundary is decided (TrainLoop._decide)
+  firing: list[Hook]
   is_last: bool
   position: Any
 
@@ -354,6 +354,8 @@ class TrainLoop:
     try:
       self.preemption.install()
       while True:
+        if self._stop_reason is not None and jax.process_count() == 1:
+          break  # a hook asked to stop: no need to form (or wait for) another chunk
         t0 = time.perf_counter()
         chunk = feeder.next()
         self.ledger.add_time("data_wait", time.perf_counter() - t0)
@@ -368,14 +370,7 @@ class TrainLoop:
           self._global_batch_size = chunk.global_batch_size
           if self.ledger.examples_seen == 0:
             self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
-        # The boundary after the pending call: one agreement, then its hooks that
-        # need the state run before the next dispatch donates it.
-        stop = self._decide(pending, is_last=False)
-        if pending is not None and any(h.needs_state for h in pending.firing):
-          last, state = self._finish(pending, state)
-          pending = None
-          if stop is None:  # those hooks may have requested a stop: agree on it now
-            stop = self._decide(None, is_last=False)
+        stop, time_due = self._agree()  # one agreement per call, all processes alike
         if stop is not None:  # stop before dispatching: at_end hooks fire
           self._stop_reason = stop  # with this boundary's state (_fire_at_end)
           break
@@ -395,15 +390,17 @@ class TrainLoop:
           last, _ = self._finish(pending, None)
         epoch, in_epoch = self._epoch_of(end)
         pending = _Pending(start, end, self.ledger.loop_index - 1, epoch, in_epoch,
-                           self.ledger.examples_seen, out, None, is_last, chunk.position)
+                           self.ledger.examples_seen, out,
+                           self._firing(start, end, is_last, time_due), is_last, chunk.position)
+        if any(h.needs_state for h in pending.firing):  # before the next call donates it
+          last, state = self._finish(pending, state)
+          pending = None
         if chunk.exhausted:
           self._warn_exhausted(target)
           break
         if is_last:
           break
       if pending is not None:  # the run's last boundary
-        if pending.firing is None:
-          self._decide(pending, is_last=pending.is_last)
         last, state = self._finish(pending, state)
       if self._stop_reason is not None:
         self.status = self._stop_reason
@@ -495,34 +492,37 @@ class TrainLoop:
     epoch = max(end - 1, 0) // self.steps_per_epoch
     return epoch, end - epoch * self.steps_per_epoch
 
-  def _decide(self, pending: _Pending | None, *, is_last: bool) -> str | None:
-    """Takes every decision of one boundary, agreed across processes.
+  def _agree(self) -> tuple[str | None, dict[int, bool]]:
+    """Takes every host-local decision of one boundary, agreed across processes.
 
-    The host-local inputs (this process's preemption flag, a stop requested by
-    a hook, each ``every_secs`` trigger's clock) go into one
-    :func:`loopkit.boundary.agree`, so every process fires the same hooks and
-    stops at the same boundary. Sets ``pending.firing`` (the hooks that fire
-    for the call that ended here) and records their firing.
+    Called once before each dispatch. This process's preemption flag, a stop
+    requested by a hook, and each ``every_secs`` trigger's clock go into one
+    :func:`loopkit.boundary.agree`, so every process stops at the same boundary
+    and fires the same hooks. A time mark read here counts for the call about
+    to be dispatched: an ``every_secs`` hook fires at the end of the first call
+    that starts at least ``every_secs`` after its last firing.
 
     Returns:
-      The stop reason (``"preempted"``, the requested one, or ``"stopped"``
-      when another process requested a stop), or None to go on.
+      ``(stop, time_due)``: the stop reason (``"preempted"``, the requested
+      one, or ``"stopped"`` when another process requested a stop) or None to
+      go on; and ``{id(hook): bool}`` for the hooks with ``every_secs``.
     """
-    timed = ([h for h in self.hooks if h.trigger.every_secs is not None]
-             if pending is not None else [])
+    timed = [h for h in self.hooks if h.trigger.every_secs is not None]
     agreed = agree([self.preemption.requested, self._stop_reason is not None]
                    + [h.trigger.time_due() for h in timed])
-    if pending is not None:
-      due = {id(h): d for h, d in zip(timed, agreed[2:])}
-      pending.firing = [
-          h for h in self.hooks
-          if h.trigger.should_fire(pending.start, pending.end, steps_per_epoch=self.steps_per_epoch,
-                                   is_last=is_last, time_due=due.get(id(h), False))]
-      for h in pending.firing:
-        h.trigger.fired()
+    time_due = {id(h): d for h, d in zip(timed, agreed[2:])}
     if agreed[1]:
-      return self._stop_reason or "stopped"
-    return "preempted" if agreed[0] else None
+      return self._stop_reason or "stopped", time_due
+    return ("preempted" if agreed[0] else None), time_due
+
+  def _firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[Hook]:
+    """The hooks that fire after the call ``(start, end]``; records their firing."""
+    firing = [h for h in self.hooks
+              if h.trigger.should_fire(start, end, steps_per_epoch=self.steps_per_epoch,
+                                       is_last=is_last, time_due=time_due.get(id(h), False))]
+    for h in firing:
+      h.trigger.fired()
+    return firing
 
   def _check_replicas(self, state: Any, when: str) -> None:
     """For per-device steps: every device's copy of the state must agree (case C34).
@@ -610,11 +610,12 @@ class TrainLoop:
     """At the end of a run, fires the ``at_end`` hooks that did not fire on its last call.
 
     After an early stop (a stop request or a preemption) that is every ``at_end``
-    hook with a step mark that did not fire on the last call. A run that made no
+    hook with a mark that did not fire on the last call. A run that made no
     call (stopped before its first one, or already at its target) fires every
-    ``at_end`` hook once with an empty :class:`LoopInfo` (``num_steps == 0``) at
-    the current step, so e.g. a preempted run still saves and re-running a
-    finished run still evaluates once.
+    ``at_end`` hook with a mark once with an empty :class:`LoopInfo`
+    (``num_steps == 0``, no metrics) at the current step, so e.g. a preempted
+    run still saves and re-running a finished run still evaluates once. Hooks
+    without marks (every call) do not fire for an empty boundary.
     """
     if last is None:
       step = self.ledger.step
@@ -623,7 +624,7 @@ class TrainLoop:
                       epoch=epoch, step_in_epoch=in_epoch,
                       examples_seen=self.ledger.examples_seen, metrics={}, metric_values={},
                       traces={}, is_last=True, data_position=self.data_position)
-      hooks = [h for h in self.hooks if h.trigger.at_end]
+      hooks = [h for h in self.hooks if h.trigger.at_end and not h.trigger.every_call]
     elif last[0].is_last:
       return state
     else:

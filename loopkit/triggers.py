@@ -54,9 +54,9 @@ class Trigger:
     every_epochs: fire at the end of every this many epochs (> 0); needs
       ``steps_per_epoch`` from the loop.
     at_steps: fire at exactly these global steps (ints > 0).
-    every_secs: fire at the first boundary at least this many seconds (wall
-      clock) after the last firing (or after :meth:`start_clock`); does not
-      cut calls.
+    every_secs: fire at the end of the first call that starts at least this
+      many seconds (wall clock) after the last firing (or after
+      :meth:`start_clock`); does not cut calls.
     at_end: also fire at the last boundary of a run.
 
   ``clock`` (default ``time.monotonic``, seconds) is injectable for tests.
