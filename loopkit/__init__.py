@@ -7,6 +7,7 @@ results that do not depend on K.
 from loopkit import conv_layout, goodput, metrics
 from loopkit.device_data import DeviceDataset, DeviceDataState
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate
+from loopkit.feeding import BatchLayoutWarning
 from loopkit.goodput import GoodputHook, GoodputSummary
 from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
 from loopkit.ledger import Ledger
@@ -61,7 +62,8 @@ def __getattr__(name):
 __all__ = [
     "CheckpointError", "CheckpointHook", "CheckpointWarning", "PreemptionWatcher",
     "RestoredCheckpoint",
-    "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter", "Ledger", "LoggingHook",
+    "BatchLayoutWarning", "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter", "Ledger",
+    "LoggingHook",
     "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
     "data_parallel_mesh",
     "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",

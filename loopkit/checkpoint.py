@@ -171,7 +171,7 @@ class CheckpointHook(Hook):
   time_bucket = "checkpoint"
 
   def __init__(self, directory: str | epath.PathLike, *, every_steps: int | None = None,
-               every_epochs: int | None = None, at_steps: Sequence[int] | None = None,
+               every_epochs: float | None = None, at_steps: Sequence[int] | None = None,
                every_secs: float | None = None, max_to_keep: int | None = None,
                best_metric: str | None = None, best_mode: str = "min",
                keep_best: int | None = None, async_save: bool = True, restore: bool = True):

@@ -36,6 +36,7 @@ import math
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -89,6 +90,45 @@ def _join_stranded_at_exit() -> None:
 
 
 atexit.register(_join_stranded_at_exit)
+
+
+class BatchLayoutWarning(UserWarning):
+  """Batches look like ``jax.pmap`` input ``[devices, B / devices, ...]`` (case C40)."""
+
+
+def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
+  """Warns when a chunk's batches look like pmap-layout input (case C40).
+
+  loopkit takes *global* batches ``[B, ...]`` and splits B over the data axis
+  itself, for both step styles. A user coming from ``jax.pmap`` may pass
+  ``[D, B / D, ...]`` (D = devices): each device then trains on a
+  ``[1, B / D, ...]`` slice with a wrong leading axis, silently. The sign: the
+  batch axis equals the data-parallel size, and every leaf has a second axis
+  of one common size.
+
+  Args:
+    batches: a chunk's pytree of ``[K, B, ...]`` arrays (global shapes).
+    data_parallel_size: D.
+
+  Returns:
+    Whether it warned.
+  """
+  shapes = [np.shape(x) for x in jax.tree.leaves(batches)]
+  if data_parallel_size < 2 or not shapes or any(len(s) < 3 for s in shapes):
+    return False
+  if any(s[1] != data_parallel_size for s in shapes) or len({s[2] for s in shapes}) != 1:
+    return False
+  shown = ", ".join(str(s[1:]) for s in shapes[:3])
+  warnings.warn(
+      f"every batch leaf has shape [{data_parallel_size}, {shapes[0][2]}, ...] ({shown}"
+      f"{' ...' if len(shapes) > 3 else ''}), with the batch axis equal to the "
+      f"data-parallel size {data_parallel_size}: this looks like jax.pmap input "
+      f"[devices, B / devices, ...]. loopkit takes global batches [B, ...] and splits B "
+      f"over the devices itself, for step_style='per_device' too; pass "
+      f"x.reshape((-1,) + x.shape[2:]) for every leaf (if a global batch of "
+      f"{data_parallel_size} examples is meant, ignore this warning)",
+      BatchLayoutWarning, stacklevel=3)
+  return True
 
 
 @dataclasses.dataclass

@@ -100,7 +100,7 @@ class Hook:
 
   needs_state: bool = True
 
-  def __init__(self, *, every_steps: int | None = None, every_epochs: int | None = None,
+  def __init__(self, *, every_steps: int | None = None, every_epochs: float | None = None,
                at_steps: Sequence[int] | None = None, every_secs: float | None = None,
                at_end: bool = True):
     self.trigger = Trigger(every_steps=every_steps, every_epochs=every_epochs,
@@ -219,6 +219,13 @@ class LoggingHook(Hook):
       ``MultiWriter`` / ``AsyncWriter``, as :func:`create_default_writer` makes).
     per_step: also write every step's value at its true step number.
     **trigger: see :class:`Hook` (default: every call).
+
+  Attributes:
+    records: ``[(step, scalars)]`` of every row, in order.
+    first_steps: for each row, the first step its averages cover (the row at
+      ``step`` covers ``first_steps[i]..step``). The accumulator is saved with
+      checkpoints (:meth:`checkpoint_state`), so a resumed run's first row
+      covers the same steps as an uninterrupted one.
   """
 
   needs_state = False
@@ -229,9 +236,13 @@ class LoggingHook(Hook):
     self.per_step = per_step
     self._log = not _prints_to_console(writer)
     self._acc: dict[str, metrics_lib.Metric] = {}
+    self._first_step: int | None = None  # first step merged into _acc
     self.records: list[tuple[int, dict[str, float]]] = []
+    self.first_steps: list[int | None] = []
 
   def observe(self, info: LoopInfo) -> None:
+    if not self._acc:
+      self._first_step = info.start_step + 1
     for k, v in info.metric_values.items():
       self._acc[k] = metrics_lib.merge(self._acc[k], v) if k in self._acc else v
     if self.per_step and self.writer is not None:
@@ -240,11 +251,29 @@ class LoggingHook(Hook):
             info.start_step + i + 1,
             {f"{k}_per_step": float(v[i]) for k, v in info.traces.items()})
 
+  def checkpoint_state(self) -> dict[str, Any]:
+    """The running accumulator (metrics merged since the last row), for checkpoints.
+
+    Restored by :meth:`restore_checkpoint_state`, so after a kill and resume
+    the first row averages the same steps as without the kill (case C42): a
+    row at step 20 with a checkpoint at 12 covers steps 11..20, bitwise the
+    same values.
+    """
+    return {"acc": {k: metrics_lib.to_json(v) for k, v in self._acc.items()},
+            "first_step": self._first_step}
+
+  def restore_checkpoint_state(self, d: dict[str, Any]) -> None:
+    self._acc = {k: metrics_lib.from_json(v) for k, v in d.get("acc", {}).items()}
+    self._first_step = d.get("first_step")
+
   def after_call(self, info, state):
+    if not self._acc:  # nothing ran since the last row (e.g. a run that made no call)
+      return None
     scalars = {k: metrics_lib.compute(v) for k, v in self._acc.items()}
     self._acc = {}
     scalars.update(epoch=info.epoch, examples_seen=info.examples_seen)
     self.records.append((info.end_step, scalars))
+    self.first_steps.append(self._first_step)
     if self._log and jax.process_index() == 0:  # multi-host: one line per boundary
       log.info("step %d: %s", info.end_step,
                ", ".join(f"{k}={v:.6g}" if isinstance(v, float) and not math.isnan(v)

@@ -23,7 +23,9 @@ class Ledger:
       (wall time inside ``run``), ``compile`` (first dispatch: trace +
       compile), ``dispatch``, ``device_wait`` (host blocked fetching a call's
       outputs), ``data_wait``, hook time by the hook's ``time_bucket``
-      (``hooks`` by default, ``checkpoint``, ``eval``), and ``lost`` (time of
+      (``hooks`` by default, ``checkpoint``, ``eval``), ``replica_check``
+      (per-device style: comparing the devices' copies of the state, which
+      first waits for the call to finish), and ``lost`` (time of
       work redone after restarts, see :mod:`loopkit.goodput`).
     lost_steps: steps redone after restarts (trained past the last
       checkpoint, then lost).

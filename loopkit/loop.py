@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from loopkit import metrics as metrics_lib
-from loopkit.feeding import ChunkFeeder, open_source
+from loopkit.boundary import agree
+from loopkit.feeding import ChunkFeeder, open_source, warn_if_pmap_layout
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger
 from loopkit.planner import TimeBasedK, parse_duration, plan_calls
@@ -70,13 +71,15 @@ def _fetch(tree: Any, copy_async: bool) -> Any:
       reads directly).
 
   Returns:
-    The same pytree with numpy arrays.
+    The same pytree with numpy arrays that own their memory (host copies).
   """
   leaves, treedef = jax.tree.flatten(tree)
   if copy_async:
     for x in leaves:
       x.copy_to_host_async()
-  return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])
+  # np.array, not np.asarray: on CPU devices asarray is a view that keeps the
+  # device buffer alive for as long as a hook keeps the value (case C37).
+  return jax.tree.unflatten(treedef, [np.array(x) for x in leaves])
 
 
 class DataExhaustedWarning(UserWarning):
@@ -92,7 +95,7 @@ class _Pending:
   step_in_epoch: int
   examples_seen: int
   out: Any
-  firing: list[Hook]
+  firing: list[Hook] | None  # None until the boundary is decided (TrainLoop._decide)
   is_last: bool
   position: Any
 
@@ -134,9 +137,10 @@ class TrainLoop:
       (default) = on when the mesh is on CPU devices.
 
   Raises:
-    ValueError: K < 1 or not an int or duration; ``max_iterations_per_loop``
-      with an int K; ``global_batch_size`` not divisible by the data-parallel
-      size; ``steps_per_epoch`` < 1.
+    ValueError: K < 1 or not an int or duration; a duration K on several
+      processes; ``max_iterations_per_loop`` with an int K; ``global_batch_size`` not divisible by the data-parallel
+      size; ``steps_per_epoch`` < 1; a hook's ``every_epochs`` that is not a
+      whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
   Attributes:
     ledger: the :class:`~loopkit.ledger.Ledger` (after ``run`` starts).
@@ -171,6 +175,13 @@ class TrainLoop:
       raise ValueError("max_iterations_per_loop is only for a duration iterations_per_loop "
                        f"such as '30s', got iterations_per_loop={iterations_per_loop!r}")
     if isinstance(iterations_per_loop, TimeBasedK):
+      if jax.process_count() > 1:  # a host-local decision the boundary agreement cannot carry
+        raise ValueError(
+            f"iterations_per_loop={iterations_per_loop!r} chooses call lengths from this "
+            f"process's clock, ahead of time (the feeder plans prefetched calls), so "
+            f"{jax.process_count()} processes would run calls of different lengths and "
+            "their collectives would not match: pass an int K on several processes (measure "
+            "one with `python -m loopkit.tune` on one process)")
       self.time_based_k = iterations_per_loop
       iterations_per_loop = iterations_per_loop.max_iterations_per_loop
     iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
@@ -188,6 +199,8 @@ class TrainLoop:
         raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
                         "(or wrap a function in loopkit.CallbackHook)")
     self.steps_per_epoch = steps_per_epoch
+    if steps_per_epoch is not None:
+      self._check_triggers()
     self.prefetch = prefetch
     self.step_of = step_of
     self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
@@ -203,6 +216,7 @@ class TrainLoop:
     self._global_batch_size = global_batch_size
     self.target_step: int | None = None
     self._t_mark = 0.0
+    self._replicas_checked_at: int | None = None  # step of the last replica check
 
   # -- public ----------------------------------------------------------------
 
@@ -241,8 +255,9 @@ class TrainLoop:
     self._t_mark = time.perf_counter()
     if self.time_based_k is not None:
       self.time_based_k.start()
-    state = self.program.place_state(state)
-    self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    self._state_spec = None
+    self._replicas_checked_at = None
+    state = self._admit(state, None)
     counter = self.step_of(state)
     if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
       raise ValueError(f"the state's step counter must be a scalar integer array, got shape "
@@ -260,19 +275,24 @@ class TrainLoop:
       with self._timed(h):
         new = h.on_run_start(self, state)
       if new is not None:  # e.g. a checkpoint hook restored the state
-        state = self._check_replacement(h, new)
+        state = self._admit(new, h)
         restored_step = int(jax.device_get(self.step_of(state)))
         if self.ledger.step != restored_step:
           raise ValueError(
               f"{type(h).__name__} restored a state at step {restored_step} but left the "
               f"ledger at step {self.ledger.step}")
         step0 = restored_step
+    self._check_triggers()
+    for h in self.hooks:
+      h.trigger.start_clock()
     source, start_position = open_source(batches, self.data_position, step0)
+    if self.data_position is None:  # the position of a boundary before any call
+      get_state = getattr(source, "get_state", None)
+      self.data_position = get_state() if callable(get_state) else start_position
     plan = plan_calls(step0, iterations_per_loop=self.time_based_k or self.iterations_per_loop,
                       num_steps=target,
                       steps_per_epoch=self.steps_per_epoch,
                       triggers=[h.trigger for h in self.hooks])
-    self.preemption = PreemptionWatcher(self.preemption_signals)
     # A preemption abandons the chunk being formed (feeding.py): the loop then
     # stops at this boundary after the same agreement as any other.
     feeder = ChunkFeeder(source, plan, iterations_per_loop=self.iterations_per_loop,
@@ -281,13 +301,14 @@ class TrainLoop:
                          data_parallel_size=self.data_parallel_size, prefetch=self.prefetch,
                          start_position=start_position, first_step=step0,
                          interrupt=self.preemption.event)
-    pending: _Pending | None = None
+    pending: _Pending | None = None  # the last dispatched call, not yet finished
     last: tuple[LoopInfo, set[int]] | None = None
     self._copy_async = not is_cpu_mesh(self.mesh)  # see _fetch
     returning = False  # False while an exception propagates: close without waiting
+    checked_layout = False
     try:
       self.preemption.install()
-      while self._stop_reason is None:
+      while True:
         t0 = time.perf_counter()
         chunk = feeder.next()
         self.ledger.add_time("data_wait", time.perf_counter() - t0)
@@ -295,14 +316,25 @@ class TrainLoop:
           if chunk is not None:
             self._warn_exhausted(target)
           break
+        if not checked_layout and not chunk.interrupted:
+          checked_layout = True
+          warn_if_pmap_layout(chunk.batches, self.data_parallel_size)
         if self._global_batch_size is None and not chunk.interrupted:
           self._global_batch_size = chunk.global_batch_size
           if self.ledger.examples_seen == 0:
             self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
-        if self.preemption.agreed():  # stop before dispatching: at_end hooks fire
-          self._stop_reason = "preempted"  # with this boundary's state (_fire_at_end)
+        # The boundary after the pending call: one agreement, then its hooks that
+        # need the state run before the next dispatch donates it.
+        stop = self._decide(pending, is_last=False)
+        if pending is not None and any(h.needs_state for h in pending.firing):
+          last, state = self._finish(pending, state)
+          pending = None
+          if stop is None:  # those hooks may have requested a stop: agree on it now
+            stop = self._decide(None, is_last=False)
+        if stop is not None:  # stop before dispatching: at_end hooks fire
+          self._stop_reason = stop  # with this boundary's state (_fire_at_end)
           break
-        if chunk.interrupted:  # only when this process's flag is set, so agreed() is True
+        if chunk.interrupted:  # only when this process's flag is set, so the stop is agreed
           raise RuntimeError("loopkit: a chunk was abandoned without a preemption")
         start = self.ledger.step
         t0 = time.perf_counter()
@@ -311,40 +343,38 @@ class TrainLoop:
         self.ledger.add_time("compile" if first_call else "dispatch", time.perf_counter() - t0)
         self.ledger.advance(chunk.length, chunk.global_batch_size)
         end = self.ledger.step
-        if first_call and self.program.style == "per_device" and self.data_parallel_size > 1:
-          self._check_replicas(state, start, end)
+        if first_call:
+          self._check_replicas(state, f"after the first device call (steps {start + 1}..{end})")
         is_last = end >= target or chunk.exhausted
-        if pending is not None:
+        if pending is not None:  # one call late: the next call is already dispatched
           last, _ = self._finish(pending, None)
-          pending = None
-        firing = [h for h in self.hooks
-                  if h.trigger.should_fire(start, end, steps_per_epoch=self.steps_per_epoch,
-                                           is_last=is_last)]
-        epoch = (end - 1) // self.steps_per_epoch if self.steps_per_epoch else 0
-        in_epoch = end - epoch * self.steps_per_epoch if self.steps_per_epoch else end
+        epoch, in_epoch = self._epoch_of(end)
         pending = _Pending(start, end, self.ledger.loop_index - 1, epoch, in_epoch,
-                           self.ledger.examples_seen, out, firing, is_last, chunk.position)
-        if any(h.needs_state for h in firing):
-          last, state = self._finish(pending, state)
-          pending = None
+                           self.ledger.examples_seen, out, None, is_last, chunk.position)
         if chunk.exhausted:
           self._warn_exhausted(target)
           break
         if is_last:
           break
-      if pending is not None:
-        last, _ = self._finish(pending, None)
+      if pending is not None:  # the run's last boundary
+        if pending.firing is None:
+          self._decide(pending, is_last=pending.is_last)
+        last, state = self._finish(pending, state)
       if self._stop_reason is not None:
         self.status = self._stop_reason
       elif self.status is None:
+        if self.ledger.step < target:  # invariant: "completed" means the target was reached
+          raise RuntimeError(
+              f"loopkit: the run ended at step {self.ledger.step} without reaching its target "
+              f"step {target} and without a stop, preemption or end of data; this is a bug, "
+              "please report it with the TrainLoop arguments")
         self.status = "completed"
-      if last is not None and not last[0].is_last:
-        state = self._fire_at_end(last, state)
+      state = self._fire_at_end(last, state)
       for h in self.hooks:
         with self._timed(h):
           new = h.on_run_end(self, state)
         if new is not None:
-          state = self._check_replacement(h, new)
+          state = self._admit(new, h)
       returning = True
     except BaseException as error:  # invariant 5: no save left in flight (Hook.on_run_error)
       for h in self.hooks:
@@ -355,6 +385,7 @@ class TrainLoop:
       raise
     finally:
       self.preemption.uninstall()
+      self.preemption = PreemptionWatcher(self.preemption_signals)  # the next run starts clean
       feeder.close(wait_secs=None if returning else 0.0)
       self._tick_total()
     return state
@@ -400,15 +431,71 @@ class TrainLoop:
         "them (itertools.chain.from_iterable(itertools.repeat(batches, n)), tf.data's "
         ".repeat(), or loopkit.ArraySource)", DataExhaustedWarning, stacklevel=3)
 
-  def _check_replicas(self, state: Any, start: int, end: int) -> None:
-    """After the first per-device call: every device's copy of the state must agree."""
+  def _check_triggers(self) -> None:
+    """Every hook's marks are whole steps for this loop's ``steps_per_epoch`` (case C31).
+
+    Raises:
+      ValueError: naming the hook, ``every_epochs`` and ``steps_per_epoch``.
+    """
+    for h in self.hooks:
+      try:
+        h.trigger.epoch_period(self.steps_per_epoch)
+      except ValueError as e:
+        raise ValueError(f"{type(h).__name__}: {e}") from None
+
+  def _epoch_of(self, end: int) -> tuple[int, int]:
+    """(0-based epoch, steps done in it) of the call that ends at global step ``end``."""
+    if not self.steps_per_epoch:
+      return 0, end
+    epoch = max(end - 1, 0) // self.steps_per_epoch
+    return epoch, end - epoch * self.steps_per_epoch
+
+  def _decide(self, pending: _Pending | None, *, is_last: bool) -> str | None:
+    """Takes every decision of one boundary, agreed across processes.
+
+    The host-local inputs (this process's preemption flag, a stop requested by
+    a hook, each ``every_secs`` trigger's clock) go into one
+    :func:`loopkit.boundary.agree`, so every process fires the same hooks and
+    stops at the same boundary. Sets ``pending.firing`` (the hooks that fire
+    for the call that ended here) and records their firing.
+
+    Returns:
+      The stop reason (``"preempted"``, the requested one, or ``"stopped"``
+      when another process requested a stop), or None to go on.
+    """
+    timed = ([h for h in self.hooks if h.trigger.every_secs is not None]
+             if pending is not None else [])
+    agreed = agree([self.preemption.requested, self._stop_reason is not None]
+                   + [h.trigger.time_due() for h in timed])
+    if pending is not None:
+      due = {id(h): d for h, d in zip(timed, agreed[2:])}
+      pending.firing = [
+          h for h in self.hooks
+          if h.trigger.should_fire(pending.start, pending.end, steps_per_epoch=self.steps_per_epoch,
+                                   is_last=is_last, time_due=due.get(id(h), False))]
+      for h in pending.firing:
+        h.trigger.fired()
+    if agreed[1]:
+      return self._stop_reason or "stopped"
+    return "preempted" if agreed[0] else None
+
+  def _check_replicas(self, state: Any, when: str) -> None:
+    """For per-device steps: every device's copy of the state must agree (case C34).
+
+    Runs after the first call and whenever the state is handed to hooks (to be
+    saved or evaluated), at most once per step.
+    """
+    if (self.program.style != "per_device" or self.data_parallel_size == 1
+        or self._replicas_checked_at == self.ledger.step):
+      return
     t0 = time.perf_counter()
     diverged = self.program.diverged_leaves(state)
-    self.ledger.add_time("compile", time.perf_counter() - t0)
+    self.ledger.add_time("replica_check", time.perf_counter() - t0)
+    self._replicas_checked_at = self.ledger.step
     if diverged:
       axis = self.program.data_axis
       raise ValueError(
-          f"after the first device call (steps {start + 1}..{end}) the devices' copies of "
+          f"{when} the devices' copies of "
           f"state leaves {', '.join(diverged[:5])}{' ...' if len(diverged) > 5 else ''} "
           f"differ across the {axis!r} axis: a step_style='per_device' train_step must keep "
           f"the state identical on every device, e.g. average gradients with "
@@ -455,32 +542,77 @@ class TrainLoop:
         h.observe(info)
       finally:
         self.ledger.add_time(getattr(h, "time_bucket", "hooks"), time.perf_counter() - t0)
+    if state is not None and any(h.needs_state for h in p.firing):
+      self._check_replicas(state, f"at step {p.end}, before the state goes to "
+                           f"{', '.join(type(h).__name__ for h in p.firing if h.needs_state)},")
     fired = set()
     for h in p.firing:
       with self._timed(h):
         new = h.after_call(info, state if h.needs_state else None)
       fired.add(id(h))
       if new is not None and h.needs_state:
-        state = self._check_replacement(h, new)
+        state = self._admit(new, h)
     if self.time_based_k is not None:
       self.time_based_k.record(p.end)
     return (info, fired), state
 
-  def _fire_at_end(self, last: tuple[LoopInfo, set[int]], state: Any) -> Any:
-    """At an early stop, fires ``at_end`` hooks that did not fire on the last call."""
-    info = dataclasses.replace(last[0], is_last=True)
-    for h in self.hooks:
-      if h.trigger.at_end and not h.trigger.every_call and id(h) not in last[1]:
-        with self._timed(h):
-          new = h.after_call(info, state if h.needs_state else None)
-        if new is not None and h.needs_state:
-          state = self._check_replacement(h, new)
+  def _fire_at_end(self, last: tuple[LoopInfo, set[int]] | None, state: Any) -> Any:
+    """At the end of a run, fires the ``at_end`` hooks that did not fire on its last call.
+
+    After an early stop (a stop request or a preemption) that is every ``at_end``
+    hook with a step mark that did not fire on the last call. A run that made no
+    call (stopped before its first one, or already at its target) fires every
+    ``at_end`` hook once with an empty :class:`LoopInfo` (``num_steps == 0``) at
+    the current step, so e.g. a preempted run still saves and re-running a
+    finished run still evaluates once.
+    """
+    if last is None:
+      step = self.ledger.step
+      epoch, in_epoch = self._epoch_of(step)
+      info = LoopInfo(start_step=step, end_step=step, loop_index=self.ledger.loop_index - 1,
+                      epoch=epoch, step_in_epoch=in_epoch,
+                      examples_seen=self.ledger.examples_seen, metrics={}, metric_values={},
+                      traces={}, is_last=True, data_position=self.data_position)
+      hooks = [h for h in self.hooks if h.trigger.at_end]
+    elif last[0].is_last:
+      return state
+    else:
+      info = dataclasses.replace(last[0], is_last=True)
+      hooks = [h for h in self.hooks
+               if h.trigger.at_end and not h.trigger.every_call and id(h) not in last[1]]
+    if any(h.needs_state for h in hooks):
+      self._check_replicas(state, f"at step {info.end_step}, before the state goes to "
+                           f"{', '.join(type(h).__name__ for h in hooks if h.needs_state)},")
+    for h in hooks:
+      with self._timed(h):
+        new = h.after_call(info, state if h.needs_state else None)
+      if new is not None and h.needs_state:
+        state = self._admit(new, h)
     return state
 
-  def _check_replacement(self, hook: Hook, new: Any) -> Any:
-    """Checks a hook's replacement state against the train state and re-pins it."""
-    problem = tree_mismatch(self._state_spec, new, what=(
-        f"{type(hook).__name__} returned a state unlike the train state"))
-    if problem:
-      raise ValueError(problem)
-    return jax.device_put(new, self.program.state_shardings)
+  def _admit(self, state: Any, hook: Hook | None) -> Any:
+    """The one way a state enters the compiled program (case C29).
+
+    The run's initial state, a hook's replacement (``after_call``), a restore
+    (``on_run_start``) and an ``on_run_end`` replacement all pass here: checked
+    against the train state (structure, shapes, dtypes, naming the leaf), then
+    placed with the program's pinned shardings and de-duplicated buffers
+    (:meth:`MultiStepProgram.place_state`).
+
+    Args:
+      state: the state pytree.
+      hook: the hook that returned it, or None for the initial state (which
+        becomes the train state the others are checked against).
+
+    Raises:
+      ValueError: a replacement unlike the train state.
+    """
+    if hook is not None:
+      problem = tree_mismatch(self._state_spec, state, what=(
+          f"{type(hook).__name__} returned a state unlike the train state"))
+      if problem:
+        raise ValueError(problem)
+    placed = self.program.place_state(state)
+    if hook is None:
+      self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
+    return placed

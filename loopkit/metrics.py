@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["Mean", "Sum", "Last", "Max", "Metric", "as_metric", "reduce_steps",
-           "reduce_devices", "compute", "merge"]
+           "reduce_devices", "compute", "merge", "to_json", "from_json"]
 
 
 def _f32(x: jax.typing.ArrayLike) -> jax.Array:
@@ -159,3 +159,29 @@ def compute_traces(m: Metric) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
       return np.asarray(m.total, np.float32) / np.asarray(m.count, np.float32)
   return np.asarray(m.value, np.float32)
+
+
+_KINDS: dict[str, type] = {"Mean": Mean, "Sum": Sum, "Last": Last, "Max": Max}
+
+
+def to_json(m: Metric) -> dict[str, Any]:
+  """A host metric value as JSON (``{"kind": "Mean", "total": ..., "count": ...}``).
+
+  Exact: every field is a float32 scalar, which a JSON (float64) number holds
+  exactly; :func:`from_json` gives back the same bits. Used to checkpoint
+  running accumulators (e.g. :class:`loopkit.LoggingHook`'s, case C42).
+  """
+  return {"kind": type(m).__name__,
+          **{f.name: float(np.float32(getattr(m, f.name))) for f in dataclasses.fields(m)}}
+
+
+def from_json(d: dict[str, Any]) -> Metric:
+  """Inverse of :func:`to_json` (numpy float32 fields).
+
+  Raises:
+    ValueError: an unknown metric kind (naming it).
+  """
+  kind = _KINDS.get(d.get("kind", ""))
+  if kind is None:
+    raise ValueError(f"unknown metric kind {d.get('kind')!r}; known: {sorted(_KINDS)}")
+  return kind(**{f.name: np.float32(d[f.name]) for f in dataclasses.fields(kind)})

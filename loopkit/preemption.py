@@ -9,11 +9,11 @@ owns a :class:`PreemptionWatcher` for the duration of each ``run``:
 2. a flag set while the next chunk is being formed makes the feeder abandon
    it (after the batch being read: user code is not interrupted), so the loop
    reaches the boundary within about one batch's read time, not a chunk's;
-3. before dispatching each device call, the loop asks :meth:`agreed`: on one
-   process that is the flag itself; on several processes a tiny all-gather of
-   the flags (``jax.experimental.multihost_utils.process_allgather``), so every
-   process stops at the *same* boundary even if the signal reached them at
-   different times;
+3. before dispatching each device call, the loop agrees on this flag together
+   with every other host-local decision of the boundary
+   (:func:`loopkit.boundary.agree`): on one process that is the flag itself; on
+   several processes one tiny all-gather, so every process stops at the *same*
+   boundary even if the signal reached them at different times;
 4. when they agree, the loop stops there: hooks with ``at_end`` fire with the
    state (a :class:`~loopkit.checkpoint.CheckpointHook` saves at that step even
    off its cadence and waits for the write in ``on_run_end``), and
@@ -23,9 +23,12 @@ This does not use JAX's preemption sync service
 (``multihost_utils.reached_preemption_sync_point``), which needs a call at
 every consecutive step id; with K steps per call the step jumps by K.
 
+A flag set before ``run`` (``loop.preemption.request()``) or by a hook's
+``on_run_start`` stops the run at its first boundary, before any call; the
+loop starts a fresh watcher when a run ends, so the next run starts unflagged.
+
 Cost: on one process, reading a Python bool per call. On several processes,
-one blocking all-gather per call (it waits for the call in flight, so the host
-no longer runs one call ahead of the device).
+one blocking all-gather per call, shared with the other boundary decisions.
 """
 
 from __future__ import annotations
@@ -36,8 +39,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import numpy as np
+from loopkit.boundary import agree
 
 log = logging.getLogger("loopkit")
 
@@ -112,9 +114,4 @@ class PreemptionWatcher:
     Returns:
       True if this or any other process received a preemption signal.
     """
-    local = self._flag.is_set()
-    if jax.process_count() == 1:
-      return local
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    flags = multihost_utils.process_allgather(np.asarray(local, np.int32))
-    return bool(np.any(flags))
+    return agree([self._flag.is_set()])[0]

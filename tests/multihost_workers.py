@@ -451,6 +451,46 @@ def resume_slow(directory: str, num_steps: int = SLOW_STEPS) -> dict:
   return out
 
 
+def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
+                     slow_secs: float = 0.15) -> dict:
+  """Case C30: ``every_secs`` hooks on processes whose clocks and speeds differ.
+
+  Per repeat: K = 2, 24 steps; process 0 spends ``slow_secs`` in a hook every 6
+  steps; a ``CallbackHook(every_secs=0.3)`` and a ``CheckpointHook(every_secs=0.3)``
+  (its own directory per repeat). Returns, per repeat, the steps each fired at
+  (on this process), and the measured cost of one boundary agreement.
+  """
+  from loopkit.boundary import agree
+
+  out: dict = {"callback": [], "saved": [], "status": []}
+  for r in range(repeats):
+    fired: list[int] = []
+    slow = loopkit.CallbackHook(
+        lambda info, _: time.sleep(slow_secs) if jax.process_index() == 0 else None,
+        every_steps=6, at_end=False, needs_state=False)
+    timed = loopkit.CallbackHook(lambda info, _: fired.append(info.end_step), every_secs=0.3,
+                                 at_end=False, needs_state=False)
+    ckpt = loopkit.CheckpointHook(os.path.join(directory, str(r)), every_secs=0.3)
+    loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
+                             hooks=[slow, timed, ckpt])
+    loop.run(toy.init_state(), sources.ArraySource(dataset(), GLOBAL_BATCH, seed=r),
+             num_steps=num_steps)
+    out["callback"].append(fired)
+    out["saved"].append(list(ckpt.saved_steps))
+    out["status"].append((loop.status, loop.ledger.step))
+  try:  # a time-based K decides from this process's clock: refused on several processes
+    loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop="1s")
+  except ValueError as e:
+    out["time_based_k_error"] = str(e)
+  flags = [False, False, True, False]
+  agree(flags)  # warm up
+  t0 = time.perf_counter()
+  for _ in range(100):
+    agree(flags)
+  out["agree_secs"] = (time.perf_counter() - t0) / 100
+  return out
+
+
 def main(argv: list[str]) -> None:
   """A ``python -m`` entry point: writes ``<dir>/main_<process>.json``; ``argv = [dir, tag]``."""
   import json

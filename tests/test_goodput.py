@@ -274,21 +274,22 @@ def test_resume_keeps_the_time_spent_after_the_last_checkpoint(tmp_path, monkeyp
   assert (gp1.summary.eval_secs, gp1.summary.total_secs) == (0.5, 4.625)  # 66/16 + 2/4
   assert loop1.ledger.seconds["hooks"] == 4.125
 
-  # Resumed with nothing left to do: restores 66 and keeps run 1's time after that save.
+  # Resumed with nothing left to do: restores 66, keeps run 1's time after that save and
+  # evaluates the end once (C42: an at_end hook fires in a run that makes no call).
   loop2, ckpt2, ev2, gp2 = _resumable_run(tmp_path, clock, writer, 66)
-  assert ckpt2.restored_step == 66 and ev2.fired_at == []
-  assert (gp2.summary.eval_secs, gp2.summary.total_secs) == (0.5, 4.625)
+  assert ckpt2.restored_step == 66 and ev2.fired_at == [66]
+  assert (gp2.summary.eval_secs, gp2.summary.total_secs) == (0.75, 4.875)
   assert loop2.ledger.seconds["hooks"] == 4.125
 
   # Resumed to 99: restores 66 again (run 2 saved nothing), evaluates at 99.
   loop3, ckpt3, ev3, gp3 = _resumable_run(tmp_path, clock, writer, 99)
   assert ckpt3.restored_step == 66 and ev3.fired_at == [99]
-  assert gp3.summary.eval_secs == 0.75
-  assert gp3.summary.total_secs == 6.9375  # 99/16 + 3/4
+  assert gp3.summary.eval_secs == 1.0  # at 33, 66 (run 1), 66 (run 2's end), 99
+  assert gp3.summary.total_secs == 7.1875  # 99/16 + 4/4
   assert loop3.ledger.seconds["hooks"] == 6.1875
   assert (gp3.summary.steps, gp3.summary.lost_steps, gp3.summary.lost_secs) == (99, 0, 0.0)
   saved = loopkit.CheckpointHook(tmp_path / "ckpt").restore(toy.init_state(), 99).ledger
-  assert saved.seconds["eval"] == 0.5  # saved before the eval at 99; holds those at 33 and 66
+  assert saved.seconds["eval"] == 0.75  # saved before the eval at 99; holds 33, 66 and 66 again
   record = json.loads((tmp_path / "work" / "goodput.json").read_text())
   assert (record["step"], record["saved_step"], record["row_step"]) == (99, 99, 99)
   assert record["unsaved_secs"]["eval"] == 0.25  # the eval at 99, after the save
@@ -303,7 +304,8 @@ def test_resume_writes_one_row_per_step(tmp_path, monkeypatch):
     _resumable_run(tmp_path, clock, writer, num_steps)
   assert [(step, row["goodput/steps"]) for step, row in writer.rows] == [
       (33, 33), (66, 66), (99, 99)]
-  assert [row["goodput/eval_secs"] for _, row in writer.rows] == [0.25, 0.5, 0.75]
+  # The 66 -> 66 run evaluates its end once (C42), so the row at 99 counts four evals.
+  assert [row["goodput/eval_secs"] for _, row in writer.rows] == [0.25, 0.5, 1.0]
   assert json.loads((tmp_path / "work" / "goodput.json").read_text())["step"] == 99
 
 

@@ -246,6 +246,30 @@ def test_c27_shards_disjoint_complete_and_eval_exact():
       assert e["metrics"] == {"scaled": 9.0, "x": 4.5}
 
 
+# -- boundary agreement (C30) ----------------------------------------------------------------
+
+
+def test_c30_wall_clock_hooks_fire_at_the_same_steps_on_every_process(tmp_path):
+  """20 repeats, process 0 slowed: both processes fire every_secs hooks (a callback and a
+  checkpoint) at identical steps, and no collective ever mismatches (every run completes)."""
+  pytest.importorskip("orbax.checkpoint")
+  t0 = time.monotonic()
+  p0, p1 = testing.run_processes(workers.wall_clock_hooks, num_processes=2,
+                                 devices_per_process=4, args=(str(tmp_path),), timeout_s=420)
+  print(f"C30, 2 x 4, 20 repeats: {time.monotonic() - t0:.1f} s; one agreement costs "
+        f"{p0['agree_secs'] * 1e6:.0f} us (process 0), {p1['agree_secs'] * 1e6:.0f} us "
+        "(process 1) on 2 processes")
+  assert p0["status"] == p1["status"] == [("completed", 24)] * 20
+  assert p0["callback"] == p1["callback"]
+  assert p0["saved"] == p1["saved"]
+  # The clocks really decided: the time marks fired inside the runs, at varying steps.
+  assert all(steps for steps in p0["callback"]) and all(s[-1] == 24 for s in p0["saved"])
+  assert any(len(s) > 1 for s in p0["saved"])
+  assert "2 processes would run calls of different lengths" in p0["time_based_k_error"]
+  from loopkit.boundary import agree
+  assert agree([True, False]) == [True, False]  # one process: the local answer
+
+
 # -- checkpoints and preemption -------------------------------------------------------------
 
 
