@@ -8,7 +8,7 @@ the state's leaves:
 item   content                           Orbax args
 ====== ================================= ====================================
 state  the train state (sharded arrays)  ``StandardSave`` / ``StandardRestore``
-leaves each leaf's path, shape, dtype     ``JsonSave`` / ``JsonRestore``
+leaves each leaf's path, shape, dtype    ``JsonSave`` / ``JsonRestore``
        (and PRNG key impl)
 ledger :class:`~loopkit.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
 data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
