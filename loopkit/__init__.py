@@ -5,8 +5,9 @@ results that do not depend on K.
 """
 
 from loopkit import conv_layout, goodput, metrics
+from loopkit.accumulation import accumulate
 from loopkit.device_data import DeviceDataset, DeviceDataState
-from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate
+from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate, per_example
 from loopkit.feeding import BatchLayoutWarning
 from loopkit.goodput import GoodputHook, GoodputSummary
 from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
@@ -27,23 +28,26 @@ from loopkit.sources import (
   grain_shard_options,
   process_shard_bounds,
   shard_for_process,
+  steps_per_epoch_of,
   tfds_split_for_process,
 )
 from loopkit.triggers import Trigger
 from loopkit.writers import (
   AsyncWriter,
   ConsoleWriter,
+  FlaxSummaryWriter,
   JsonlWriter,
   MetricWriter,
   MultiWriter,
   NullWriter,
   TensorBoardWriter,
+  as_writer,
   create_default_writer,
 )
 
 __version__ = "0.1.0"
 
-_LAZY = {  # need the optional orbax-checkpoint (pip install loopkit[checkpoint])
+_LAZY = {  # need the optional orbax-checkpoint (pip install loopkit[checkpoint]; loopkit.extras)
     "CheckpointError": "loopkit.checkpoint", "CheckpointHook": "loopkit.checkpoint",
     "CheckpointWarning": "loopkit.checkpoint", "RestoredCheckpoint": "loopkit.checkpoint",
 }
@@ -51,8 +55,11 @@ _LAZY = {  # need the optional orbax-checkpoint (pip install loopkit[checkpoint]
 
 def __getattr__(name):
   if name in _LAZY:
-    import importlib  # pylint: disable=g-import-not-at-top
-    return getattr(importlib.import_module(_LAZY[name]), name)
+    from loopkit.extras import require  # pylint: disable=g-import-not-at-top
+    return getattr(require(_LAZY[name], f"loopkit.{name}"), name)
+  if name == "nnx":  # needs flax (pip install loopkit[nnx])
+    from loopkit.extras import require  # pylint: disable=g-import-not-at-top
+    return require("loopkit.nnx", "loopkit.nnx")
   if name in ("testing", "tune"):  # imported on first use: testing imports pytest if present;
     # tune runs as `python -m loopkit.tune`, which warns if the package imported it already
     import importlib  # pylint: disable=g-import-not-at-top
@@ -62,14 +69,15 @@ def __getattr__(name):
 __all__ = [
     "CheckpointError", "CheckpointHook", "CheckpointWarning", "PreemptionWatcher",
     "RestoredCheckpoint",
-    "BatchLayoutWarning", "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter", "Ledger",
-    "LoggingHook",
+    "BatchLayoutWarning", "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter",
+    "Ledger", "LoggingHook",
     "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
     "data_parallel_mesh",
     "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",
-    "AsyncWriter", "ConsoleWriter", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
+    "accumulate", "AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "as_writer", "per_example",
+    "steps_per_epoch_of", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
     "ProfilerHook", "ProgressHook", "TensorBoardWriter", "TimeBasedK", "create_default_writer",
-    "conv_layout", "goodput", "tune",
+    "conv_layout", "goodput", "nnx", "tune",
     "ArraySource", "DeviceDataState", "DeviceDataset", "EvalHook", "EvalResult", "Evaluator",
     "TfDataSource", "batch_arrays", "eval_batches_per_process", "evaluate",
     "grain_shard_for_process", "grain_shard_options", "process_shard_bounds",

@@ -88,9 +88,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
-from orbax.checkpoint import checkpoint_managers as ocp_managers
+
+from loopkit.extras import missing
+
+try:
+  import orbax.checkpoint as ocp
+  from etils import epath
+  from orbax.checkpoint import checkpoint_managers as ocp_managers
+except ImportError as e:
+  raise missing(e, "loopkit.checkpoint") from e
 
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger

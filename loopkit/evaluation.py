@@ -18,6 +18,11 @@ adds the per-call sums in float64, so a metric is ``total / count`` over the
 real examples: never a mean of batch or device means (cases C15, C18).
 Every call length and every eval run reuses one executable.
 
+An eval step written for batch means (Flax's examples) is made per-example by
+:func:`per_example` (each example evaluated as a batch of one); an NNX eval
+step that updates an ``nnx.MultiMetric`` runs through
+:class:`loopkit.nnx.NnxEvaluator` the same way.
+
 Multi-host: every process must run the same number of batches (a process
 that stops early would leave the others waiting at a collective): pass
 ``num_batches=loopkit.sources.eval_batches_per_process(...)``; processes with
@@ -49,6 +54,7 @@ from loopkit.program import (
   check_step_style,
   resolve_mesh,
 )
+from loopkit.writers import as_writer
 
 log = logging.getLogger("loopkit")
 
@@ -276,6 +282,44 @@ class Evaluator:
     return self._jitted._cache_size()  # type: ignore[attr-defined]  # jax's jit cache
 
 
+def per_example(eval_step: Callable) -> Callable:
+  """Turns an eval step that returns batch means into one that returns per-example values.
+
+  Flax's examples write ``eval_step(state, batch) -> {"loss": loss.mean(),
+  "accuracy": (pred == label).mean()}``. A mean over a padded batch would
+  count the padding rows; this wrapper runs the step on every example as a
+  batch of one (``jax.vmap`` over the batch axis), so each example's value
+  is its own "batch mean", and :class:`Evaluator` weights it by its mask:
+  the result is the exact per-example mean over the real examples (C15,
+  C18), whatever the batch size, padding or device count.
+
+  Example:
+    >>> ev = loopkit.Evaluator(loopkit.evaluation.per_example(eval_step))  # doctest: +SKIP
+
+  Args:
+    eval_step: ``(state, batch) -> dict[str, scalar]``, the values means over
+      the batch's examples; it must not mix examples (no BatchNorm in training
+      mode, no cross-example normalisation). Per-device style: the step sees
+      its device's slice; values must be local means (no ``pmean``: the
+      Evaluator sums over devices).
+
+  Returns:
+    ``(state, batch) -> dict[str, [B]]``: the values per example, float32.
+  """
+  def step(state, batch):
+    def one(example):
+      out = eval_step(state, jax.tree.map(lambda x: x[None], example))
+      if not isinstance(out, dict):
+        raise TypeError(f"eval_step must return a dict of batch means, got {type(out)}")
+      for name, v in out.items():
+        if jnp.ndim(v) != 0:
+          raise ValueError(f"per_example: eval_step value {name!r} has shape {jnp.shape(v)}; "
+                           "a batch mean is a scalar")
+      return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+    return jax.vmap(one)(batch)
+  return step
+
+
 def evaluate(eval_step: Callable, state: Any, batches: Iterable, *,
              num_batches: int | None = None, **evaluator_kwargs) -> EvalResult:
   """One-off evaluation: ``Evaluator(eval_step, **evaluator_kwargs).evaluate(...)``.
@@ -300,8 +344,10 @@ class EvalHook(Hook):
     batches: a re-iterable (list, Grain ``DataLoader``, ``TfDataSource``) or a
       zero-argument callable returning a fresh iterable of eval batches.
     num_batches: passed to :meth:`Evaluator.evaluate` (multi-host).
-    writer: optional object with ``write_scalars(step, scalars)``; gets
-      ``{prefix}/{metric}`` and ``{prefix}/num_examples``.
+    writer: optional metric writer (``write_scalars(step, scalars)``: loopkit's,
+      CLU's ``metric_writers``; or Flax's ``tensorboard.SummaryWriter``, see
+      :func:`loopkit.writers.as_writer`); gets ``{prefix}/{metric}`` and
+      ``{prefix}/num_examples``.
     prefix: name prefix for the written scalars.
     state_fn: maps the train state to the state ``eval_step`` takes (default:
       unwraps a :class:`~loopkit.device_data.DeviceDataState`).
@@ -314,6 +360,7 @@ class EvalHook(Hook):
   Raises:
     ValueError: ``batches`` is a one-shot iterator (it would be empty at the
       second firing).
+    TypeError: ``writer`` is not a metric writer.
 
   Not thread-safe; on multi-host every process runs it (writes happen where
   the writer writes).
@@ -332,7 +379,7 @@ class EvalHook(Hook):
     self.evaluator = evaluator
     self.batches = batches
     self.num_batches = num_batches
-    self.writer = writer
+    self.writer = None if writer is None else as_writer(writer)
     self.prefix = prefix
     self.state_fn = state_fn if state_fn is not None else _default_state_fn
     self.results: list[tuple[int, EvalResult]] = []

@@ -85,7 +85,7 @@ def _join_stranded_at_exit() -> None:
   for thread, name, wait in stranded:
     thread.join(timeout=max(0.0, min(wait, deadline - time.monotonic())))
     if thread.is_alive():
-      log.warning("loopkit: at exit, the prefetch thread is still inside next() of the data "
+      log.warning("at exit, the prefetch thread is still inside next() of the data "
                   "source %s; the interpreter exits with it there", name)
 
 
@@ -103,8 +103,10 @@ def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
   itself, for both step styles. A user coming from ``jax.pmap`` may pass
   ``[D, B / D, ...]`` (D = devices): each device then trains on a
   ``[1, B / D, ...]`` slice with a wrong leading axis, silently. The sign: the
-  batch axis equals the data-parallel size, and every leaf has a second axis
-  of one common size.
+  batch axis equals the data-parallel size, and every leaf (two or more; with a
+  single leaf ``[D, b]`` is as likely D examples of b features) has a second
+  axis of one common size, labels included (a global batch's labels are
+  ``[B]``).
 
   Args:
     batches: a chunk's pytree of ``[K, B, ...]`` arrays (global shapes).
@@ -114,7 +116,7 @@ def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
     Whether it warned.
   """
   shapes = [np.shape(x) for x in jax.tree.leaves(batches)]
-  if data_parallel_size < 2 or not shapes or any(len(s) < 3 for s in shapes):
+  if data_parallel_size < 2 or len(shapes) < 2 or any(len(s) < 3 for s in shapes):
     return False
   if any(s[1] != data_parallel_size for s in shapes) or len({s[2] for s in shapes}) != 1:
     return False
@@ -531,7 +533,7 @@ class ChunkFeeder:
     self._thread.join(timeout=wait)
     if self._thread.is_alive():
       if wait > 0:
-        log.warning("loopkit: the data source %s is still inside next() %.1f s after the run "
+        log.warning("the data source %s is still inside next() %.1f s after the run "
                     "stopped; its prefetch thread ends when next() returns (interpreter exit "
                     "waits up to %.1f s for it)", self._source_name, wait,
                     self._close_timeout_secs)

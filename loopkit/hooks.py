@@ -22,6 +22,13 @@ fire on the last call then fire with that boundary's state and
 preemption), then ``on_run_end`` runs and ``loop.status`` is the reason
 (``"preempted"``).
 
+Every decision to fire is the same on every process: step marks are
+deterministic, and the wall-clock part of a trigger (``every_secs``), stop
+requests and preemption flags are agreed at each boundary
+(:mod:`loopkit.boundary`). A run that makes no device call (stopped before the
+first one, or started at its target) fires its ``at_end`` hooks once with an
+empty :class:`LoopInfo` (``num_steps == 0``, no metrics).
+
 Hooks are not thread-safe; on multi-host every process runs every hook (a hook
 that writes files should write on process 0 only).
 """
@@ -31,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +47,7 @@ import numpy as np
 
 from loopkit import metrics as metrics_lib
 from loopkit.triggers import Trigger
-from loopkit.writers import ConsoleWriter
+from loopkit.writers import ConsoleWriter, as_writer
 
 log = logging.getLogger("loopkit")
 
@@ -212,13 +220,34 @@ class LoggingHook(Hook):
 
   Args:
     writer: optional object with ``write_scalars(step: int, scalars: dict)``
-      (e.g. :class:`loopkit.writers.JsonlWriter`); metrics are also logged to
+      (e.g. :class:`loopkit.writers.JsonlWriter`, CLU's ``metric_writers``) or
+      Flax's ``tensorboard.SummaryWriter`` (see :func:`loopkit.writers.as_writer`);
+      metrics are also logged to
       the ``loopkit`` Python logger at INFO (by process 0 only on multi-host),
       unless the writer prints them itself (a
       :class:`~loopkit.writers.ConsoleWriter`, alone or inside a
       ``MultiWriter`` / ``AsyncWriter``, as :func:`create_default_writer` makes).
-    per_step: also write every step's value at its true step number.
+    per_step: also write every step's value at its true step number, under
+      the key ``per_step/<name>`` (its own key and TensorBoard section, so a
+      per-step row never reads as an averaged row of the same step).
+    throughput: add host-clock throughput to each row written to ``writer``
+      (not to ``records`` or the log line), measured since the previous row;
+      the first window of a run starts after its first device call, so the
+      compilation is not counted (as CLU's ``ReportProgress``):
+      ``throughput/steps_per_sec``, ``throughput/examples_per_sec``,
+      ``throughput/secs_per_call`` (seconds per device call), and
+      ``throughput/goodput`` (:func:`loopkit.goodput.summarize` of the loop's
+      ledger: the productive fraction of the job so far, in [0, 1]). A row
+      whose window holds only the run's first call has no throughput keys.
+    clock: monotonic clock in seconds for the throughput (inject in tests).
     **trigger: see :class:`Hook` (default: every call).
+
+  Durability: :meth:`flush` flushes the writer; :meth:`checkpoint_state`
+  (called by :class:`~loopkit.checkpoint.CheckpointHook` at each save) and
+  ``on_run_end`` call it, so the rows up to a checkpoint are on disk before
+  the checkpoint is.
+  Put the LoggingHook *before* the CheckpointHook in ``hooks`` so that the
+  row of the checkpoint's own step is written (and flushed) before the save.
 
   Attributes:
     records: ``[(step, scalars)]`` of every row, in order.
@@ -230,26 +259,51 @@ class LoggingHook(Hook):
 
   needs_state = False
 
-  def __init__(self, writer: Any = None, *, per_step: bool = False, **trigger):
+  def __init__(self, writer: Any = None, *, per_step: bool = False, throughput: bool = True,
+               clock: Callable[[], float] = time.perf_counter, **trigger):
     super().__init__(**trigger)
-    self.writer = writer
+    self.writer = None if writer is None else as_writer(writer)
     self.per_step = per_step
+    self.throughput = throughput
+    self.clock = clock
     self._log = not _prints_to_console(writer)
     self._acc: dict[str, metrics_lib.Metric] = {}
     self._first_step: int | None = None  # first step merged into _acc
+    self._loop: Any = None
+    self._mark: tuple[float, int, int, int] | None = None  # (time, step, examples, calls)
+    self._calls = 0
     self.records: list[tuple[int, dict[str, float]]] = []
     self.first_steps: list[int | None] = []
+
+  def on_run_start(self, loop: Any, state: Any) -> None:
+    del state
+    self._loop = loop
+    self._mark = None
 
   def observe(self, info: LoopInfo) -> None:
     if not self._acc:
       self._first_step = info.start_step + 1
     for k, v in info.metric_values.items():
       self._acc[k] = metrics_lib.merge(self._acc[k], v) if k in self._acc else v
+    self._calls += 1
+    if self._mark is None:  # the run's first call (compiles): throughput starts after it
+      self._mark = (self.clock(), info.end_step, info.examples_seen, self._calls)
     if self.per_step and self.writer is not None:
       for i in range(info.num_steps):
         self.writer.write_scalars(
             info.start_step + i + 1,
-            {f"{k}_per_step": float(v[i]) for k, v in info.traces.items()})
+            {f"per_step/{k}": float(v[i]) for k, v in info.traces.items()})
+
+  def flush(self) -> None:
+    """Flushes the writer (makes the rows written so far durable)."""
+    flush = getattr(self.writer, "flush", None)
+    if flush is not None:
+      flush()
+
+  def on_run_end(self, loop: Any, state: Any) -> None:
+    """Flushes the writer: the run's last rows are on disk even if the writer is never closed."""
+    del loop, state
+    self.flush()
 
   def checkpoint_state(self) -> dict[str, Any]:
     """The running accumulator (metrics merged since the last row), for checkpoints.
@@ -257,14 +311,36 @@ class LoggingHook(Hook):
     Restored by :meth:`restore_checkpoint_state`, so after a kill and resume
     the first row averages the same steps as without the kill (case C42): a
     row at step 20 with a checkpoint at 12 covers steps 11..20, bitwise the
-    same values.
+    same values. Also flushes the writer (a checkpoint is being saved: the
+    rows it covers must survive a kill).
     """
+    self.flush()
     return {"acc": {k: metrics_lib.to_json(v) for k, v in self._acc.items()},
             "first_step": self._first_step}
 
   def restore_checkpoint_state(self, d: dict[str, Any]) -> None:
     self._acc = {k: metrics_lib.from_json(v) for k, v in d.get("acc", {}).items()}
     self._first_step = d.get("first_step")
+
+  def _throughput(self, info: LoopInfo) -> dict[str, float]:
+    if self._mark is None:
+      return {}
+    now = self.clock()
+    t0, s0, e0, c0 = self._mark
+    self._mark = (now, info.end_step, info.examples_seen, self._calls)
+    dt, calls = now - t0, self._calls - c0
+    if calls <= 0 or dt <= 0:
+      return {}
+    out = {"throughput/steps_per_sec": (info.end_step - s0) / dt,
+           "throughput/examples_per_sec": (info.examples_seen - e0) / dt,
+           "throughput/secs_per_call": dt / calls}
+    ledger = getattr(self._loop, "ledger", None)
+    if ledger is not None:
+      from loopkit import goodput  # goodput imports this module
+      g = goodput.summarize(ledger, info.end_step).goodput
+      if math.isfinite(g):
+        out["throughput/goodput"] = g
+    return out
 
   def after_call(self, info, state):
     if not self._acc:  # nothing ran since the last row (e.g. a run that made no call)
@@ -278,5 +354,6 @@ class LoggingHook(Hook):
       log.info("step %d: %s", info.end_step,
                ", ".join(f"{k}={v:.6g}" if isinstance(v, float) and not math.isnan(v)
                          else f"{k}={v}" for k, v in scalars.items()))
+    extra = self._throughput(info) if self.throughput else {}
     if self.writer is not None:
-      self.writer.write_scalars(info.end_step, scalars)
+      self.writer.write_scalars(info.end_step, {**scalars, **extra})

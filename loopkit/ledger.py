@@ -24,8 +24,9 @@ class Ledger:
       compile), ``dispatch``, ``device_wait`` (host blocked fetching a call's
       outputs), ``data_wait``, hook time by the hook's ``time_bucket``
       (``hooks`` by default, ``checkpoint``, ``eval``), ``replica_check``
-      (per-device style: comparing the devices' copies of the state, which
-      first waits for the call to finish), and ``lost`` (time of
+      (per-device style: comparing the devices' copies of the state before a
+      hook gets it; the first check of a run, which compiles the check, is in
+      ``compile``, and its wait for the call in ``device_wait``), and ``lost`` (time of
       work redone after restarts, see :mod:`loopkit.goodput`).
     lost_steps: steps redone after restarts (trained past the last
       checkpoint, then lost).

@@ -26,6 +26,7 @@ from loopkit.boundary import agree
 from loopkit.feeding import ChunkFeeder, open_source, warn_if_pmap_layout
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Ledger
+from loopkit.logs import install_default_handler
 from loopkit.planner import TimeBasedK, parse_duration, plan_calls
 from loopkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.program import (
@@ -38,6 +39,7 @@ from loopkit.program import (
   resolve_mesh,
   tree_mismatch,
 )
+from loopkit.sources import steps_per_epoch_of
 
 log = logging.getLogger("loopkit")
 
@@ -126,6 +128,9 @@ class TrainLoop:
       (pmap style: the step sees its device's slice and uses collectives over
       ``data_axis``).
     steps_per_epoch: steps in one epoch; calls never cross an epoch end.
+      ``"auto"``: the length of the source given to each ``run`` (one epoch;
+      :func:`loopkit.sources.steps_per_epoch_of`: ``len``, tf.data
+      cardinality, ``ArraySource.steps_per_epoch``).
     global_batch_size: if given, checked now against the data-parallel size.
     prefetch: chunks prepared ahead by a background thread (0 = none).
     step_of: returns the state's step counter (default ``state.step``).
@@ -147,7 +152,9 @@ class TrainLoop:
     status: ``"completed"``, ``"data_exhausted"``, ``"preempted"`` or ``"stopped"``
       (or the reason given to :meth:`request_stop`) after ``run``.
     preemption: the run's :class:`~loopkit.preemption.PreemptionWatcher`
-      (``loop.preemption.request()`` preempts as a signal would).
+      (``loop.preemption.request()`` preempts as a signal would, also before
+      ``run``); after ``run`` it still tells what stopped the run
+      (``signal_received``), and the next ``run`` starts with a fresh one.
     program: the :class:`~loopkit.program.MultiStepProgram`.
     iterations_per_loop: the compiled slot count K (the cap, for time-based K).
     time_based_k: the :class:`~loopkit.planner.TimeBasedK`, or None.
@@ -161,7 +168,7 @@ class TrainLoop:
                max_iterations_per_loop: int | None = None,
                hooks: Sequence[Hook] = (), mesh: Mesh | None = None,
                data_axis: str = "data", step_style: StepStyle = "global",
-               steps_per_epoch: int | None = None, global_batch_size: int | None = None,
+               steps_per_epoch: int | str | None = None, global_batch_size: int | None = None,
                prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
                preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
                canonical_convs: bool | None = None):
@@ -185,8 +192,11 @@ class TrainLoop:
       self.time_based_k = iterations_per_loop
       iterations_per_loop = iterations_per_loop.max_iterations_per_loop
     iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
-    if steps_per_epoch is not None and steps_per_epoch < 1:
-      raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+    self._auto_steps_per_epoch = steps_per_epoch == "auto"  # from the source, at each run
+    if self._auto_steps_per_epoch:
+      steps_per_epoch = None
+    elif steps_per_epoch is not None and steps_per_epoch < 1:
+      raise ValueError(f"steps_per_epoch must be >= 1 or 'auto', got {steps_per_epoch!r}")
     self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
     if global_batch_size is not None:
       check_global_batch_size(global_batch_size, self.data_parallel_size)
@@ -206,6 +216,7 @@ class TrainLoop:
     self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
                                     mesh=self.mesh, data_axis=data_axis, style=step_style,
                                     step_of=step_of, canonical_convs=canonical_convs)
+    install_default_handler()  # a plain script shows loopkit's lines (loopkit.logs)
     _warn_gpu_while_dispatch(self.mesh)
     self.ledger: Ledger | None = None
     self.status: str | None = None
@@ -213,6 +224,7 @@ class TrainLoop:
     self._stop_reason: str | None = None
     self.preemption_signals = tuple(preemption_signals)
     self.preemption = PreemptionWatcher(self.preemption_signals)
+    self._preemption_used = False
     self._global_batch_size = global_batch_size
     self.target_step: int | None = None
     self._t_mark = 0.0
@@ -249,6 +261,8 @@ class TrainLoop:
       DataExhaustedWarning: ``batches`` ran out; the run stops after the last
       full step, hooks see only steps that ran, ``status == "data_exhausted"``.
     """
+    if self._auto_steps_per_epoch:
+      self.steps_per_epoch = steps_per_epoch_of(batches)
     target = self._target(num_steps, num_epochs)
     self.target_step = target
     self._num_epochs = num_epochs
@@ -257,11 +271,20 @@ class TrainLoop:
       self.time_based_k.start()
     self._state_spec = None
     self._replicas_checked_at = None
+    if self._preemption_used:  # a request made since the last run (or before the first) counts
+      self.preemption = PreemptionWatcher(self.preemption_signals)
+      self._preemption_used = False
     state = self._admit(state, None)
     counter = self.step_of(state)
     if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
+      replicated = np.ndim(counter) == 1 and np.shape(counter)[0] in (
+          self.data_parallel_size, jax.local_device_count())
       raise ValueError(f"the state's step counter must be a scalar integer array, got shape "
-                       f"{np.shape(counter)} dtype {counter.dtype}")
+                       f"{np.shape(counter)} dtype {counter.dtype}" + (
+                           "; this looks like a state replicated for pmap (flax.jax_utils."
+                           "replicate): pass the unreplicated state (jax_utils.unreplicate, "
+                           "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
+                           "itself" if replicated else ""))
     step0 = int(jax.device_get(counter))
     if step0 >= target:
       log.warning("nothing to run: the state is at step %d and num_steps is %d", step0, target)
@@ -385,7 +408,7 @@ class TrainLoop:
       raise
     finally:
       self.preemption.uninstall()
-      self.preemption = PreemptionWatcher(self.preemption_signals)  # the next run starts clean
+      self._preemption_used = True  # kept for reading (signal_received); the next run renews it
       feeder.close(wait_secs=None if returning else 0.0)
       self._tick_total()
     return state
@@ -489,8 +512,13 @@ class TrainLoop:
         or self._replicas_checked_at == self.ledger.step):
       return
     t0 = time.perf_counter()
+    jax.block_until_ready(state)  # the call's own device time is device_wait, not the check's
+    t1 = time.perf_counter()
+    self.ledger.add_time("device_wait", t1 - t0)
     diverged = self.program.diverged_leaves(state)
-    self.ledger.add_time("replica_check", time.perf_counter() - t0)
+    # The first check of a run includes compiling the check program.
+    self.ledger.add_time("compile" if self._replicas_checked_at is None else "replica_check",
+                         time.perf_counter() - t1)
     self._replicas_checked_at = self.ledger.step
     if diverged:
       axis = self.program.data_axis

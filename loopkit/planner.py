@@ -13,6 +13,7 @@ fixed slot count so the program is still compiled once.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -22,6 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from loopkit.triggers import Trigger, steps_until
 
 __all__ = ["TimeBasedK", "next_call_length", "parse_duration", "plan_calls"]
+
+log = logging.getLogger("loopkit")
 
 # TPUEstimator's form (tpu_config.py): a positive integer with an s, m or h suffix.
 _DURATION = re.compile(r"^\s*([1-9][0-9]*)\s*([smh])\s*$")
@@ -56,14 +59,27 @@ class TimeBasedK:
   """Chooses steps per device call so that a call takes about ``target_secs``.
 
   The loop reports every call boundary (:meth:`record`, with the global step
-  reached); the wall time between two consecutive boundaries divided by the
-  steps between them is the measured step time (it includes the host's share:
-  dispatch, data wait, hooks). The next calls run
-  ``clamp(floor(target_secs / step_time), 1, max_iterations_per_loop)`` steps,
-  re-estimated at every boundary from the latest call (no smoothing: a call of
-  ``target_secs`` averages out the noise of single steps). Before the first
-  measurement calls run ``initial`` steps. The first boundary (whose call
-  includes compilation) only starts the clock.
+  reached); the wall time between two consecutive boundaries is the call's
+  time (it includes the host's share: dispatch, data wait, hooks). A call of
+  n steps is modelled as ``overhead + n * step_time``: one-step calls are
+  mostly per-call overhead, so dividing their time by their steps would
+  overestimate the step time and ramp K up over many calls. The overhead is
+  fitted from the latest call and the most recent earlier one whose length
+  differs by 2x or more (kept while the fit gives a positive step time and a
+  non-negative overhead; 0 until then), and the step time from the latest
+  call given that overhead. The next calls run
+  ``clamp(floor((target_secs - overhead) / step_time), 1, max_iterations_per_loop)``
+  steps, re-estimated at every boundary (no smoothing: a call of
+  ``target_secs`` averages out the noise of single steps). So K reaches its
+  level two measured calls after the compile (a one-step call, then one of the
+  first estimate's length) instead of growing by ``target / overhead`` per call.
+  Before the first measurement calls run ``initial`` steps. The first boundary
+  (whose call includes compilation) only starts the clock.
+
+  When the cap binds (the model wants more than ``max_iterations_per_loop``
+  steps per call), :attr:`capped` is True, :attr:`wanted` holds the uncapped
+  length, and a ``loopkit`` warning says so once per instance (calls then take
+  less than ``target_secs``; raise the cap to reach it).
 
   The program is compiled once for ``max_iterations_per_loop`` slots; a call of
   n steps still transfers ``max_iterations_per_loop - n`` padding batches (see
@@ -105,8 +121,13 @@ class TimeBasedK:
     self.initial = initial
     self.clock = clock
     self.secs_per_step: float | None = None
+    self.overhead_secs = 0.0
+    self.wanted: int | None = None
+    self.capped = False
     self._k = initial
     self._mark: tuple[float, int] | None = None
+    self._history: list[tuple[int, float]] = []  # (steps, secs) of the last measured calls
+    self._warned_cap = False
     self._lock = threading.Lock()
 
   def start(self) -> None:
@@ -121,10 +142,35 @@ class TimeBasedK:
       if self._mark is not None:
         t0, s0 = self._mark
         if step > s0 and now > t0:
-          self.secs_per_step = (now - t0) / (step - s0)
-          k = math.floor(self.target_secs / self.secs_per_step + 1e-9)
-          self._k = max(1, min(self.max_iterations_per_loop, k))
+          self._measure(step - s0, now - t0)
       self._mark = (now, step)
+    if self.capped and not self._warned_cap:
+      self._warned_cap = True
+      log.warning("time-based iterations_per_loop: a %g s call wants %d steps (%.3g ms per "
+                  "step + %.3g ms per call) but max_iterations_per_loop=%d caps it, so calls "
+                  "take about %.3g s; raise max_iterations_per_loop to reach %g s",
+                  self.target_secs, self.wanted, 1e3 * self.secs_per_step,
+                  1e3 * self.overhead_secs, self.max_iterations_per_loop,
+                  self.overhead_secs + self.max_iterations_per_loop * self.secs_per_step,
+                  self.target_secs)
+
+  def _measure(self, n: int, secs: float) -> None:
+    """Updates the overhead / step-time model from a call of ``n`` steps (holds the lock)."""
+    for n_a, secs_a in reversed(self._history):
+      if 2 * n_a <= n or 2 * n <= n_a:
+        step_time = (secs - secs_a) / (n - n_a)
+        overhead = secs - n * step_time
+        if step_time > 0 and overhead >= 0:
+          self.overhead_secs = overhead
+        break
+    self._history = (self._history + [(n, secs)])[-8:]
+    if secs - self.overhead_secs <= 0:  # the overhead no longer fits: forget it
+      self.overhead_secs = 0.0
+    self.secs_per_step = (secs - self.overhead_secs) / n
+    k = math.floor((self.target_secs - self.overhead_secs) / self.secs_per_step + 1e-9)
+    self.wanted = max(1, k)
+    self.capped = self.wanted > self.max_iterations_per_loop
+    self._k = min(self.max_iterations_per_loop, self.wanted)
 
   def current(self) -> int:
     """Steps the next call should run (before events and epoch ends cut it)."""

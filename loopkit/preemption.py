@@ -72,7 +72,7 @@ class PreemptionWatcher:
     if not self.signals:
       return
     if threading.current_thread() is not threading.main_thread():
-      log.info("loopkit: not in the main thread, preemption signals are not caught")
+      log.info("not in the main thread, preemption signals are not caught")
       return
     for sig in self.signals:
       self._previous[sig] = signal.getsignal(sig)
@@ -90,7 +90,7 @@ class PreemptionWatcher:
       raise KeyboardInterrupt
     self.signal_received = signum
     self._flag.set()
-    log.warning("loopkit: received %s; stopping at the next loop boundary",
+    log.warning("received %s; stopping at the next loop boundary",
                 signal.Signals(signum).name)
 
   def request(self) -> None:

@@ -10,8 +10,9 @@ Cost of the mechanism (documented, measured in ``benchmarks/``): a call of
 ``n < K`` steps computes only ``n`` steps, but its input chunk still has K slots,
 so ``K - n`` batches of padding cross to the device for that call; calls are
 only shorter than K at events, epoch ends and the tail. A dynamic trip count
-also keeps XLA from unrolling the loop, which is why the step is compiled
-identically for every K and final parameters are bitwise equal across K.
+also keeps XLA from unrolling the loop, which (with the slot padding below)
+is why the step is compiled identically for every K and final parameters are
+bitwise equal across K.
 
 Two step styles:
   * ``"global"``: ``train_step`` sees global arrays (the batch sharded on the
@@ -21,6 +22,23 @@ Two step styles:
     ``lax.pmean(grads, "data")``; the program is
     ``jit(shard_map(fori_loop(step)))`` with the state replicated.
 
+The step compiles alike for every K. A chunk of K = 1 has a size-1 slot axis,
+and XLA folds a dynamic slice of a size-1 axis into a plain reshape: the batch
+becomes loop-invariant, while-loop invariant code motion hoists the step's
+batch-only work out of the loop (one-hot labels, the input's f32 conversion,
+the batch statistics of a BatchNorm on the input) and the body left behind is
+fused differently, which in float16/bfloat16 changes results in the last bits
+(issue 13, case C38: a Flax ResNet-18 at K = 1 differed from K = 2, 3, 4, 13
+and ``jax.pmap``, which agree bitwise). So the body is compiled for at least
+``MIN_SLOTS = 2`` slots: at K = 1 the program appends one zero slot to the
+chunk on the device (a copy of one batch per call) and keeps a 2-slot metric
+trace, returning its first slot. The K = 1 loop body is then the K = 2 body,
+instruction for instruction (``tests/test_k_invariance.py`` compares the
+optimized HLO). ``lax.optimization_barrier`` around the step was not used: it
+stops the hoisting but XLA:CPU expands barriers before fusion, so the slot
+slice still fused differently at K = 1, and it cost a dispatch-bound step
+about 30% at K = 100 (``benchmarks/k1_slot_cost.py`` has the padding's cost).
+
 The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.
 """
@@ -28,6 +46,7 @@ The user's step is traced exactly once per compilation.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -40,6 +59,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from loopkit import conv_layout, metrics as metrics_lib
 
 StepStyle = Literal["global", "per_device"]
+
+# The fewest chunk slots the loop body is compiled for (see the module docstring).
+MIN_SLOTS = 2
 
 
 def tree_mismatch(expected: Any, got: Any, *, what: str,
@@ -150,6 +172,92 @@ def _dtype(x: Any) -> Any:
     return dtype
 
 
+def pad_slots(chunk: Any) -> Any:
+  """A traced chunk ``[K, ...]`` with zero slots appended up to ``MIN_SLOTS`` slots.
+
+  For a ``fori_loop`` over a chunk's slots inside ``jit``: the loop body then
+  never slices a size-1 slot axis, which XLA would fold away and compile the
+  body differently for K = 1 (see the module docstring). The appended slots
+  are never run (the trip count is at most K).
+
+  Args:
+    chunk: pytree of traced arrays with leading axis K (all leaves alike).
+
+  Returns:
+    The chunk with leading axis ``max(K, MIN_SLOTS)``.
+  """
+  def pad(x):
+    extra = MIN_SLOTS - x.shape[0]
+    if extra <= 0:
+      return x
+    return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+  return jax.tree.map(pad, chunk)
+
+
+class RecompileWarning(UserWarning):
+  """The train program compiled again in a run; the message names the leaf that changed."""
+
+
+def strong_typed(tree: Any) -> Any:
+  """``tree`` with its weak-typed leaves made strong, same dtype and placement.
+
+  A Python scalar or ``jnp.asarray(1.0)`` is a *weak-typed* float32; most
+  steps return such a leaf strong (``jnp.float32`` arithmetic with a strong
+  operand), and a jitted program is specialised on weak types, so a weak leaf
+  in the state compiles the program a second time on the next call.
+
+  Args:
+    tree: a pytree of arrays and scalars.
+
+  Returns:
+    The pytree with every weak-typed leaf (Python scalars included) replaced
+    by a strong array of the dtype JAX gives it (``jnp.asarray(1.0)`` ->
+    float32); other leaves unchanged (the same objects).
+  """
+  def strong(x):
+    if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
+      x = jnp.asarray(x)
+    if getattr(x, "weak_type", False):
+      return jax.lax.convert_element_type(x, x.dtype)
+    return x
+  return jax.tree.map(strong, tree)
+
+
+def call_signature(state: Any, batches: Any, num_steps: Any) -> list[tuple[str, tuple]]:
+  """Per leaf of a program call: ``(name, (shape, dtype, weak_type, sharding))``.
+
+  Only metadata is read, so donated (deleted) arrays are fine.
+  """
+  out = []
+  for what, tree in (("state", state), ("batch", batches), ("num_steps", num_steps)):
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      out.append((f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}",
+                  (np.shape(x), _dtype(x), bool(getattr(x, "weak_type", False)),
+                   getattr(x, "sharding", None))))
+  return out
+
+
+def _describe(sig: tuple) -> str:
+  shape, dtype, weak, sharding = sig
+  return f"shape {shape} dtype {dtype}{' (weak-typed)' if weak else ''} sharding {sharding}"
+
+
+def signature_change(first: list[tuple[str, tuple]], now: list[tuple[str, tuple]]) -> str:
+  """Says which leaf's shape, dtype, weak type or sharding differs between two signatures."""
+  if [name for name, _ in first] != [name for name, _ in now]:
+    return ("the tree structure of the state or the batch changed: first call "
+            f"{[n for n, _ in first]}, this call {[n for n, _ in now]}")
+  changed = []
+  for (name, a), (_, b) in zip(first, now):
+    same_sharding = (a[3] is None or b[3] is None or a[3] == b[3]
+                     or a[3].is_equivalent_to(b[3], len(a[0])))
+    if a[:3] != b[:3] or not same_sharding:
+      changed.append(f"{name} has {_describe(b)}, the first call had {_describe(a)}")
+  if not changed:
+    return "no leaf's shape, dtype, weak type or sharding changed (a retrace of the step?)"
+  return "; ".join(changed)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallOutput:
   """What one device call returns besides the state (all replicated, on device).
@@ -180,6 +288,31 @@ def default_step_of(state: Any) -> jax.Array:
   raise ValueError(
       "the train state has no step counter: give it a scalar int `step` field "
       "(attribute or dict key) or pass step_of=... to TrainLoop")
+
+
+def leaf_fingerprint(x: jax.Array) -> jax.Array:
+  """Two uint32 words that summarise the bits of an array (any dtype, typed PRNG keys too).
+
+  Word 0 is ``sum(u[i] * (2 i + 1))`` and word 1 ``sum((u[i] ^ (u[i] >> 15)) *
+  (2654435761 i | 1))``, modulo 2**32, over the array's bits ``u`` as uint32
+  (8- and 16-bit elements widened, 64-bit ones split in two words). Equal arrays
+  give equal words; a change of any element changes word 0 unless it is a
+  multiple of 2**32 apart in that weighted sum, and both words collide only by
+  accident (the weights differ per position, so permutations are caught too).
+  Traceable (used inside :meth:`MultiStepProgram.diverged_leaves`).
+  """
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  width = jnp.dtype(x.dtype).itemsize
+  u = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+                                       8: jnp.uint32}[width]).astype(jnp.uint32).reshape(-1)
+  i = jax.lax.iota(jnp.uint32, u.size)
+  w0 = i * jnp.uint32(2) + jnp.uint32(1)
+  w1 = (i * jnp.uint32(2654435761)) | jnp.uint32(1)
+  return jnp.stack([jnp.sum(u * w0, dtype=jnp.uint32),
+                    jnp.sum((u ^ (u >> jnp.uint32(15))) * w1, dtype=jnp.uint32)])
 
 
 class MultiStepProgram:
@@ -218,6 +351,7 @@ class MultiStepProgram:
     self.trace_count = 0
     self._jitted = None
     self._replica_check: Callable[[Any], Any] | None = None
+    self._first_signature: list[tuple[str, tuple]] | None = None
     self.state_shardings = None
 
   @property
@@ -258,8 +392,17 @@ class MultiStepProgram:
           raise ValueError(f"train_step metric {k!r}: {e}") from None
       return new_s, out
 
-    closed, (out_state_shape, metric_shape) = jax.make_jaxpr(
-        step_fn, return_shape=True)(state, batch0)
+    try:
+      closed, (out_state_shape, metric_shape) = jax.make_jaxpr(
+          step_fn, return_shape=True)(state, batch0)
+    except NameError as e:  # a collective over an axis that is not the data axis
+      if "unbound axis name" not in str(e):
+        raise
+      raise NameError(f"{e}\nloopkit: the train step uses a collective over an axis the "
+                      f"program does not map; its data axis is {self.data_axis!r} "
+                      f"(style {self.style!r}): pass data_axis=<the step's axis name> "
+                      "(e.g. 'batch' for Flax's pmap examples) and step_style='per_device', "
+                      "with a mesh that has that axis") from e
     problem = tree_mismatch(state, out_state_shape,
                             what="train_step returned a state unlike the one it received")
     if problem:
@@ -268,7 +411,9 @@ class MultiStepProgram:
                 else jax.extend.core.jaxpr_as_fun(closed))
     out_def = jax.tree.structure((out_state_shape, metric_shape))
 
-    traces0 = jax.tree.map(lambda s: jnp.zeros((self.k,) + s.shape, s.dtype), metric_shape)
+    batches = pad_slots(batches)  # see the module docstring: K = 1 compiles as K = 2
+    slots = max(self.k, MIN_SLOTS)
+    traces0 = jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), metric_shape)
 
     def body(i, carry):
       s, traces = carry
@@ -279,6 +424,7 @@ class MultiStepProgram:
       return new_s, traces
 
     state, traces = jax.lax.fori_loop(0, num_steps, body, (state, traces0))
+    traces = jax.tree.map(lambda t: t[:self.k], traces)
     if self.style == "per_device":
       traces = metrics_lib.reduce_devices(traces, self.data_axis)
     reduced = metrics_lib.reduce_steps(traces, num_steps)
@@ -300,8 +446,13 @@ class MultiStepProgram:
   def place_state(self, state: Any) -> Any:
     """Puts ``state`` on the mesh with the pinned shardings (explicit transfer).
 
-    Leaves that are one and the same array get separate buffers (the state is
-    donated, and a buffer can be donated once)."""
+    Weak-typed leaves (from Python scalars: ``jnp.asarray(1.0)``, Flax's
+    ``DynamicScale()`` defaults) become strong arrays of the same dtype
+    (:func:`strong_typed`), the type the compiled loop returns, so the second
+    call does not compile the program again. Leaves that are one and the same
+    array get separate buffers (the state is donated, and a buffer can be
+    donated once)."""
+    state = strong_typed(state)
     if self._jitted is None:
       self._build(state)
     placed = jax.device_put(state, self.state_shardings)
@@ -320,19 +471,39 @@ class MultiStepProgram:
     """Runs ``num_steps`` steps (device int32 scalar) over ``batches`` ``[K, B, ...]``.
 
     Dispatches asynchronously; ``state`` is donated.
+
+    Warns:
+      RecompileWarning: this call compiled the program again (a run should
+        compile once); names every state/batch leaf whose shape, dtype, weak
+        type or sharding differs from the first call's.
     """
     if self._jitted is None:
       self._build(state)
     assert self._jitted is not None
-    return self._jitted(state, batches, num_steps)
+    compiled = self._jitted._cache_size()
+    out = self._jitted(state, batches, num_steps)
+    if self._jitted._cache_size() > compiled:  # read from the (donated) arrays' metadata
+      signature = call_signature(state, batches, num_steps)
+      if self._first_signature is None:
+        self._first_signature = signature
+      else:
+        warnings.warn(RecompileWarning(
+            f"loopkit: the train program was compiled again (compilation "
+            f"{self._jitted._cache_size()}): "
+            f"{signature_change(self._first_signature, signature)}"), stacklevel=2)
+    return out
 
   def diverged_leaves(self, state: Any) -> list[str]:
     """Paths of the state's leaves whose copies differ between devices on the data axis.
 
     For the ``"per_device"`` style, whose state is replicated: a step that
     forgets ``lax.pmean(grads, data_axis)`` trains each device's copy apart
-    without any error. Compiled once (a ``pmax``/``pmin`` per leaf on the
-    devices); blocks until ``state`` is ready. NaNs in the same places agree.
+    without any error. Each device reduces every leaf's bits to a fingerprint
+    (:func:`leaf_fingerprint`, two uint32 words); one all-reduce (``pmax`` and
+    ``pmin``) of those ``[leaves, 2]`` words compares them, so the cost is one
+    read of the state per device, not an all-reduce of the whole state.
+    Compiled once; blocks until ``state`` is ready. Bitwise comparison: NaNs
+    with the same bits agree.
 
     Returns:
       ``jax.tree_util.keystr`` paths, in leaf order; empty when all agree.
@@ -340,21 +511,13 @@ class MultiStepProgram:
     if self._replica_check is None:
       axis = self.data_axis
 
-      def differs(x):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-          x = jax.random.key_data(x)
-        if x.dtype == jnp.bool_:
-          x = x.astype(jnp.int8)
-        parts = [x]
-        if jnp.issubdtype(x.dtype, jnp.inexact):  # XLA's max/min all-reduce skips NaNs
-          nan = jnp.isnan(x)
-          parts = [jnp.where(nan, jnp.zeros_like(x), x), nan.astype(jnp.int8)]
-        return jnp.logical_not(jnp.all(jnp.stack([
-            jnp.all(jax.lax.pmax(p, axis) == jax.lax.pmin(p, axis)) for p in parts])))
+      def differs(s):
+        prints = jnp.stack([leaf_fingerprint(x) for x in jax.tree.leaves(s)])  # [L, 2]
+        bad = jnp.any(jax.lax.pmax(prints, axis) != jax.lax.pmin(prints, axis), axis=1)
+        return jax.tree.unflatten(jax.tree.structure(s), list(bad))
 
       self._replica_check = jax.jit(jax.shard_map(
-          lambda s: jax.tree.map(differs, s), mesh=self.mesh, in_specs=P(), out_specs=P(),
-          check_vma=False))
+          differs, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False))
     flags = jax.device_get(self._replica_check(state))
     return [jax.tree_util.keystr(path) or "<root>"
             for path, bad in jax.tree_util.tree_flatten_with_path(flags)[0] if bad]

@@ -45,6 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from loopkit.extras import require
+
 
 def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
   index = jax.process_index() if process_index is None else int(process_index)
@@ -115,7 +117,7 @@ def tfds_split_for_process(split: str, *, process_index: int | None = None,
   Returns:
     A split for ``tfds.load(split=...)``, sized like :func:`process_shard_bounds`.
   """
-  import tensorflow_datasets as tfds  # heavy; imported on use
+  tfds = require("tensorflow_datasets", "loopkit.tfds_split_for_process")  # heavy: on use
 
   index, count = _process(process_index, process_count)
   return tfds.split_for_jax_process(split, process_index=index, process_count=count,
@@ -135,7 +137,7 @@ def grain_shard_options(*, process_index: int | None = None, process_count: int 
   Returns:
     ``grain.sharding.ShardOptions`` for a sampler or ``MapDataset`` slicing.
   """
-  import grain  # heavy; imported on use
+  grain = require("grain", "loopkit.grain_shard_options")  # heavy: on use
 
   if process_index is None and process_count is None:
     return grain.sharding.ShardByJaxProcess(drop_remainder=drop_remainder)
@@ -351,7 +353,7 @@ class _TfIterator:
     self._open(0)
 
   def _open(self, n: int) -> None:
-    import tensorflow_datasets as tfds  # heavy; imported on use
+    tfds = require("tensorflow_datasets", "loopkit.TfDataSource")  # heavy: on use
 
     ds = self._dataset.skip(n) if n else self._dataset
     self._it = iter(tfds.as_numpy(ds))
@@ -372,3 +374,52 @@ class _TfIterator:
   def set_state(self, state: dict[str, int]) -> None:
     """Re-opens the dataset after ``state["tf_batches"]`` batches."""
     self._open(int(state["tf_batches"]))
+
+
+def steps_per_epoch_of(source: Any) -> int:
+  """The number of batches in one epoch of a sized source (``steps_per_epoch="auto"``).
+
+  Asks, in order: a ``steps_per_epoch`` attribute (:class:`ArraySource`); a
+  ``tf.data.Dataset``'s ``cardinality()`` (also inside a
+  :class:`TfDataSource`); ``len(source)`` (a list of batches, a Grain
+  ``MapDataset`` after ``.batch``). The source is taken to be one epoch.
+
+  Args:
+    source: the batches given to ``TrainLoop.run``.
+
+  Returns:
+    The epoch length in batches (>= 1).
+
+  Raises:
+    ValueError: the length is unknown, naming the source's type and why: an
+      infinite tf.data cardinality (``.repeat()``), an unknown one (e.g. after
+      ``.filter``; ``tf.data.experimental.assert_cardinality(n)`` declares it),
+      an unsized iterator (Grain ``DataLoader`` / ``IterDataset``, generators),
+      or an empty source.
+  """
+  what = f"{type(source).__module__}.{type(source).__qualname__}"
+  n = getattr(source, "steps_per_epoch", None)
+  dataset = getattr(source, "dataset", source) if isinstance(source, TfDataSource) else source
+  if n is None and callable(getattr(dataset, "cardinality", None)):
+    n = int(dataset.cardinality())
+    if n == -1:  # tf.data.INFINITE_CARDINALITY
+      raise ValueError(f"steps_per_epoch='auto': the {what} repeats forever (tf.data "
+                       "cardinality INFINITE): pass steps_per_epoch=N, or the dataset before "
+                       ".repeat()")
+    if n < 0:  # tf.data.UNKNOWN_CARDINALITY
+      raise ValueError(f"steps_per_epoch='auto': tf.data does not know the length of this "
+                       f"{what} (UNKNOWN cardinality, e.g. after .filter): pass "
+                       "steps_per_epoch=N or declare it with "
+                       "dataset.apply(tf.data.experimental.assert_cardinality(N))")
+  if n is None:
+    try:
+      n = len(source)
+    except TypeError:
+      raise ValueError(
+          f"steps_per_epoch='auto' needs a sized source, got a {what} (no len(), no tf.data "
+          "cardinality, no steps_per_epoch): pass steps_per_epoch=N (e.g. "
+          "num_examples // global_batch_size; for a Grain DataLoader, the length of its "
+          "batched MapDataset)") from None
+  if n < 1:
+    raise ValueError(f"steps_per_epoch='auto': the {what} has {n} batches")
+  return int(n)

@@ -58,7 +58,8 @@ class Trigger:
       clock) after the last firing (or after :meth:`start_clock`); does not
       cut calls.
     at_end: also fire at the last boundary of a run.
-    clock: seconds, monotonic (injectable for tests).
+
+  ``clock`` (default ``time.monotonic``, seconds) is injectable for tests.
 
   Raises:
     ValueError: a non-positive period, a step mark that is not a whole number

@@ -18,7 +18,12 @@ time, and measures over those (after compilation and the pipeline's fill):
 
 It recommends the smallest K whose throughput is within ``tolerance`` (2%) of
 the best: larger K gains nothing measurable but delays hooks, grows the input
-chunk in memory and coarsens the planner's cuts.
+chunk in memory and coarsens the planner's cuts. With ``repeats > 1`` each K
+keeps its fastest measurement and the table shows the spread over the repeats
+(``(max - min) / max`` of steps/s): a spread larger than the tolerance means
+the machine's noise, not K, decides between rows within it. When the
+recommendation is the largest K tried, the sweep may have ended too early
+(throughput may still grow): the table and a ``loopkit`` warning say so.
 
 Command line (the target is ``module:function`` returning
 ``(train_step, init_state, batches)``; the default is a small built-in MLP)::
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import logging
 import math
 import sys
 import time
@@ -48,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loopkit.extras import require
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.loop import DataExhaustedWarning, TrainLoop
 
@@ -55,6 +62,8 @@ __all__ = ["DEFAULT_KS", "TuneResult", "TuneRow", "demo_target", "main", "measur
            "recommend", "sweep"]
 
 DEFAULT_KS = tuple(2 ** i for i in range(11))  # 1, 2, 4, ..., 1024
+
+log = logging.getLogger("loopkit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +78,8 @@ class TuneRow:
     compile_secs: the first dispatch (trace + compile) in seconds.
     input_bytes_per_call: bytes of input per device call (K x global batch).
     secs_per_call: steady-state wall time per device call.
+    repeat_steps_per_sec: steps/s of every repeat at this K (a sweep's row
+      keeps the fastest as ``steps_per_sec``); empty for a single measurement.
   """
 
   iterations_per_loop: int
@@ -77,6 +88,13 @@ class TuneRow:
   compile_secs: float
   input_bytes_per_call: int
   secs_per_call: float
+  repeat_steps_per_sec: tuple[float, ...] = ()
+
+  @property
+  def spread(self) -> float:
+    """``(max - min) / max`` of steps/s over the repeats (0 for fewer than two)."""
+    r = self.repeat_steps_per_sec
+    return (max(r) - min(r)) / max(r) if len(r) > 1 and max(r) > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +111,42 @@ class TuneResult:
   recommended: int
   tolerance: float
 
+  @property
+  def at_largest(self) -> bool:
+    """Whether the recommended K is the largest tried (the sweep may have ended too early)."""
+    return len(self.rows) > 1 and self.recommended == max(r.iterations_per_loop
+                                                          for r in self.rows)
+
+  def warning(self) -> str | None:
+    """The sentence the table ends with when :attr:`at_largest`, else None."""
+    if not self.at_largest:
+      return None
+    return (f"warning: K={self.recommended} is the largest K tried; throughput may still grow "
+            f"with K (try larger values, e.g. --ks ...,{2 * self.recommended},"
+            f"{4 * self.recommended})")
+
   def table(self) -> str:
-    """A Markdown table of the rows; the recommended K is marked ``*``."""
-    lines = ["| K | steps/s | host overhead | compile s | input bytes/call |",
-             "|---:|---:|---:|---:|---:|"]
+    """A Markdown table of the rows; the recommended K is marked ``*``.
+
+    Columns: K, steps/s (the fastest repeat), the spread over repeats
+    (``(max - min) / max``, ``-`` for one), seconds per device call, host
+    overhead fraction, compile seconds, input bytes per call.
+    """
+    lines = ["| K | steps/s | spread | s/call | host overhead | compile s | input bytes/call |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in self.rows:
       mark = " *" if r.iterations_per_loop == self.recommended else ""
-      lines.append(f"| {r.iterations_per_loop}{mark} | {r.steps_per_sec:,.0f} | "
-                   f"{r.host_overhead:.2f} | {r.compile_secs:.2f} | "
+      spread = f"{100 * r.spread:.1f}%" if len(r.repeat_steps_per_sec) > 1 else "-"
+      lines.append(f"| {r.iterations_per_loop}{mark} | {r.steps_per_sec:,.0f} | {spread} | "
+                   f"{r.secs_per_call:.4g} | {r.host_overhead:.2f} | {r.compile_secs:.2f} | "
                    f"{r.input_bytes_per_call:,} |")
     best = max(self.rows, key=lambda r: r.steps_per_sec)
     lines.append("")
     lines.append(f"recommended iterations_per_loop = {self.recommended} (smallest K within "
                  f"{100 * self.tolerance:g}% of the best, {best.steps_per_sec:,.0f} steps/s "
                  f"at K={best.iterations_per_loop})")
+    if self.warning():
+      lines.append(self.warning())
     return "\n".join(lines)
 
 
@@ -288,18 +328,23 @@ def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS
         f"sweep needs at least {need} batches ((warmup_calls={warmup_calls} + calls={calls}) x "
         f"the largest K={max(int(k) for k in ks)}); the source has {len(batches)}")
   best: dict[int, TuneRow] = {}
+  seen: dict[int, list[float]] = {}
   for rep in range(repeats):  # rounds over all K: slow drifts of the machine hit every K alike
     for k in ks:
       row = measure(train_step, init_state, batches, iterations_per_loop=int(k), calls=calls,
                     warmup_calls=warmup_calls, min_secs=min_secs, **dict(loop_kwargs))
+      seen.setdefault(int(k), []).append(row.steps_per_sec)
       if int(k) not in best or row.steps_per_sec > best[int(k)].steps_per_sec:
         best[int(k)] = row
       if verbose:
         print(f"[{rep + 1}/{repeats}] K={row.iterations_per_loop}: {row.steps_per_sec:,.0f} "
-              f"steps/s, host overhead {row.host_overhead:.2f}, compile "
-              f"{row.compile_secs:.2f} s", file=sys.stderr)
-  rows = [best[int(k)] for k in ks]
+              f"steps/s, {row.secs_per_call:.4g} s per call, host overhead "
+              f"{row.host_overhead:.2f}, compile {row.compile_secs:.2f} s", file=sys.stderr)
+  rows = [dataclasses.replace(best[int(k)], repeat_steps_per_sec=tuple(seen[int(k)])
+                              if repeats > 1 else ()) for k in ks]
   result = TuneResult(rows=rows, recommended=recommend(rows, tolerance), tolerance=tolerance)
+  if result.at_largest:
+    log.warning("%s", result.warning())
   if plot_path is not None:
     plot(result, plot_path)
   return result
@@ -313,7 +358,7 @@ def plot(result: TuneResult, path: str, *, title: str | None = None) -> None:
     path: the PNG file to write.
     title: the plot's title (default names the recommendation).
   """
-  import matplotlib  # lazy: only the tuner needs it
+  matplotlib = require("matplotlib", "loopkit.tune's plot")  # lazy: only the tuner needs it
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 

@@ -1,7 +1,11 @@
 """Metric writers behind one small protocol (``write_scalars`` / ``flush`` / ``close``).
 
-Writers take *global steps* (optimizer updates) and a dict of scalars. Concrete
-writers:
+Writers take *global steps* (optimizer updates) and a dict of scalars. The
+richer methods of CLU's ``clu.metric_writers.MetricWriter`` (same names and
+signatures: ``write_images``, ``write_histograms``, ``write_texts``,
+``write_hparams``) are optional: every writer here has them, and
+:class:`MultiWriter` / :class:`AsyncWriter` skip a wrapped writer that lacks
+one. Concrete writers:
 
 * :class:`TensorBoardWriter`: TensorBoard event files through ``tensorboardX``
   (no TensorFlow import);
@@ -11,9 +15,33 @@ writers:
 * :class:`MultiWriter` fans out to several; :class:`AsyncWriter` moves the
   writing to a background thread so the training loop never waits on disk.
 
-:func:`create_default_writer` combines them. Only process 0 writes on
+:func:`create_default_writer` combines them. :func:`as_writer` takes the writers
+users already have: CLU's ``metric_writers`` as they are, Flax's
+``tensorboard.SummaryWriter`` through :class:`FlaxSummaryWriter`; hooks that take
+a ``writer`` call it. Only process 0 writes on
 multi-host: on the other processes every writer is a no-op (decided at
 construction from ``jax.process_index()``).
+
+Durability and resumes: the file writers flush at most ``flush_secs`` after a
+write (checked at each write) and at every :meth:`flush`;
+:class:`~loopkit.LoggingHook` flushes its writer at each checkpoint save, so
+the rows a checkpoint covers are on disk before a kill can lose them. When a
+file writer opens a directory or file that already holds rows (a resumed run),
+its first write at step ``s`` drops the old rows at steps ``>= s`` (JSONL:
+rewritten atomically; TensorBoard: a ``purge_step``), so after a kill and a
+resume every step appears once.
+
+=================  ===========  ===========  =========  ====  ===========
+method             TensorBoard  JSONL        console    Null  Multi/Async
+=================  ===========  ===========  =========  ====  ===========
+write_scalars      scalars      row          line       --    fan out
+write_texts        text         row          line       --    fan out
+write_images       images       skipped      skipped    --    fan out
+write_histograms   histograms   skipped      skipped    --    fan out
+write_hparams      hparams      hparams row  line       --    fan out
+=================  ===========  ===========  =========  ====  ===========
+
+("skipped" writes one DEBUG log record.)
 
 Example:
   >>> import tempfile, loopkit
@@ -33,20 +61,29 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-__all__ = ["AsyncWriter", "ConsoleWriter", "JsonlWriter", "MetricWriter", "MultiWriter",
-           "NullWriter", "TensorBoardWriter", "create_default_writer"]
+from loopkit.extras import require
+
+__all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
+           "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer"]
 
 log = logging.getLogger("loopkit")
 
 
 class MetricWriter(Protocol):
-  """What a metric writer provides. Steps are global steps (optimizer updates)."""
+  """What a metric writer provides. Steps are global steps (optimizer updates).
+
+  The optional methods of CLU's interface (``write_texts(step, texts)``,
+  ``write_images(step, images)``, ``write_histograms(step, arrays,
+  num_buckets=None)``, ``write_hparams(hparams)``) are provided by every writer
+  of this module; a user writer may omit them.
+  """
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     """Writes ``scalars`` (name -> number; numpy/JAX scalars allowed) at ``step``."""
@@ -75,11 +112,38 @@ def _to_python(value: Any) -> Any:
   return arr.item()
 
 
+def _hparam_value(value: Any) -> bool | int | float | str:
+  """An hparam as TensorBoard takes it: bool, int, float or str (else its ``str``)."""
+  if isinstance(value, (bool, int, float, str)):
+    return value
+  if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
+    return np.asarray(value).item()
+  return str(value)
+
+
+def _skip(writer: Any, what: str, step: int, names: Any) -> None:
+  log.debug("%s does not record %s; skipped %s at step %d", type(writer).__name__, what,
+            sorted(names), step)
+
+
 class NullWriter:
   """Discards everything (the writer of processes other than 0)."""
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     del step, scalars
+
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    del step, texts
+
+  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
+    del step, images
+
+  def write_histograms(self, step: int, arrays: Mapping[str, Any],
+                       num_buckets: Mapping[str, int] | None = None) -> None:
+    del step, arrays, num_buckets
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    del hparams
 
   def flush(self) -> None:
     pass
@@ -92,33 +156,106 @@ class JsonlWriter:
   """Appends one JSON object per line: ``{"step": int, name: value, ...}``.
 
   Non-finite floats are written as ``NaN`` / ``Infinity`` (Python's ``json``
-  extension), so a NaN loss is recorded rather than dropped.
+  extension), so a NaN loss is recorded rather than dropped. Texts are rows
+  like scalars (string values); hparams are one row ``{"hparams": {...}}``
+  (no step); images and histograms are skipped (a DEBUG log record).
+
+  Resumes: the file is opened at the first write. If it already holds rows,
+  the first row written at step ``s`` first drops every old row at a step
+  ``>= s`` (and a line cut short by a kill): the file is rewritten to a
+  temporary file and moved into place with ``os.replace`` (atomic), so after
+  a kill at step 75 and a resume from a checkpoint at 50, the file holds each
+  logged step once. Rows without a step (hparams) are kept.
 
   Args:
     path: the ``.jsonl`` file (parent directories are created).
+    flush_secs: a write flushes the file when the last flush is at least this
+      old (seconds; 0 flushes at every write). :meth:`flush` always flushes.
+    clock: monotonic clock in seconds (inject a fake one in tests).
 
   Writes only on process 0. Not thread-safe (wrap in :class:`AsyncWriter` to
   write from a background thread).
   """
 
-  def __init__(self, path: str | os.PathLike):
+  def __init__(self, path: str | os.PathLike, *, flush_secs: float = 10.0,
+               clock: Callable[[], float] = time.monotonic):
     self.path = os.fspath(path)
+    self.flush_secs = flush_secs
+    self.clock = clock
     self._f = None
-    if _is_writer_process():
+    self._checked = False  # the old rows were checked against the first stepped row
+    self._enabled = _is_writer_process()
+    self._last_flush = clock()
+    if self._enabled:
       os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-      self._f = open(self.path, "a")
+
+  def _open(self, first_step: int | None) -> None:
+    """Opens the file for appending; at the first row with a step, drops the old rows at
+    steps ``>= first_step`` first (closing and reopening the file if it was open)."""
+    if first_step is not None:
+      self._checked = True
+      if self._f is not None:
+        self._f.close()
+        self._f = None
+    if first_step is not None and os.path.exists(self.path) and os.path.getsize(self.path):
+      kept, dropped = [], 0
+      with open(self.path) as f:
+        for line in f:
+          try:
+            row = json.loads(line)
+          except ValueError:  # a line cut short by a kill
+            dropped += 1
+            continue
+          if isinstance(row, dict) and isinstance(row.get("step"), int) and (
+              row["step"] >= first_step):
+            dropped += 1
+            continue
+          kept.append(line if line.endswith("\n") else line + "\n")
+      if dropped:
+        tmp = f"{self.path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+          f.writelines(kept)
+          f.flush()
+          os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        log.info("%s: dropped %d rows at steps >= %d (written again by this run)",
+                 self.path, dropped, first_step)
+    self._f = open(self.path, "a")
+
+  def _write_row(self, row: dict[str, Any]) -> None:
+    if self._f is None or (not self._checked and "step" in row):
+      self._open(row.get("step"))
+    self._f.write(json.dumps(row) + "\n")
+    if self.clock() - self._last_flush >= self.flush_secs:
+      self.flush()
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     if "step" in scalars:
       raise ValueError("a scalar named 'step' would overwrite the row's step field; "
                        "rename the metric")
-    if self._f is None:
+    if not self._enabled:
       return
     row = {"step": int(step)}
     row.update({k: _to_python(v) for k, v in scalars.items()})
-    self._f.write(json.dumps(row) + "\n")
+    self._write_row(row)
+
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    self.write_scalars(step, {k: str(v) for k, v in texts.items()})
+
+  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
+    _skip(self, "images", step, images)
+
+  def write_histograms(self, step: int, arrays: Mapping[str, Any],
+                       num_buckets: Mapping[str, int] | None = None) -> None:
+    del num_buckets
+    _skip(self, "histograms", step, arrays)
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    if self._enabled:
+      self._write_row({"hparams": {k: _hparam_value(v) for k, v in hparams.items()}})
 
   def flush(self) -> None:
+    self._last_flush = self.clock()
     if self._f is not None:
       self._f.flush()
 
@@ -129,39 +266,121 @@ class JsonlWriter:
 
 
 class TensorBoardWriter:
-  """TensorBoard event files via ``tensorboardX`` (no TensorFlow needed).
+  """TensorBoard event files via ``tensorboardX``'s protos (no TensorFlow needed).
 
   Each scalar becomes a ``simple_value`` summary (stored as float32) tagged with
-  its name, at the given global step; string values become text summaries.
+  its name, at the given global step; string values and :meth:`write_texts`
+  become text summaries; :meth:`write_images` writes ``[H, W, C]`` or
+  ``[N, H, W, C]`` arrays (C = 1, 3 or 4; uint8 in 0..255 or floats in
+  [0, 1]; N images are tiled into one, as tensorboardX's ``add_images``);
+  :meth:`write_histograms` writes histograms (``num_buckets[name]`` equal-width
+  buckets, default 30 as TensorBoard's ``tf.summary.histogram``); :meth:`write_hparams` writes the
+  HParams plugin's experiment and session summaries at step 0.
+
+  Events are written synchronously to the file (no tensorboardX queue
+  thread), so :meth:`flush` makes everything written so far durable. The
+  event file is created at the first write; when ``logdir`` already holds
+  event files (a resumed run), that write's step becomes the ``purge_step``
+  (a ``SessionLog.START`` event): TensorBoard then hides the old events at
+  steps ``>=`` it, so a kill and a resume show each step once.
 
   Args:
     logdir: directory for the ``events.out.tfevents.*`` file (created).
-    flush_secs: how often tensorboardX flushes on its own (seconds).
+    flush_secs: a write flushes the file when the last flush is at least this
+      old (seconds; 0 flushes at every write). :meth:`flush` always flushes.
+    clock: monotonic clock in seconds (inject a fake one in tests).
 
   Raises:
-    ImportError: if ``tensorboardX`` is not installed (``pip install tensorboardX``).
+    ImportError: if ``tensorboardX`` is not installed (``pip install 'loopkit[observability]'``).
 
   Writes only on process 0. Not thread-safe (wrap in :class:`AsyncWriter`).
   """
 
-  def __init__(self, logdir: str | os.PathLike, *, flush_secs: float = 30.0):
+  _files_opened = 0  # makes event file names unique within a process
+
+  def __init__(self, logdir: str | os.PathLike, *, flush_secs: float = 10.0,
+               clock: Callable[[], float] = time.monotonic):
     self.logdir = os.fspath(logdir)
+    self.flush_secs = flush_secs
+    self.clock = clock
     self._w = None
-    if _is_writer_process():
-      from tensorboardX import SummaryWriter  # lazy: an optional dependency
-      self._w = SummaryWriter(self.logdir, flush_secs=flush_secs)
+    self._enabled = _is_writer_process()
+    self._last_flush = clock()
+    self._resuming = False
+    self._purged = False
+    if self._enabled:
+      require("tensorboardX", "loopkit.TensorBoardWriter")  # fail early if missing
+      os.makedirs(self.logdir, exist_ok=True)
+      self._resuming = any("tfevents" in f for f in os.listdir(self.logdir))
+
+  def _write(self, step: int, summary: Any, *, stepped: bool = True) -> None:
+    from tensorboardX.proto import event_pb2
+    if self._w is None:
+      from tensorboardX.event_file_writer import EventsWriter
+      TensorBoardWriter._files_opened += 1
+      self._w = EventsWriter(os.path.join(self.logdir, "events"),
+                             f".{os.getpid()}.{TensorBoardWriter._files_opened}")
+    if stepped and self._resuming and not self._purged:
+      self._purged = True
+      self._w.write_event(event_pb2.Event(
+          wall_time=time.time(), step=int(step),
+          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+      log.info("%s: TensorBoard hides the earlier events at steps >= %d (purge_step)",
+               self.logdir, step)
+    self._w.write_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    if self.clock() - self._last_flush >= self.flush_secs:
+      self.flush()
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    if self._w is None:
+    if not self._enabled:
       return
+    from tensorboardX import summary
     for name, value in scalars.items():
       value = _to_python(value)
       if isinstance(value, str):
-        self._w.add_text(name, value, global_step=int(step))
+        self._write(step, _text_summary(name, value))
       else:
-        self._w.add_scalar(name, float(value), global_step=int(step))
+        self._write(step, summary.scalar(name, float(value)))
+
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    if not self._enabled:
+      return
+    for name, text in texts.items():
+      self._write(step, _text_summary(name, str(text)))
+
+  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
+    if not self._enabled:
+      return
+    from tensorboardX import summary
+    for name, image in images.items():
+      image = np.asarray(image)
+      if image.ndim not in (3, 4) or image.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"image {name!r} must be [H, W, C] or [N, H, W, C] with C in "
+                         f"(1, 3, 4), got shape {image.shape}")
+      if image.dtype != np.uint8:
+        image = np.clip(image.astype(np.float32), 0.0, 1.0)
+      self._write(step, summary.image(name, image,
+                                      dataformats="HWC" if image.ndim == 3 else "NHWC"))
+
+  def write_histograms(self, step: int, arrays: Mapping[str, Any],
+                       num_buckets: Mapping[str, int] | None = None) -> None:
+    if not self._enabled:
+      return
+    from tensorboardX import summary
+    for name, values in arrays.items():
+      bins = int((num_buckets or {}).get(name, 30))
+      self._write(step, summary.histogram(name, np.asarray(values, np.float64).ravel(), bins))
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    if not self._enabled:
+      return
+    from tensorboardX import summary
+    exp, ssi, sei = summary.hparams({k: _hparam_value(v) for k, v in hparams.items()}, {})
+    for s in (exp, ssi, sei):
+      self._write(0, s, stepped=False)
 
   def flush(self) -> None:
+    self._last_flush = self.clock()
     if self._w is not None:
       self._w.flush()
 
@@ -171,8 +390,20 @@ class TensorBoardWriter:
       self._w = None
 
 
+def _text_summary(name: str, text: str) -> Any:
+  """A text-plugin summary tagged ``name`` (tensorboardX's own would tag it
+  ``name/text_summary``; TensorFlow's ``tf.summary.text`` and CLU use ``name``)."""
+  from tensorboardX import summary
+  s = summary.text(name, text)
+  s.value[0].tag = name
+  return s
+
+
 class ConsoleWriter:
   """Logs ``step N: name=value, ...`` lines to a Python logger.
+
+  Texts are lines like scalars, hparams one ``hparams: name=value, ...`` line;
+  images and histograms are skipped (a DEBUG log record).
 
   Args:
     logger: the logger (default ``logging.getLogger("loopkit")``; under
@@ -196,6 +427,22 @@ class ConsoleWriter:
       parts.append(f"{k}={v:.6g}" if isinstance(v, float) and math.isfinite(v) else f"{k}={v}")
     self.logger.log(self.level, "step %d: %s", int(step), ", ".join(parts))
 
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    self.write_scalars(step, {k: str(v) for k, v in texts.items()})
+
+  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
+    _skip(self, "images", step, images)
+
+  def write_histograms(self, step: int, arrays: Mapping[str, Any],
+                       num_buckets: Mapping[str, int] | None = None) -> None:
+    del num_buckets
+    _skip(self, "histograms", step, arrays)
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    if self._enabled:
+      self.logger.log(self.level, "hparams: %s",
+                      ", ".join(f"{k}={_hparam_value(v)}" for k, v in hparams.items()))
+
   def flush(self) -> None:
     pass
 
@@ -203,11 +450,21 @@ class ConsoleWriter:
     pass
 
 
+def _call_optional(writer: Any, method: str, *args: Any) -> None:
+  """Calls ``writer.method(*args)``; a user writer without that method is skipped."""
+  fn = getattr(writer, method, None)
+  if fn is None:
+    log.debug("%s has no %s; skipped", type(writer).__name__, method)
+    return
+  fn(*args)
+
+
 class MultiWriter:
   """Writes to several writers in order.
 
   Args:
-    writers: the writers.
+    writers: the writers. Those without an optional method
+      (``write_images`` ...) are skipped for it.
   """
 
   def __init__(self, writers: Sequence[MetricWriter]):
@@ -216,6 +473,23 @@ class MultiWriter:
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     for w in self.writers:
       w.write_scalars(step, scalars)
+
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    for w in self.writers:
+      _call_optional(w, "write_texts", step, texts)
+
+  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
+    for w in self.writers:
+      _call_optional(w, "write_images", step, images)
+
+  def write_histograms(self, step: int, arrays: Mapping[str, Any],
+                       num_buckets: Mapping[str, int] | None = None) -> None:
+    for w in self.writers:
+      _call_optional(w, "write_histograms", step, arrays, num_buckets)
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    for w in self.writers:
+      _call_optional(w, "write_hparams", hparams)
 
   def flush(self) -> None:
     for w in self.writers:
@@ -230,17 +504,16 @@ _STOP = object()
 
 
 class AsyncWriter:
-  """Runs another writer on a background thread; ``write_scalars`` only enqueues.
+  """Runs another writer on a background thread; the write methods only enqueue.
 
   Values are converted (a ``jax.Array`` fetched) on the background thread, so
   the caller never waits on the device or the disk. ``flush`` waits until
   everything queued is written and flushed. An exception raised by the wrapped
-  writer is re-raised in the caller at its next ``write_scalars`` / ``flush``
-  / ``close``.
+  writer is re-raised in the caller at its next write / ``flush`` / ``close``.
 
   Args:
     writer: the writer to run in the background.
-    max_queue: the most pending writes; beyond it ``write_scalars`` blocks
+    max_queue: the most pending writes; beyond it a write blocks
       (back-pressure instead of unbounded memory).
 
   Thread-safe for one or more producer threads.
@@ -262,10 +535,10 @@ class AsyncWriter:
           return
         if self._error is None:
           kind, args = item
-          if kind == "scalars":
-            self.writer.write_scalars(*args)
-          else:
+          if kind == "flush":
             self.writer.flush()
+          else:
+            _call_optional(self.writer, kind, *args)
       except BaseException as e:  # re-raised in the producer
         self._error = e
       finally:
@@ -276,11 +549,28 @@ class AsyncWriter:
       err, self._error = self._error, None
       raise RuntimeError(f"the background metric writer failed: {err!r}") from err
 
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+  def _put(self, kind: str, *args: Any) -> None:
     self._raise_pending()
     if self._closed:
-      raise RuntimeError("write_scalars on a closed AsyncWriter")
-    self._queue.put(("scalars", (int(step), dict(scalars))))
+      raise RuntimeError(f"{kind} on a closed AsyncWriter")
+    self._queue.put((kind, args))
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    self._put("write_scalars", int(step), dict(scalars))
+
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    self._put("write_texts", int(step), dict(texts))
+
+  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
+    self._put("write_images", int(step), dict(images))
+
+  def write_histograms(self, step: int, arrays: Mapping[str, Any],
+                       num_buckets: Mapping[str, int] | None = None) -> None:
+    self._put("write_histograms", int(step), dict(arrays),
+              None if num_buckets is None else dict(num_buckets))
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    self._put("write_hparams", dict(hparams))
 
   def flush(self) -> None:
     if self._closed:
@@ -332,3 +622,58 @@ def create_default_writer(logdir: str | os.PathLike | None, *, asynchronous: boo
   if console:
     writers.append(ConsoleWriter())
   return writers[0] if len(writers) == 1 else MultiWriter(writers)
+
+
+class FlaxSummaryWriter:
+  """Adapts Flax's ``flax.metrics.tensorboard.SummaryWriter`` to :class:`MetricWriter`.
+
+  Flax's writer (the one Flax's examples make) writes one tag at a time:
+  ``writer.scalar(tag, value, step)``; this calls it once per scalar.
+
+  Args:
+    writer: the Flax ``SummaryWriter`` (or any object with ``scalar(tag,
+      value, step)``, and optionally ``flush()`` and ``close()``).
+
+  Thread-safety and multi-host behaviour are the wrapped writer's (Flax's
+  writes on every process that makes one: make it on process 0 only).
+  """
+
+  def __init__(self, writer: Any):
+    self.writer = writer
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    for tag, value in scalars.items():
+      self.writer.scalar(tag, _to_python(value), int(step))
+
+  def flush(self) -> None:
+    if hasattr(self.writer, "flush"):
+      self.writer.flush()
+
+  def close(self) -> None:
+    if hasattr(self.writer, "close"):
+      self.writer.close()
+
+
+def as_writer(writer: Any) -> MetricWriter:
+  """The :class:`MetricWriter` for a writer users already have.
+
+  * anything with ``write_scalars(step, scalars)``: returned as it is. This
+    covers loopkit's writers and CLU's ``clu.metric_writers`` (whose
+    ``MetricWriter`` interface is ``write_scalars(step, scalars)``,
+    ``write_images``, ..., ``flush()``, ``close()``: e.g. the writer of
+    ``metric_writers.create_default_writer(workdir)``, as in Flax's linen
+    examples);
+  * Flax's ``flax.metrics.tensorboard.SummaryWriter`` (``scalar(tag, value,
+    step)``, as in Flax's NNX examples): wrapped in :class:`FlaxSummaryWriter`.
+
+  Raises:
+    TypeError: neither shape; the message names the object's type.
+  """
+  if callable(getattr(writer, "write_scalars", None)):
+    return writer
+  if callable(getattr(writer, "scalar", None)):
+    return FlaxSummaryWriter(writer)
+  raise TypeError(
+      f"{type(writer).__module__}.{type(writer).__qualname__} is not a metric writer: give an "
+      "object with write_scalars(step, scalars) (loopkit.writers, clu.metric_writers) or "
+      "scalar(tag, value, step) (flax.metrics.tensorboard.SummaryWriter)")

@@ -290,3 +290,33 @@ def test_c42_rerunning_a_finished_run_evaluates_its_end_once(tmp_path):
   assert evals == [(4, 4), (8, 4)]
   loop, evals = run()
   assert evals == [(8, 0)] and loop.status == "completed" and loop.ledger.loop_index == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "uint32", "bool",
+                                   "key"])
+def test_replica_fingerprint_sees_one_changed_element_and_a_swap(dtype):
+  """The per-device replica check compares fingerprints: equal bits agree; one changed
+  element, or two elements swapped, do not."""
+  from loopkit.program import leaf_fingerprint
+  fp = jax.jit(leaf_fingerprint)
+  if dtype == "key":
+    x = jax.random.split(jax.random.key(0), 6)
+    changed = x.at[3].set(jax.random.key(1))
+  else:
+    base = np.array([[0, 1, 1], [0, 1, 0]]) if dtype == "bool" else np.arange(6).reshape(2, 3)
+    flipped = base.copy()
+    flipped[1, 2] = 1 - base[1, 2]
+    x, changed = jnp.asarray(base).astype(dtype), jnp.asarray(flipped).astype(dtype)
+  swapped = x.reshape(-1)[jnp.array([1, 0, 2, 3, 4, 5])].reshape(x.shape)  # x[0] != x[1]
+  assert np.array_equal(fp(x), fp(jnp.array(x, copy=True)))
+  assert not np.array_equal(fp(x), fp(changed))
+  assert not np.array_equal(fp(x), fp(swapped))
+
+
+def test_c40_no_warning_for_a_single_leaf_or_a_global_batch_of_device_count_examples():
+  from loopkit.feeding import warn_if_pmap_layout
+  assert not warn_if_pmap_layout({"x": np.zeros((2, 8, 2))}, 8)  # 8 examples x 2 features
+  assert not warn_if_pmap_layout({"x": np.zeros((2, 8, 3, 3)), "y": np.zeros((2, 8))}, 8)
+  assert not warn_if_pmap_layout({"x": np.zeros((2, 16, 2, 2)), "y": np.zeros((2, 16, 2))}, 8)
+  with pytest.warns(loopkit.BatchLayoutWarning):
+    assert warn_if_pmap_layout({"x": np.zeros((2, 8, 2, 5)), "y": np.zeros((2, 8, 2))}, 8)

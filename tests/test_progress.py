@@ -3,6 +3,7 @@ silence on processes other than 0."""
 
 import io
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ def test_plain_lines_when_not_a_tty():
   clock, out = FakeClock(), io.StringIO()
   run(loopkit.ProgressHook(stream=out, log_every_secs=25.0, clock=clock), clock)
   assert out.getvalue().splitlines() == [
+      "step 0/100: compiling the first device call",
       "step 30/100 (30.0%): 1.0 steps/s, 16.0 examples/s, ETA 0:01:10",
       "step 60/100 (60.0%): 1.0 steps/s, 16.0 examples/s, ETA 0:00:40",
       "step 90/100 (90.0%): 1.0 steps/s, 16.0 examples/s, ETA 0:00:10",
@@ -60,6 +62,7 @@ def test_rates_follow_the_clock_and_lines_can_go_to_a_logger(caplog):
   with caplog.at_level(logging.INFO, logger="loopkit"):
     run(hook, clock, n=20, k=10, secs_per_step=0.25)
   assert caplog.messages == [
+      "step 0/20: compiling the first device call",
       "step 10/20 (50.0%): 4.0 steps/s, 64.0 examples/s, ETA 0:00:02",
       "step 20/20 (100.0%): 4.0 steps/s, 64.0 examples/s, ETA 0:00:00",
   ]
@@ -77,6 +80,7 @@ def test_early_stop_gets_a_final_line():
   loop.run(init(), batches(100), num_steps=100)
   assert loop.ledger.step in (40, 50)  # stops at the next boundary (one call late at most)
   assert out.getvalue().splitlines() == [
+      "step 0/100: compiling the first device call",
       f"step {loop.ledger.step}/100 ({loop.ledger.step:.1f}%): 1.0 steps/s, 16.0 examples/s, "
       f"ETA 0:00:{100 - loop.ledger.step:02d}"]
 
@@ -86,8 +90,11 @@ def test_bar_on_a_tty():
   run(loopkit.ProgressHook(stream=out, clock=clock), clock, n=40, k=10)
   text = out.getvalue()
   assert "40/40" in text
-  assert "1.0 steps/s, 16.0 examples/s" in text
-  assert "step 40/40" not in text  # no plain lines in bar mode
+  last = text.split("\r")[-1]  # the final frame: a fixed 20-character bar, the last call's loss
+  assert re.fullmatch(r"step 40/40 \|(#|\u2588){20}\| 100%, 1.0 steps/s, ETA 0:00:00, "
+                      r"loss=34.5\n", last), last
+  assert text.count("steps/s") == text.count("ETA ")  # one rate per frame, the ETA labelled
+  assert "step 40/40 (" not in text  # no plain lines in bar mode
 
 
 def test_silent_on_other_processes(monkeypatch):
@@ -105,6 +112,7 @@ def test_total_steps_override_and_eta_format():
   run(loopkit.ProgressHook(total_steps=3620, stream=out, log_every_secs=1e9, clock=clock), clock,
       n=20, k=10)
   assert out.getvalue().splitlines() == [
+      "step 0/3620: compiling the first device call",
       "step 20/3620 (0.6%): 1.0 steps/s, 16.0 examples/s, ETA 1:00:00"]
   from loopkit.progress import format_eta
   assert format_eta(59.6) == "0:01:00"
@@ -115,6 +123,6 @@ def test_total_steps_override_and_eta_format():
 def test_one_line_per_boundary_never_repeats_a_step(k):
   clock, out = FakeClock(), io.StringIO()
   run(loopkit.ProgressHook(stream=out, log_every_secs=0.0, clock=clock), clock, n=10, k=k)
-  steps = [int(line.split()[1].split("/")[0]) for line in out.getvalue().splitlines()]
+  steps = [int(line.split()[1].split("/")[0]) for line in out.getvalue().splitlines()[1:]]
   expected = list(range(k, 10, k)) + [10]
   assert steps == expected

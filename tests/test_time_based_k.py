@@ -1,6 +1,8 @@
 """Time-based K (iterations_per_loop="30s"): steps per call chosen from the measured step time
 with an injected clock; one compile; events still land; results equal to a fixed K."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -121,3 +123,57 @@ def test_real_clock_smoke():
   assert loop.time_based_k.current() == 8
   assert loop.time_based_k.secs_per_step > 0
   assert loop.ledger.step == 30 and loop.program.compile_count() == 1
+
+
+def old_rule(target, cap, secs, n0=1, calls=20):
+  """The previous rule (K = target / (call secs / steps)) on the same calls, for comparison."""
+  k, ks = n0, []
+  for _ in range(calls):
+    k = max(1, min(cap, int(target / (secs(k) / k) + 1e-9)))
+    ks.append(k)
+  return ks
+
+
+def test_ramp_up_fits_the_per_call_overhead():
+  """A call of n steps takes 20 ms + n x 1 ms; target 0.1 s -> (0.1 - 0.02) / 0.001 = 80 steps.
+
+  Dividing one-step call times by their steps says 21 ms per step (K = 4); the fit on the
+  one-step call and the 4-step call finds the 20 ms overhead: K = 80 at the second measured
+  call; the previous rule crept up over 6 calls and stayed below (4, 16, 44, 68, 77, 79, 79).
+  """
+  clock = FakeClock()
+  secs = lambda n: 0.02 + 0.001 * n  # noqa: E731
+  tk = TimeBasedK(0.1, max_iterations_per_loop=1000, clock=clock)
+  step = 1
+  tk.record(step)  # the compiling call: starts the clock
+  ks = []
+  for _ in range(6):
+    n = tk.current()
+    clock.t += secs(n)
+    step += n
+    tk.record(step)
+    ks.append(tk.current())
+  assert ks == [4, 80, 80, 80, 80, 80]
+  assert tk.overhead_secs == pytest.approx(0.02) and tk.secs_per_step == pytest.approx(0.001)
+  assert not tk.capped and tk.wanted == 80
+  assert old_rule(0.1, 1000, secs)[:8] == [4, 16, 44, 68, 77, 79, 79, 79]
+
+
+def test_cap_is_reported_once(caplog):
+  """Target 1 s, 20 ms + 1 ms per step: 980 steps wanted, the cap of 100 binds."""
+  clock = FakeClock()
+  secs = lambda n: 0.02 + 0.001 * n  # noqa: E731
+  tk = TimeBasedK(1.0, max_iterations_per_loop=100, clock=clock)
+  step = 1
+  tk.record(step)
+  with caplog.at_level(logging.WARNING, logger="loopkit"):
+    for _ in range(4):
+      n = tk.current()
+      clock.t += secs(n)
+      step += n
+      tk.record(step)
+  assert tk.current() == 100 and tk.capped and tk.wanted == 980
+  assert caplog.messages == [
+      "time-based iterations_per_loop: a 1 s call wants 980 steps (1 ms per step + 20 ms per "
+      "call) but max_iterations_per_loop=100 caps it, so calls take about 0.12 s; raise "
+      "max_iterations_per_loop to reach 1 s"]

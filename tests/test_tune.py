@@ -1,6 +1,8 @@
 """K tuner: a tiny sweep measures every K, recommends the smallest within 2% of the best,
 writes a PNG; the command line works on the built-in demo and on a module:function."""
 
+import logging
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,9 +45,11 @@ def test_tiny_sweep(tmp_path):
     assert r.compile_secs > 0
   assert result.recommended == tune.recommend(result.rows)
   table = result.table().splitlines()
-  assert table[0] == "| K | steps/s | host overhead | compile s | input bytes/call |"
-  assert len(table) == 2 + 3 + 2
-  assert table[-1].startswith(f"recommended iterations_per_loop = {result.recommended} ")
+  assert table[0] == ("| K | steps/s | spread | s/call | host overhead | compile s | "
+                      "input bytes/call |")
+  assert len(table) == 2 + 3 + 2 + result.at_largest
+  assert table[6].startswith(f"recommended iterations_per_loop = {result.recommended} ")
+  assert all(r.repeat_steps_per_sec == () for r in result.rows)  # one repeat: no spread
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -66,7 +70,7 @@ def test_cli_on_a_user_target(tmp_path, capsys):
                       "--min-secs", "0", "--plot", str(png)])
   out = capsys.readouterr().out
   assert "target tests.test_tune:small_target on 8 cpu device(s)" in out
-  assert "| K | steps/s | host overhead | compile s | input bytes/call |" in out
+  assert "| K | steps/s | spread | s/call | host overhead | compile s | input bytes/call |" in out
   assert f"recommended iterations_per_loop = {result.recommended} " in out
   assert png.exists()
 
@@ -103,3 +107,38 @@ def test_sweep_checks_a_sized_source_before_measuring_anything():
                      r"calls=3\) x the largest K=16\); the source has 20"):
     loopkit.tune.sweep((step, state, batches), ks=(1, 4, 16))
   assert calls == []
+
+
+def test_sweep_shows_the_spread_and_warns_when_the_largest_k_wins(monkeypatch, caplog):
+  """Fake measurements: K=4 is fastest in both repeats, so the sweep may have ended early."""
+  sps = {(1, 0): 100.0, (2, 0): 190.0, (4, 0): 300.0,
+         (1, 1): 80.0, (2, 1): 200.0, (4, 1): 270.0}
+  calls = iter([(k, rep) for rep in (0, 1) for k in (1, 2, 4)])
+
+  def fake_measure(train_step, init_state, batches, *, iterations_per_loop, **kw):
+    k, rep = next(calls)
+    assert k == iterations_per_loop
+    return tune.TuneRow(k, sps[k, rep], 0.5, 1.0, 10 * k, k / sps[k, rep])
+
+  monkeypatch.setattr(tune, "measure", fake_measure)
+  step, state, batches = small_target()
+  with caplog.at_level(logging.WARNING, logger="loopkit"):
+    result = tune.sweep((step, state, batches), ks=(1, 2, 4), repeats=2)
+  assert [r.steps_per_sec for r in result.rows] == [100.0, 200.0, 300.0]
+  assert [r.repeat_steps_per_sec for r in result.rows] == [(100.0, 80.0), (190.0, 200.0),
+                                                           (300.0, 270.0)]
+  assert [round(r.spread, 6) for r in result.rows] == [0.2, 0.05, 0.1]
+  assert result.recommended == 4 and result.at_largest
+  table = result.table().splitlines()
+  assert table[2] == "| 1 | 100 | 20.0% | 0.01 | 0.50 | 1.00 | 10 |"
+  assert table[4] == "| 4 * | 300 | 10.0% | 0.01333 | 0.50 | 1.00 | 40 |"
+  assert table[-1] == ("warning: K=4 is the largest K tried; throughput may still grow with K "
+                       "(try larger values, e.g. --ks ...,8,16)")
+  assert caplog.messages == [table[-1]]
+
+
+def test_no_warning_when_a_smaller_k_is_within_tolerance():
+  rows = [tune.TuneRow(k, s, 0.0, 0.0, 0, 0.0) for k, s in [(1, 50.), (2, 99.), (4, 100.)]]
+  result = tune.TuneResult(rows=rows, recommended=tune.recommend(rows), tolerance=0.02)
+  assert result.recommended == 2 and not result.at_largest and result.warning() is None
+  assert "warning" not in result.table()

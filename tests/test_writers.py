@@ -81,14 +81,14 @@ def test_loop_writes_tensorboard_and_per_step_traces_at_true_steps(tmp_path):
   writer.close()
   got = read_tb(tmp_path)
   assert got["s"] == [(4, 2.5), (8, 6.5), (10, 9.5)]
-  assert got["s_per_step"] == [(s, float(s)) for s in range(1, 11)]
-  assert got["x0_per_step"] == [(s, s - 1 + 0.25) for s in range(1, 11)]
+  assert got["per_step/s"] == [(s, float(s)) for s in range(1, 11)]
+  assert got["per_step/x0"] == [(s, s - 1 + 0.25) for s in range(1, 11)]
   assert got["examples_seen"] == [(4, 32.0), (8, 64.0), (10, 80.0)]
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  reports = [r for r in rows if "s_per_step" not in r]
+  reports = [r for r in rows if "per_step/s" not in r]
   assert [(r["step"], r["s"], r["x0"]) for r in reports] == [
       (4, 2.5, 1.75), (8, 6.5, 5.75), (10, 9.5, 8.75)]
-  per_step = [(r["step"], r["s_per_step"]) for r in rows if "s_per_step" in r]
+  per_step = [(r["step"], r["per_step/s"]) for r in rows if "per_step/s" in r]
   assert per_step == [(s, float(s)) for s in range(1, 11)]
 
 
@@ -245,3 +245,115 @@ def test_logging_hook_logs_each_boundary_once(kind, lines, tmp_path, caplog):
       writer.close()
   at_4 = [m for m in caplog.messages if m.startswith("step 4: loss=2.5")]
   assert len(at_4) == lines, caplog.messages
+
+
+# -- beyond scalars (CLU's write_images / write_histograms / write_texts / write_hparams) ------
+
+
+def read_tb_all(logdir):
+  acc = EventAccumulator(str(logdir), size_guidance={"images": 0, "histograms": 0, "tensors": 0,
+                                                     "scalars": 0})
+  acc.Reload()
+  return acc
+
+
+def test_tensorboard_writer_images_histograms_texts_hparams_round_trip(tmp_path):
+  import io
+
+  from PIL import Image
+  from tensorboard.plugins.hparams import plugin_data_pb2
+  img = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
+  gray = (np.arange(2 * 4 * 5) % 5 / 4).reshape(2, 4, 5, 1)  # two float images in [0, 1]
+  w = loopkit.TensorBoardWriter(tmp_path)
+  w.write_hparams({"lr": 0.1, "opt": "adam", "batch_size": np.int64(32), "layers": (1, 2)})
+  w.write_images(3, {"img": img, "gray": jnp.asarray(gray)})
+  w.write_histograms(4, {"w": np.arange(1000.0)}, num_buckets={"w": 10})
+  w.write_histograms(4, {"v": jnp.arange(10.0)})
+  w.write_texts(5, {"note": "hello **world**"})
+  w.write_scalars(5, {"tag": "a string scalar"})
+  with pytest.raises(ValueError, match=r"image 'bad' must be .* got shape \(4, 5\)"):
+    w.write_images(6, {"bad": np.zeros((4, 5))})
+  w.close()
+  acc = read_tb_all(tmp_path)
+
+  e = acc.Images("img")[0]
+  assert (e.step, e.width, e.height) == (3, 5, 4)
+  np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(e.encoded_image_string))), img)
+  e = acc.Images("gray")[0]  # N images tiled side by side
+  assert (e.step, e.width, e.height) == (3, 10, 4)
+  tiles = np.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("L"))
+  expected = np.floor(gray[0, ..., 0] * 255).astype(np.uint8)  # 0, 63, 127, 191, 255
+  np.testing.assert_array_equal(tiles[:, :5], expected)
+
+  h = acc.Histograms("w")[0]
+  hv = h.histogram_value
+  assert (h.step, hv.num, hv.sum, hv.min, hv.max) == (4, 1000, 499500.0, 0.0, 999.0)
+  assert [c for c in hv.bucket if c] == [100.0] * 10
+  hv = acc.Histograms("v")[0].histogram_value
+  assert (hv.num, hv.sum, sum(hv.bucket)) == (10, 45.0, 10.0)
+
+  assert [(t.step, t.tensor_proto.string_val) for t in acc.Tensors("note")] == [
+      (5, [b"hello **world**"])]
+  assert acc.Tensors("tag")[0].tensor_proto.string_val == [b"a string scalar"]
+
+  content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+  hp = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+  assert hp["lr"].number_value == 0.1
+  assert hp["opt"].string_value == "adam"
+  assert hp["batch_size"].number_value == 32
+  assert hp["layers"].string_value == "(1, 2)"
+
+
+def test_jsonl_and_console_record_texts_and_hparams_and_skip_the_rest(tmp_path, caplog):
+  j = loopkit.JsonlWriter(tmp_path / "m.jsonl")
+  c = loopkit.ConsoleWriter()
+  with caplog.at_level(logging.DEBUG, logger="loopkit"):
+    for w in (j, c):
+      w.write_hparams({"lr": np.float32(0.5), "opt": "sgd"})
+      w.write_texts(2, {"note": "hi"})
+      w.write_images(2, {"img": np.zeros((2, 2, 3))})
+      w.write_histograms(2, {"w": np.zeros(3)})
+  j.close()
+  assert open(tmp_path / "m.jsonl").read().splitlines() == [
+      '{"hparams": {"lr": 0.5, "opt": "sgd"}}', '{"step": 2, "note": "hi"}']
+  infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+  assert infos == ["hparams: lr=0.5, opt=sgd", "step 2: note=hi"]
+  debugs = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+  assert debugs == [
+      "JsonlWriter does not record images; skipped ['img'] at step 2",
+      "JsonlWriter does not record histograms; skipped ['w'] at step 2",
+      "ConsoleWriter does not record images; skipped ['img'] at step 2",
+      "ConsoleWriter does not record histograms; skipped ['w'] at step 2"]
+
+
+class FullRecorder(Recorder):
+  def write_texts(self, step, texts):
+    self.rows.append((step, ("texts", dict(texts))))
+
+  def write_images(self, step, images):
+    self.rows.append((step, ("images", sorted(images))))
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    self.rows.append((step, ("histograms", sorted(arrays), num_buckets)))
+
+  def write_hparams(self, hparams):
+    self.rows.append((None, ("hparams", dict(hparams))))
+
+
+@pytest.mark.parametrize("wrap", ["multi", "async"])
+def test_multi_and_async_fan_out_every_method_and_skip_writers_without_it(wrap):
+  full, scalars_only = FullRecorder(), Recorder()
+  inner = loopkit.MultiWriter([full, scalars_only])
+  w = inner if wrap == "multi" else loopkit.AsyncWriter(inner)
+  w.write_hparams({"lr": 0.1})
+  w.write_scalars(1, {"a": 1.0})
+  w.write_texts(1, {"t": "x"})
+  w.write_images(2, {"i": np.zeros((1, 1, 1))})
+  w.write_histograms(3, {"h": np.zeros(2)}, num_buckets={"h": 4})
+  w.close()
+  assert full.rows == [(None, ("hparams", {"lr": 0.1})), (1, {"a": 1.0}),
+                       (1, ("texts", {"t": "x"})), (2, ("images", ["i"])),
+                       (3, ("histograms", ["h"], {"h": 4}))]
+  assert scalars_only.rows == [(1, {"a": 1.0})]
+  nw = writers_lib.NullWriter()
+  nw.write_images(1, {}), nw.write_histograms(1, {}), nw.write_texts(1, {}), nw.write_hparams({})

@@ -17,6 +17,11 @@ call late, as ``TrainLoop`` does. Prints one JSON line per K and a summary.
 
 Expected wall time on one H200: about 2-3 minutes (two compilations of
 ResNet-50 dominate; the timed part is 200 steps per K).
+
+``benchmarks/gpu.py`` is the side-by-side run (per-step loop, ``TrainLoop`` at
+K = 1, 26, 100 from a host source, this device-resident limit, the MLP, with
+and without XLA's while-loop command buffers); it builds its step with
+:func:`build_step` from here.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import time
 # Runnable as a script from anywhere: put the repository root on the path.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-if "--tiny" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""):
+if (__name__ == "__main__" and "--tiny" in sys.argv
+    and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
@@ -62,22 +67,50 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def build(args):
-  """(train_step, initial state) of the example for the benchmark's settings."""
+def build_step(*, depth: int = 50, batch: int = 256, num_filters: int = 64,
+               num_classes: int = 1000, half_precision: bool = True):
+  """(train_step, initial state) of the example's ResNet recipe at these sizes.
+
+  Args:
+    depth: ResNet depth (18, 34, 50, ...; ``models.STAGE_SIZES``).
+    batch: global batch size B (sets the learning-rate schedule's scale only).
+    num_filters: base filter count (64 for ResNet-50 proper).
+    num_classes: logits per example.
+    half_precision: bfloat16 compute with float32 parameters (else float32).
+
+  Returns:
+    ``(train_step, state)``: ``train_step(state, {"image": uint8 [B, S, S, 3],
+    "label": int32 [B]}) -> (state, metrics)`` and the initial
+    :class:`examples.resnet50.train.TrainState` (built by one jitted init, on
+    the default device).
+  """
   config = default.get_config()
-  config.model.depth = args.depth
-  config.half_precision = not args.float32
-  config.global_batch_size = args.batch
-  if args.tiny:
-    config.model.num_filters = 8
-  steps_per_epoch = 1_281_167 // args.batch
+  config.model.depth = depth
+  config.model.num_filters = num_filters
+  config.num_classes = num_classes
+  config.half_precision = half_precision
+  config.global_batch_size = batch
+  steps_per_epoch = 1_281_167 // batch
   schedule = train.learning_rate_schedule(config, steps_per_epoch)
   tx = train.create_optimizer(config, schedule)
-  graphdef, state = train.create_train_state(train.create_model(config), tx)
-  step = train.make_train_step(graphdef, tx, schedule, num_classes=config.num_classes,
+  graphdefs = []
+
+  def init():  # one compiled program: eager NNX init compiles every initialiser op apart
+    graphdef, state = train.create_train_state(train.create_model(config), tx)
+    graphdefs.append(graphdef)  # static structure, no arrays
+    return state
+
+  state = jax.jit(init)()
+  step = train.make_train_step(graphdefs[0], tx, schedule, num_classes=config.num_classes,
                                label_smoothing=config.label_smoothing,
                                dtype=train.compute_dtype(config))
   return step, state
+
+
+def build(args):
+  """(train_step, initial state) of the example for the benchmark's settings."""
+  return build_step(depth=args.depth, batch=args.batch, num_filters=8 if args.tiny else 64,
+                    half_precision=not args.float32)
 
 
 def measure(args, k: int, mesh) -> dict:

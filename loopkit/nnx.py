@@ -1,0 +1,378 @@
+"""Flax NNX: train and evaluate ``nnx.Module`` objects with in-place steps.
+
+NNX steps mutate their arguments (as in Flax's ``examples/mnist``)::
+
+    @nnx.jit
+    def train_step(model, optimizer, metrics, batch, rngs):
+      (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, rngs)
+      metrics.update(loss=loss, logits=logits, labels=batch["label"])
+      optimizer.update(model, grads)
+
+:class:`NnxTrainLoop` runs such a step as loopkit's pure multi-step program:
+the objects are split once into a static ``graphdef`` and a state pytree
+(``nnx.split``; the optimizer's ``step`` is the step counter), each step merges
+them back (``nnx.merge``), calls the user's step and splits the mutated
+objects again. After :meth:`NnxTrainLoop.run` the user's objects hold the
+trained values (``nnx.update``). The state handed to the device is a copy of
+the objects' arrays, so the donation of the state never deletes an array the
+user's objects still hold, not even when ``run`` raises.
+
+Arguments reach the step in the order of Flax's examples:
+``train_step(model, optimizer, [metrics,] batch, *extra)`` (``extra``: e.g.
+the ``nnx.Rngs`` of the MNIST example). The step may return None, a dict of
+scalar metrics, or a scalar (logged as ``"loss"``). An ``nnx.MultiMetric``
+passed as ``metrics`` is also logged per device call: each of its metrics
+whose state is a ``total`` and a ``count`` (``nnx.metrics.Average``,
+``Accuracy``) is reported as the exact mean over the call's steps.
+
+:class:`NnxEvaluator` runs an NNX eval step ``eval_step(model, metrics,
+batch)`` (batch means into an ``nnx.MultiMetric``) over a whole eval set with
+:class:`loopkit.Evaluator`'s padding and masking: every example is evaluated
+as its own batch of one (``jax.vmap``), its metric increments are summed with
+padded rows masked out, and ``metrics.compute()`` then gives the exact
+per-example mean (cases C15, C18).
+
+Per-device style (``step_style="per_device"``): the step sees its device's
+slice of the batch; it averages gradients itself (``jax.lax.pmean(grads,
+data_axis)``) and builds BatchNorm with ``axis_name=data_axis``. The
+MultiMetric's increments are summed over the devices by the adapter (so every
+device's copy of the state agrees), which is exact for ``total``/``count``
+metrics (an ``Average`` of batch means then averages the devices' means,
+exact for equal slices). ``nnx.Rngs`` keys are replicated: every device draws
+the same dropout mask for its slice (fold in ``jax.lax.axis_index`` in the
+step for independent masks).
+
+Requires ``flax`` (``pip install loopkit[nnx]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopkit import metrics as metrics_lib
+from loopkit.evaluation import EvalHook, EvalResult, Evaluator
+from loopkit.extras import missing
+from loopkit.loop import TrainLoop
+
+try:
+  from flax import nnx
+except ImportError as e:
+  raise missing(e, "loopkit.nnx") from e
+
+__all__ = ["NnxEvaluator", "NnxTrainLoop"]
+
+_NAMES = ("model", "optimizer", "metrics")
+
+
+def _pure(objects: tuple) -> tuple[Any, dict]:
+  """``(graphdef, state)``: the objects split, the state a dict of plain arrays."""
+  graphdef, state = nnx.split(objects)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def _copy(tree: Any) -> Any:
+  """New buffers for every array leaf (the loop donates what it is given)."""
+  return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x,
+                      tree)
+
+
+def _additive(metrics: Any, what: str) -> dict[str, dict[str, Any]]:
+  """The ``{name: {"total", "count"}}`` states of a MultiMetric's (or Metric's) parts.
+
+  Raises:
+    ValueError: a part whose state is not exactly a ``total`` and a ``count``.
+  """
+  state = nnx.to_pure_dict(nnx.state(metrics))
+  parts = state if all(isinstance(v, dict) for v in state.values()) else {"": state}
+  for name, s in parts.items():
+    if set(s) != {"total", "count"}:
+      raise ValueError(
+          f"{what}: metric {name!r} has state {sorted(s)}; only metrics whose state is a "
+          "'total' and a 'count' (nnx.metrics.Average, Accuracy) sum exactly over examples "
+          "and devices")
+  return parts
+
+
+class NnxTrainLoop:
+  """Trains NNX objects with an in-place step, K steps per device call.
+
+  Example:
+    >>> loop = loopkit.nnx.NnxTrainLoop(  # doctest: +SKIP
+    ...     train_step, model, optimizer, metrics, extra=(rngs,), iterations_per_loop=100)
+    >>> loop.run(train_ds.as_numpy_iterator(), num_steps=1000)  # doctest: +SKIP
+    >>> metrics.compute()  # the objects hold the results  # doctest: +SKIP
+
+  Args:
+    train_step: ``(model, optimizer, [metrics,] batch, *extra) -> None | dict |
+      scalar``, written in NNX's in-place style (``nnx.jit``-decorated or
+      not). It must call ``optimizer.update(model, grads)`` exactly once.
+    model: the ``nnx.Module``.
+    optimizer: the ``nnx.Optimizer``; its ``step`` (uint32 scalar) is the
+      loop's step counter.
+    metrics: optional ``nnx.MultiMetric`` the step updates in place.
+    extra: further graph objects passed after the batch (e.g. ``nnx.Rngs``).
+    **loop_kwargs: :class:`loopkit.TrainLoop` arguments (``iterations_per_loop``,
+      ``hooks``, ``mesh``, ``data_axis``, ``step_style``, ``steps_per_epoch``,
+      ...). Hooks that take the state get the pure state (a dict
+      ``{"model", "optimizer", "metrics", "extra"}`` of arrays, see
+      :meth:`state`); :class:`loopkit.CheckpointHook` saves and restores it
+      (typed keys of ``nnx.Rngs`` included). ``step_of`` defaults to the
+      optimizer's ``step``.
+
+  Raises:
+    ValueError: (at ``run``) the objects' structure changed since construction
+      (e.g. ``model.eval()`` is in effect: call ``model.train()``); a
+      ``per_device`` step with a metric that is not a total and a count.
+
+  Attributes:
+    loop: the underlying :class:`loopkit.TrainLoop`.
+    graphdef: the objects' static structure the program was built for.
+
+  Not thread-safe. Multi-host: every process runs the same loop.
+  """
+
+  def __init__(self, train_step: Callable, model: Any, optimizer: Any, metrics: Any = None,
+               *, extra: Sequence[Any] = (), **loop_kwargs):
+    self.user_step = train_step
+    self._has_metrics = metrics is not None
+    self._names = _NAMES if self._has_metrics else _NAMES[:2]
+    self._objects = (model, optimizer, *((metrics,) if self._has_metrics else ()), *extra)
+    self._num_extra = len(extra)
+    self.graphdef, _ = _pure(self._objects)
+    style = loop_kwargs.get("step_style", "global")
+    self._axis = loop_kwargs.get("data_axis", "data")
+    self._log_parts = {}
+    if self._has_metrics:
+      try:
+        self._log_parts = _additive(metrics, "NnxTrainLoop")
+      except ValueError:
+        if style == "per_device":
+          raise
+    self._per_device = style == "per_device"
+    loop_kwargs.setdefault("step_of", lambda s: s["optimizer"]["step"])
+    self.loop = TrainLoop(self._pure_step, **loop_kwargs)
+
+  # -- state -----------------------------------------------------------------
+
+  def _to_named(self, pure: dict) -> dict[str, Any]:
+    n = len(self._names)
+    named = {name: pure.get(i, {}) for i, name in enumerate(self._names)}
+    named["extra"] = [pure.get(n + i, {}) for i in range(self._num_extra)]
+    return named
+
+  def _to_indexed(self, named: dict[str, Any]) -> dict[int, Any]:
+    n = len(self._names)
+    pure = {i: named[name] for i, name in enumerate(self._names)}
+    pure.update({n + i: s for i, s in enumerate(named["extra"])})
+    return pure
+
+  def state(self) -> dict[str, Any]:
+    """The objects' current state: ``{"model", "optimizer", "metrics", "extra"}``.
+
+    Leaves are the objects' own arrays (not copies). Without a MultiMetric
+    there is no ``"metrics"`` key; ``extra`` is a list, one entry per extra
+    object (``{}`` when its variables belong to an earlier object, e.g. an
+    ``nnx.Rngs`` the model holds).
+    """
+    graphdef, pure = _pure(self._objects)
+    if graphdef != self.graphdef:
+      raise ValueError(
+          "the NNX objects' structure changed since the NnxTrainLoop was built (e.g. "
+          "model.eval() is in effect, or a submodule or variable was added): call "
+          "model.train() before run, or build a new loop for the new structure")
+    return self._to_named(pure)
+
+  def update(self, state: dict[str, Any]) -> None:
+    """Writes a state (as from :meth:`state` or ``run``) into the user's objects."""
+    nnx.update(self._objects, self._to_indexed(state))
+
+  # -- traced ----------------------------------------------------------------
+
+  def _pure_step(self, state: dict[str, Any], batch: Any) -> tuple[dict[str, Any], dict]:
+    objects = nnx.merge(self.graphdef, self._to_indexed(state))
+    n = len(self._names)
+    out = self.user_step(*objects[:n], batch, *objects[n:])
+    _, new = _pure(objects)
+    new = self._to_named(new)
+    logged = {}
+    if self._log_parts:
+      old_parts = state["metrics"] if "" not in self._log_parts else {"": state["metrics"]}
+      new_parts = new["metrics"] if "" not in self._log_parts else {"": new["metrics"]}
+      deltas = jax.tree.map(lambda a, b: a - b, new_parts, old_parts)
+      if self._per_device:  # every device's copy must agree: sum the increments
+        deltas = jax.lax.psum(deltas, self._axis)
+        summed = jax.tree.map(lambda a, d: a + d, old_parts, deltas)
+        new["metrics"] = summed if "" not in self._log_parts else summed[""]
+      for name, d in deltas.items():
+        logged[name or "metric"] = metrics_lib.Mean(jnp.asarray(d["total"], jnp.float32),
+                                                    jnp.asarray(d["count"], jnp.float32))
+    if out is None:
+      out = {}
+    elif not isinstance(out, dict):
+      out = {"loss": out}
+    logged.update(out)
+    return new, logged
+
+  # -- host ------------------------------------------------------------------
+
+  def run(self, batches: Iterable, *, num_steps: int | None = None,
+          num_epochs: int | None = None) -> dict[str, Any]:
+    """Trains the objects to ``num_steps`` (or ``num_epochs``); updates them in place.
+
+    Args:
+      batches: as for :meth:`loopkit.TrainLoop.run`.
+      num_steps: the global step (optimizer updates) to stop at.
+      num_epochs: alternatively, the epoch count (needs ``steps_per_epoch``).
+
+    Returns:
+      The final state (``{"model", "optimizer", "metrics", "extra"}``), whose
+      arrays the user's objects now hold.
+
+    Raises:
+      ValueError: see the class and :meth:`loopkit.TrainLoop.run`. If ``run``
+      raises, the objects keep the values they had before it.
+    """
+    state = _copy(self.state())
+    state = self.loop.run(state, batches, num_steps=num_steps, num_epochs=num_epochs)
+    self.update(state)
+    return state
+
+  @property
+  def ledger(self):
+    """The loop's :class:`~loopkit.ledger.Ledger`."""
+    return self.loop.ledger
+
+  @property
+  def status(self) -> str | None:
+    """The last run's status (see :class:`loopkit.TrainLoop`)."""
+    return self.loop.status
+
+  @property
+  def program(self):
+    """The compiled :class:`~loopkit.program.MultiStepProgram`."""
+    return self.loop.program
+
+
+class NnxEvaluator:
+  """Evaluates an NNX model with an in-place eval step, exactly over all examples.
+
+  Example:
+    >>> ev = loopkit.nnx.NnxEvaluator(eval_step, model, metrics)  # doctest: +SKIP
+    >>> ev.evaluate(test_ds.as_numpy_iterator())  # {"accuracy": ..., "loss": ...}  # doctest: +SKIP
+
+  Args:
+    eval_step: ``(model, metrics, batch) -> None``: updates ``metrics`` (an
+      ``nnx.MultiMetric``) with batch means, as in Flax's examples. The model
+      is used as it is (call ``model.eval()`` first for inference mode).
+    model: the ``nnx.Module``.
+    metrics: the ``nnx.MultiMetric``; after :meth:`evaluate` it holds the
+      totals over the whole set (``metrics.compute()`` = the result).
+    **evaluator_kwargs: :class:`loopkit.Evaluator` arguments
+      (``iterations_per_loop``, ``mesh``, ``data_axis``, ``step_style``,
+      ``global_batch_size``, ``prefetch``).
+
+  Raises:
+    ValueError: a metric whose state is not a ``total`` and a ``count``.
+
+  Every example runs as a batch of one (``jax.vmap``), so the step must not
+  mix examples (BatchNorm in training mode would); padding rows are masked out.
+  Compiles once per model structure (``model.eval()`` / ``model.train()``
+  change it). Not thread-safe.
+  """
+
+  def __init__(self, eval_step: Callable, model: Any, metrics: Any, **evaluator_kwargs):
+    self.user_step = eval_step
+    self.model = model
+    self.metrics = metrics
+    self._parts = _additive(metrics, "NnxEvaluator")
+    self._zero = jax.tree.map(jnp.zeros_like, nnx.to_pure_dict(nnx.state(metrics)))
+    self._graphdef = None
+    self._eval_clone = None
+    self._evaluator: Evaluator | None = None
+    self._kwargs = evaluator_kwargs
+
+  def _per_example(self, state: Any, batch: Any) -> dict[str, jax.Array]:
+    def one(example):
+      model, metrics = nnx.merge(self._graphdef, {0: state, 1: self._zero})
+      self.user_step(model, metrics, jax.tree.map(lambda x: x[None], example))
+      inc = nnx.to_pure_dict(nnx.state(metrics))
+      parts = inc if "" not in self._parts else {"": inc}
+      return {f"{n}/{leaf}": jnp.asarray(v[leaf], jnp.float32)
+              for n, v in parts.items() for leaf in ("total", "count")}
+    return jax.vmap(one)(batch)
+
+  def evaluate(self, batches: Iterable, *, state: Any = None, num_batches: int | None = None,
+               eval_mode: bool = False) -> dict[str, Any]:
+    """Evaluates the model (or ``state``, a model state) on every example once.
+
+    Args:
+      batches: iterable of batches ``[b, ...]`` (short ones are padded).
+      state: the model's pure state (e.g. ``s["model"]`` of an
+        :class:`NnxTrainLoop` state); default: the model object's current values.
+      num_batches: see :meth:`loopkit.Evaluator.evaluate` (multi-host).
+      eval_mode: evaluate with the structure of ``model.eval()`` (from a
+        clone; the user's model is not switched).
+
+    Returns:
+      ``metrics.compute()`` of the user's MultiMetric, which now holds the
+      totals over all real examples (its previous values are replaced).
+    """
+    model = self.model
+    if eval_mode:
+      if self._eval_clone is None:
+        self._eval_clone = nnx.clone(self.model)
+        self._eval_clone.eval()
+      model = self._eval_clone
+    graphdef, _ = _pure((model, self.metrics))
+    if state is None:
+      state = _pure((self.model, self.metrics))[1][0]
+    if self._evaluator is None or graphdef != self._graphdef:
+      self._graphdef = graphdef
+      self._evaluator = Evaluator(self._per_example, **self._kwargs)
+    self.last = self._evaluator.evaluate(state, batches, num_batches=num_batches)
+    totals = self.last.totals
+    new = jax.tree.map(lambda z: z, self._zero)
+    parts = new if "" not in self._parts else {"": new}
+    for n, v in parts.items():
+      for leaf in ("total", "count"):
+        v[leaf] = jnp.asarray(np.asarray(totals.get(f"{n}/{leaf}", 0.0)), v[leaf].dtype)
+    nnx.update(self.metrics, new)
+    return self.metrics.compute()
+
+  __call__ = evaluate
+
+  def compile_count(self) -> int:
+    """Executables compiled for the current eval program (1 in a healthy run)."""
+    return 0 if self._evaluator is None else self._evaluator.compile_count()
+
+  def hook(self, batches: Iterable | Callable[[], Iterable], *, num_batches: int | None = None,
+           writer: Any = None, prefix: str = "eval", **trigger) -> EvalHook:
+    """An :class:`loopkit.EvalHook` for an :class:`NnxTrainLoop`'s hooks.
+
+    At each firing it evaluates the train state's model part in inference
+    mode (the structure of ``model.eval()``, taken from a clone, so the
+    user's model stays in training mode) and writes ``{prefix}/{metric}``.
+
+    Args:
+      batches: a re-iterable or a callable returning a fresh iterable.
+      num_batches: as for :class:`loopkit.EvalHook`.
+      writer: as for :class:`loopkit.EvalHook` (see :func:`loopkit.as_writer`).
+      prefix: as for :class:`loopkit.EvalHook`.
+      **trigger: as for :class:`loopkit.EvalHook` (``every_steps``, ...).
+    """
+    evaluator = self
+
+    class _Adapter:
+      def evaluate(self, state, batches, num_batches=None):
+        values = evaluator.evaluate(batches, state=state, num_batches=num_batches, eval_mode=True)
+        last = evaluator.last
+        return EvalResult({k: float(v) for k, v in values.items()}, last.totals,
+                          last.num_examples, last.num_batches, last.num_calls)
+
+    return EvalHook(_Adapter(), batches, num_batches=num_batches, writer=writer, prefix=prefix,
+                    state_fn=lambda s: s["model"], **trigger)

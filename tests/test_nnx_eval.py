@@ -1,0 +1,92 @@
+"""Evaluation in the users' shape: batch-mean eval steps and nnx.MultiMetric eval steps give the
+exact per-example mean over the whole set, padding excluded (C15, C18), on 1 and 8 devices."""
+
+import jax
+import jax.numpy as jnp
+import nnx_models
+import numpy as np
+import optax
+import pytest
+
+import loopkit
+import loopkit.nnx
+
+N, B = 37, 8  # 5 batches, the last one 5 examples: padded by 3 rows
+
+
+@pytest.fixture(scope="module")
+def data():
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(N, 8, 8, 1)).astype(np.float32)
+  y = rng.integers(0, 10, N).astype(np.int32)
+  return x, y, [{"image": x[i:i + B], "label": y[i:i + B]} for i in range(0, N, B)]
+
+
+@pytest.fixture(scope="module")
+def model_and_exact(data):
+  x, y, _ = data
+  model, _, metrics, _ = nnx_models.make()
+  model.eval()
+  logits = np.asarray(model(x, None))
+  loss = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, y), np.float64)
+  return model, metrics, {"loss": loss.mean(), "correct": int(np.sum(logits.argmax(-1) == y))}
+
+
+MESHES = {"1": lambda: loopkit.data_parallel_mesh(devices=jax.devices()[:1]),
+          "8": lambda: loopkit.data_parallel_mesh()}
+
+
+@pytest.mark.parametrize("devices", ["1", "8"])
+def test_nnx_multimetric_eval_step_is_exact(data, model_and_exact, devices):
+  model, metrics, exact = model_and_exact
+  ev = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model, metrics, iterations_per_loop=2,
+                                mesh=MESHES[devices]())
+  got = ev.evaluate(data[2])
+  assert int(metrics.accuracy.count[...]) == int(metrics.loss.count[...]) == N
+  assert float(metrics.accuracy.total[...]) == exact["correct"]
+  assert float(got["accuracy"]) == np.float32(exact["correct"] / N)
+  np.testing.assert_allclose(float(got["loss"]), exact["loss"], rtol=1e-6)
+  assert ev.last.num_batches == 5 and ev.last.num_calls == 3
+  ev.evaluate(data[2][:2])  # a second set: same executable, totals replaced
+  assert int(metrics.accuracy.count[...]) == 2 * B and ev.compile_count() == 1
+
+
+@pytest.mark.parametrize("style,devices", [("global", "1"), ("global", "8"),
+                                           ("per_device", "8")])
+def test_batch_mean_eval_step_is_exact(data, model_and_exact, style, devices):
+  model, _, exact = model_and_exact
+  from flax import nnx
+  graphdef, state = nnx.split(model)
+
+  def eval_step(state, batch):  # Flax's linen-style eval step: batch means
+    logits = nnx.merge(graphdef, state)(batch["image"], None)
+    return {"loss": optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["label"]).mean(),
+            "accuracy": jnp.mean(logits.argmax(-1) == batch["label"])}
+
+  ev = loopkit.Evaluator(loopkit.evaluation.per_example(eval_step), iterations_per_loop=2,
+                         mesh=MESHES[devices](), step_style=style)
+  r = ev.evaluate(state, data[2])
+  assert r.num_examples == N
+  assert r.totals["accuracy"] == exact["correct"]
+  np.testing.assert_allclose(r.metrics["loss"], exact["loss"], rtol=1e-6)
+  # Without the wrapper the step's batch means are refused (they would count the padding).
+  with pytest.raises(ValueError, match="per-example"):
+    loopkit.Evaluator(eval_step, mesh=MESHES[devices](), step_style=style).evaluate(
+        state, data[2])
+
+
+def test_nnx_eval_hook_in_a_train_loop(data):
+  model, optimizer, metrics, rngs = nnx_models.make()
+  eval_metrics = nnx_models.make()[2]
+  ev = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model, eval_metrics,
+                                iterations_per_loop=2)
+  hook = ev.hook(data[2], every_steps=4)
+  loop = loopkit.nnx.NnxTrainLoop(nnx_models.train_step, model, optimizer, metrics,
+                                  extra=(rngs,), iterations_per_loop=3, hooks=[hook])
+  loop.run(nnx_models.batches(8), num_steps=8)
+  assert [s for s, _ in hook.results] == [4, 8]
+  assert all(r.num_examples == N for _, r in hook.results)
+  model.eval()  # the hook evaluated in inference mode without switching the user's model
+  want = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model, eval_metrics).evaluate(data[2])
+  assert hook.results[-1][1].metrics == {k: float(v) for k, v in want.items()}

@@ -1,0 +1,341 @@
+"""What a user sees (issue 18): metrics that survive a SIGKILL and a resume, once; throughput
+rows from the injected clock; per-step rows under their own keys; the progress bar through a
+pseudo-terminal."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+
+import loopkit
+from tests import toy
+
+sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_tb(logdir):
+  """{tag: [(step, value), ...]} as TensorBoard shows them (purged events hidden)."""
+  acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+  acc.Reload()
+  return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_jsonl(path):
+  return [json.loads(line) for line in open(path)]
+
+
+def subprocess_env():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return env
+
+
+KILL_WORKER = textwrap.dedent("""
+    import os, signal, sys
+    import jax.numpy as jnp, numpy as np
+    import loopkit
+
+    workdir, kill_at = sys.argv[1], int(sys.argv[2])
+
+    def step(state, batch):
+      s = state["step"] + 1
+      return ({"w": state["w"] + jnp.sum(batch["x"]), "step": s},
+              {"s": s.astype(jnp.float32)})
+
+    def kill(info, state):
+      os.kill(os.getpid(), signal.SIGKILL)
+
+    writer = loopkit.create_default_writer(workdir, console=False)  # async TB + JSONL
+    hooks = [loopkit.LoggingHook(writer, every_steps=5, per_step=True),
+             loopkit.CheckpointHook(os.path.join(workdir, "ckpt"), every_steps=50,
+                                    async_save=False)]
+    if kill_at:
+      hooks.append(loopkit.CallbackHook(kill, needs_state=False, at_steps=[kill_at],
+                                        at_end=False))
+    loop = loopkit.TrainLoop(step, iterations_per_loop=4, hooks=hooks)
+    batches = [{"x": np.full((4, 1), i, np.float32)} for i in range(100)]
+    loop.run({"w": jnp.zeros(()), "step": jnp.zeros((), jnp.int32)}, batches, num_steps=100)
+    writer.close()
+    print("done", loop.ledger.step)
+""")
+
+
+def test_metrics_survive_sigkill_and_a_resume_writes_each_step_once(tmp_path):
+  """Rows every 5 steps (K=4), per-step rows, a checkpoint at 50, SIGKILL at 75, resume to 100.
+
+  After the kill the files hold every row up to the checkpoint (flushed at its save); after the
+  resume, every step 5, 10, ..., 100 once (averaged ``s`` = step - 2, the mean of its 5 steps)
+  and every per-step value 1..100 once, in JSONL and in TensorBoard.
+  """
+  cmd = [sys.executable, "-c", KILL_WORKER, str(tmp_path)]
+  first = subprocess.run(cmd + ["75"], capture_output=True, text=True, env=subprocess_env(),
+                         timeout=300)
+  assert first.returncode == -9, first.stderr[-3000:]  # SIGKILL, no clean exit
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
+  averaged = sorted(r["step"] for r in rows if "s" in r)
+  per_step = sorted(r["step"] for r in rows if "per_step/s" in r)
+  assert set(range(5, 51, 5)) <= set(averaged), averaged  # rows the checkpoint covers survived
+  assert set(range(1, 51)) <= set(per_step), per_step
+  tb = read_tb(tmp_path)
+  assert {5 * i for i in range(1, 11)} <= {s for s, _ in tb["s"]}
+
+  second = subprocess.run(cmd + ["0"], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=300)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert second.stdout.split() == ["done", "100"]
+
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["s"]) for r in rows if "s" in r] == [
+      (s, float(s - 2)) for s in range(5, 101, 5)]
+  assert [(r["step"], r["per_step/s"]) for r in rows if "per_step/s" in r] == [
+      (s, float(s)) for s in range(1, 101)]
+  tb = read_tb(tmp_path)
+  assert tb["s"] == [(s, float(s - 2)) for s in range(5, 101, 5)]
+  assert tb["per_step/s"] == [(s, float(s)) for s in range(1, 101)]
+  assert len([f for f in os.listdir(tmp_path) if "tfevents" in f]) == 2
+
+
+def test_jsonl_writer_flushes_on_its_time_bound(tmp_path):
+  clock = toy.FakeClock()
+  path = tmp_path / "m.jsonl"
+  w = loopkit.JsonlWriter(path, flush_secs=10.0, clock=clock)
+  w.write_scalars(1, {"a": 1.0})
+  assert path.read_text() == ""  # buffered: the last flush is 0 s old
+  clock.t = 9.9
+  w.write_scalars(2, {"a": 2.0})
+  assert path.read_text() == ""
+  clock.t = 10.0
+  w.write_scalars(3, {"a": 3.0})  # 10 s since the last flush: this write flushes
+  assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
+  clock.t = 15.0
+  w.write_scalars(4, {"a": 4.0})
+  assert len(read_jsonl(path)) == 3
+  w.close()
+  assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4]
+
+
+def test_tensorboard_writer_flushes_on_its_time_bound(tmp_path):
+  clock = toy.FakeClock()
+  w = loopkit.TensorBoardWriter(tmp_path, flush_secs=10.0, clock=clock)
+  w.write_scalars(1, {"a": 1.0})
+  assert "a" not in read_tb(tmp_path)
+  clock.t = 10.0
+  w.write_scalars(2, {"a": 2.0})
+  assert read_tb(tmp_path)["a"] == [(1, 1.0), (2, 2.0)]
+  w.close()
+
+
+def test_jsonl_resume_drops_rows_at_and_after_the_first_new_step(tmp_path):
+  path = tmp_path / "m.jsonl"
+  path.write_text('{"hparams": {"lr": 0.1}}\n{"step": 5, "a": 1}\n{"step": 10, "a": 2}\n'
+                  '{"step": 15, "a": 3}\n{"step": 2')  # a line cut short by a kill
+  w = loopkit.JsonlWriter(path)
+  w.write_scalars(10, {"a": 20})
+  w.close()
+  assert path.read_text() == ('{"hparams": {"lr": 0.1}}\n{"step": 5, "a": 1}\n'
+                              '{"step": 10, "a": 20}\n')
+  assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def test_jsonl_resume_that_writes_hparams_first_still_drops_the_old_rows(tmp_path):
+  path = tmp_path / "m.jsonl"
+  path.write_text('{"step": 5, "a": 1}\n{"step": 10, "a": 2}\n')
+  w = loopkit.JsonlWriter(path)
+  w.write_hparams({"lr": 0.1})
+  w.write_scalars(10, {"a": 20})
+  w.write_scalars(15, {"a": 30})
+  w.close()
+  assert read_jsonl(path) == [{"step": 5, "a": 1}, {"hparams": {"lr": 0.1}},
+                              {"step": 10, "a": 20}, {"step": 15, "a": 30}]
+
+
+def test_tensorboard_resume_that_writes_hparams_first_still_purges(tmp_path):
+  w = loopkit.TensorBoardWriter(tmp_path)
+  w.write_scalars(5, {"a": 1.0})
+  w.write_scalars(10, {"a": 2.0})
+  w.close()
+  w = loopkit.TensorBoardWriter(tmp_path)  # a resumed run from step 5
+  w.write_hparams({"lr": 0.1})
+  w.write_scalars(10, {"a": 20.0})
+  w.close()
+  assert read_tb(tmp_path)["a"] == [(5, 1.0), (10, 20.0)]
+
+
+class Recorder(toy.FakeClock):
+  def __init__(self):
+    super().__init__()
+    self.rows, self.flushes = [], 0
+
+  def write_scalars(self, step, scalars):
+    self.rows.append((step, dict(scalars)))
+
+  def flush(self):
+    self.flushes += 1
+
+
+def test_logging_hook_flushes_its_writer_at_each_checkpoint_save(tmp_path):
+  rec = Recorder()
+  ckpt = loopkit.CheckpointHook(tmp_path / "ckpt", every_steps=4, async_save=False)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
+                           hooks=[loopkit.LoggingHook(rec, every_steps=3), ckpt])
+  loop.run(toy.init_state(), toy.batches(12), num_steps=12)
+  assert ckpt.saved_steps == [4, 8, 12]
+  assert rec.flushes == 3 + 1  # each save, and the end of the run
+
+
+def test_throughput_rows_follow_the_injected_clock():
+  """0.5 s per step, K=2, rows every 4 steps, batch 16: 2 steps/s, 32 examples/s, 1 s per call.
+
+  The first row's window starts after the run's first call (the compiling one).
+  """
+  clock, rec = toy.FakeClock(), Recorder()
+  hook = loopkit.LoggingHook(rec, every_steps=4, clock=clock)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
+                           hooks=[toy.Tick(clock, 0.5), hook])
+  loop.run(toy.init_state(), toy.batches(12), num_steps=12)
+  rows = dict(rec.rows)
+  assert sorted(rows) == [4, 8, 12]
+  for step in (4, 8, 12):
+    got = {k: v for k, v in rows[step].items() if k.startswith("throughput/")}
+    assert got.pop("throughput/steps_per_sec") == 2.0
+    assert got.pop("throughput/examples_per_sec") == 32.0
+    assert got.pop("throughput/secs_per_call") == 1.0
+    assert 0.0 <= got.pop("throughput/goodput") <= 1.0
+    assert got == {}
+  assert all(not any(k.startswith("throughput/") for k in s) for _, s in hook.records)
+
+
+def test_throughput_skips_a_row_that_holds_only_the_first_call():
+  clock, rec = toy.FakeClock(), Recorder()
+  hook = loopkit.LoggingHook(rec, every_steps=2, clock=clock)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
+                           hooks=[toy.Tick(clock, 0.25), hook])
+  loop.run(toy.init_state(), toy.batches(6), num_steps=6)
+  rows = dict(rec.rows)
+  assert "throughput/steps_per_sec" not in rows[2]
+  assert rows[4]["throughput/steps_per_sec"] == rows[6]["throughput/steps_per_sec"] == 4.0
+
+
+def test_per_step_rows_have_their_own_keys():
+  rec = Recorder()
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=3,
+                           hooks=[loopkit.LoggingHook(rec, every_steps=3, per_step=True,
+                                                      throughput=False)])
+  loop.run(toy.init_state(), toy.batches(3), num_steps=3)
+  assert [(s, sorted(r)) for s, r in rec.rows] == [
+      (1, ["per_step/loss"]), (2, ["per_step/loss"]), (3, ["per_step/loss"]),
+      (3, ["epoch", "examples_seen", "loss"])]
+  assert rec.rows[3][1]["loss"] == pytest.approx(
+      np.mean([r["per_step/loss"] for _, r in rec.rows[:3]]), rel=1e-6)
+
+
+
+BAR_SCRIPT = textwrap.dedent("""
+    import jax.numpy as jnp, numpy as np
+    import loopkit
+
+    def step(state, batch):
+      loss = jnp.mean(batch["x"])
+      return {"w": state["w"] + loss, "step": state["step"] + 1}, {"loss": loss}
+
+    loop = loopkit.TrainLoop(step, iterations_per_loop=10,
+                             hooks=[loopkit.ProgressHook(), loopkit.LoggingHook(every_steps=20)])
+    batches = [{"x": np.full((16, 2), float(i), np.float32)} for i in range(40)]
+    loop.run({"w": jnp.zeros(()), "step": jnp.zeros((), jnp.int32)}, batches, num_steps=40)
+""")
+
+
+def run_in_terminal(code, cols=80, timeout=120):
+  """Runs ``code`` with stdout and stderr on one pseudo-terminal of ``cols`` columns.
+
+  Returns the raw bytes written to the terminal, decoded.
+  """
+  import fcntl
+  import pty
+  import select
+  import struct
+  import termios
+  import time
+  master, slave = pty.openpty()
+  fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, cols, 0, 0))
+  env = dict(subprocess_env(), COLUMNS=str(cols), TERM="xterm")
+  proc = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave,
+                          stderr=slave, env=env, close_fds=True)
+  os.close(slave)
+  out, deadline = b"", time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    ready, _, _ = select.select([master], [], [], 1.0)
+    if ready:
+      try:
+        chunk = os.read(master, 65536)
+      except OSError:  # the child closed the terminal
+        break
+      if not chunk:
+        break
+      out += chunk
+    elif proc.poll() is not None:
+      break
+  proc.wait(timeout=10)
+  os.close(master)
+  assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+  return out.decode()
+
+
+def screen(raw):
+  """What the terminal shows: each line with its carriage returns applied (text overwrites
+  from column 0), trailing blanks removed. No cursor-movement escapes are expected."""
+  assert "\x1b" not in raw, repr(raw)
+  lines = []
+  for line in raw.replace("\r\n", "\n").split("\n"):
+    cells: list[str] = []
+    for seg in line.split("\r"):
+      cells[:len(seg)] = seg
+    lines.append("".join(cells).rstrip())
+  while lines and not lines[-1]:
+    lines.pop()
+  return lines
+
+
+def test_progress_bar_in_a_terminal_keeps_log_lines_on_their_own_lines():
+  """80 columns: 'compiling' once, each log line alone on its line, one final bar with the
+  loss, one rate and a labelled ETA, no stale bar left above."""
+  raw = run_in_terminal(BAR_SCRIPT)
+  shown = screen(raw)
+  assert shown[0] == "step 0/40: compiling the first device call", shown
+  assert shown[1] == "step 20: loss=9.5, epoch=0, examples_seen=320", shown
+  assert shown[2] == "step 40: loss=29.5, epoch=0, examples_seen=640", shown
+  assert re.fullmatch(r"step 40/40 \|\u2588{20}\| 100%, \d+(\.\d)? steps/s, ETA 0:00:00, "
+                      r"loss=34\.5", shown[3]), shown
+  assert len(shown) == 4, shown
+  assert all(len(line) <= 80 for line in shown)
+
+
+# Modules whose log calls still start with "loopkit: " (the default handler already prefixes
+# warnings "loopkit WARNING:"); remove a module from here once its messages are fixed.
+KNOWN_PREFIXED = {"checkpoint.py"}
+
+
+def test_log_messages_do_not_repeat_the_loggers_name():
+  import ast
+  found = set()
+  pkg = os.path.join(REPO, "loopkit")
+  for name in sorted(os.listdir(pkg)):
+    if not name.endswith(".py"):
+      continue
+    tree = ast.parse(open(os.path.join(pkg, name)).read())
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr in ("debug", "info", "warning", "error", "exception")
+          and node.args and isinstance(node.args[0], ast.Constant)
+          and str(node.args[0].value).startswith("loopkit: ")):
+        found.add(name)
+  assert found == KNOWN_PREFIXED
