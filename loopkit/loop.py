@@ -404,7 +404,7 @@ class TrainLoop:
         try:
           getattr(h, "on_run_error", lambda loop, e: None)(self, error)
         except Exception:  # pylint: disable=broad-except  # the run's own error propagates
-          log.exception("loopkit: %s.on_run_error failed", type(h).__name__)
+          log.exception("%s.on_run_error failed", type(h).__name__)
       raise
     finally:
       self.preemption.uninstall()
