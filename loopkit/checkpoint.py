@@ -8,7 +8,7 @@ the state's leaves:
 item   content                           Orbax args
 ====== ================================= ====================================
 state  the train state (sharded arrays)  ``StandardSave`` / ``StandardRestore``
-leaves each leaf's path, shape, dtype     ``JsonSave`` / ``JsonRestore``
+leaves each leaf's path, shape, dtype    ``JsonSave`` / ``JsonRestore``
        (and PRNG key impl)
 ledger :class:`~loopkit.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
 data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
@@ -45,13 +45,14 @@ checkpoint whose tree, shapes or dtypes differ from the live state raises
 **Complete or invisible.** A step directory counts only if Orbax finalized it
 (it holds ``commit_success.txt``, written last in both of Orbax's atomicity
 modes). When the hook opens a directory it deletes what is evidently its own
-unfinished save (e.g. from a kill during a write): ``<step>.orbax-checkpoint-tmp*``
-(Orbax's atomic-rename mode, used on local disks), or a ``<step>`` directory
-without the commit file whose Orbax ``_CHECKPOINT_METADATA`` has a start but
-no commit time and which holds nothing but loopkit's items (commit-file mode,
-used on GCS). It never deletes anything else (case C35): another digit-named
-folder (a user's ``5``, an older Orbax's complete checkpoint without the
-commit file) is left in place, not read, and a save at its step is skipped,
+unfinished write (e.g. from a kill): ``<step>.orbax-checkpoint-tmp*`` (Orbax's
+atomic-rename mode, used on local disks), or a ``<step>`` directory without
+the commit file that holds nothing but loopkit's items and Orbax's
+``_CHECKPOINT_METADATA`` (commit-file mode, used on GCS, writes in place; a
+kill during a retention delete leaves part of a checkpoint). It never deletes
+anything else (case C35): another digit-named folder (a user's ``5``, an older
+Orbax's complete checkpoint without the commit file, an empty folder) is left
+in place, not read, and a save at its step is skipped,
 with a :class:`CheckpointWarning`; so are other programs' checkpoints, e.g.
 ``checkpoint_50`` from ``flax.training.checkpoints`` (case C41). Only one run
 may write a directory.
@@ -527,30 +528,22 @@ def _step_of_name(name: str) -> int | None:
 
 
 def _unfinished_write(p: epath.Path) -> bool:
-  """Whether ``p`` (a step's directory or tmp directory) is an unfinished save of this hook.
+  """Whether ``p`` (a step's directory or tmp directory) is this hook's unfinished write.
 
   The evidence: a tmp name (Orbax's atomic-rename mode, any local disk: the
-  directory is renamed to ``<step>`` only once complete), or, for ``<step>``
-  itself (Orbax's commit-file mode, used on GCS), no ``commit_success.txt``
-  *and* Orbax's ``_CHECKPOINT_METADATA`` with a start time but no commit time
-  *and* nothing inside but that file and loopkit's items. A folder without this
-  evidence (a user's ``5``, an older Orbax's complete checkpoint) is not one.
+  directory is renamed to ``<step>`` only once complete), or a ``<step>``
+  directory without ``commit_success.txt`` that holds nothing but loopkit's
+  items and Orbax's ``_CHECKPOINT_METADATA`` (Orbax's commit-file mode, used on
+  GCS, writes in place; a kill during a retention delete leaves part of a
+  checkpoint). A folder with anything else in it (a user's ``5``, an older
+  Orbax's complete checkpoint of other items) or with nothing in it is not one.
   """
   if _step_of_name(p.name) is None or not p.is_dir():
     return False
   if _TMP_MARK in p.name:
     return True
-  if (p / _COMMIT_FILE).exists():
-    return False
-  try:
-    meta = json.loads((p / _STEP_METADATA).read_text())
-  except (OSError, ValueError):
-    return False
-  if not isinstance(meta, dict) or meta.get("commit_timestamp_nsecs") is not None \
-      or meta.get("init_timestamp_nsecs") is None:
-    return False
-  allowed = {_STEP_METADATA, *_ITEMS}
-  return all(c.name.split(_TMP_MARK, 1)[0] in allowed for c in p.iterdir())
+  names = [c.name.split(_TMP_MARK, 1)[0] for c in p.iterdir()]
+  return bool(names) and _COMMIT_FILE not in names and set(names) <= {_STEP_METADATA, *_ITEMS}
 
 
 def _tidy(directory: epath.Path) -> list[str]:

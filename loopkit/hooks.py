@@ -135,7 +135,7 @@ class Hook:
     return None
 
   def on_run_error(self, loop: Any, error: BaseException) -> None:
-    """Called once when ``run`` leaves by an exception raised after ``on_run_start``.
+    """Called once when ``run`` leaves by an exception after every ``on_run_start`` returned.
 
     For cleanup that must finish before the error reaches the caller, e.g. waiting
     for a background write (:class:`~loopkit.checkpoint.CheckpointHook` waits for

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import toy
 
@@ -222,20 +223,21 @@ def test_c35_user_folder_named_like_a_step_is_kept(tmp_path):
 
 
 def test_c35_old_style_complete_checkpoint_is_kept_and_its_step_not_overwritten(tmp_path):
-  """A complete checkpoint as an older Orbax's atomic rename left it (no commit_success.txt
-  anywhere) at step 12, next to loopkit's 4 and 8: kept byte for byte; resume from 8; the
-  save at 12 is skipped with a warning."""
+  """A complete Orbax checkpoint as an older Orbax's atomic rename left it (no
+  commit_success.txt) at step 12, next to loopkit's 4 and 8: kept byte for byte; resume from
+  8; the save at 12 is skipped with a warning."""
   data = toy.batches(16)
-  make_loop(4, [CheckpointHook(tmp_path / "src", every_steps=4)]).run(toy.init_state(), data,
-                                                                      num_steps=12)
-  make_loop(4, [CheckpointHook(tmp_path / "d", every_steps=4)]).run(toy.init_state(), data,
-                                                                    num_steps=8)
-  old = tmp_path / "d" / "12"
-  os.rename(tmp_path / "src" / "12", old)
+  make_loop(4, [CheckpointHook(tmp_path, every_steps=4)]).run(toy.init_state(), data,
+                                                              num_steps=8)
+  old = tmp_path / "12"
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(old, {"params": toy.init_state()["params"]})
+  checkpointer.wait_until_finished()
   for p in old.rglob("commit_success.txt"):
     p.unlink()
   before = listing(old)
-  hook = CheckpointHook(tmp_path / "d", every_steps=4)
+  assert "_METADATA" in before and "_CHECKPOINT_METADATA" in before
+  hook = CheckpointHook(tmp_path, every_steps=4)
   with pytest.warns(CheckpointWarning) as record:
     final = make_loop(4, [hook]).run(toy.init_state(), data, num_steps=16)
   messages = [str(w.message) for w in record]
@@ -248,8 +250,8 @@ def test_c35_old_style_complete_checkpoint_is_kept_and_its_step_not_overwritten(
 
 
 def test_c35_evidence_of_an_unfinished_save(tmp_path):
-  """The rule, both sides: Orbax's tmp names and in-place writes with its start-only metadata
-  are removed; anything else is kept."""
+  """The rule, both sides: Orbax's tmp names and step folders holding only loopkit's items
+  and Orbax's step metadata are removed; anything else is kept."""
   from etils import epath
 
   from loopkit.checkpoint import _tidy, _unfinished_write
@@ -262,24 +264,25 @@ def test_c35_evidence_of_an_unfinished_save(tmp_path):
       (p / f).write_text(text)
     return epath.Path(p)
 
-  started = '{"item_handlers": null, "init_timestamp_nsecs": 1, "commit_timestamp_nsecs": null}'
-  committed = '{"item_handlers": {}, "init_timestamp_nsecs": 1, "commit_timestamp_nsecs": 2}'
+  meta = '{"item_handlers": null, "init_timestamp_nsecs": 1, "commit_timestamp_nsecs": null}'
   cases = {
       "3.orbax-checkpoint-tmp-123": ({"state/x": ""}, True),  # atomic-rename mode
-      "4": ({"_CHECKPOINT_METADATA": started, "state/_sharding": "", "ledger/x": ""}, True),
+      "4": ({"_CHECKPOINT_METADATA": meta, "state/_sharding": "", "ledger/x": ""}, True),  # GCS
+      "6": ({"state/ocdbt.process_0/d/x": "", "hooks/x": ""}, True),  # a retention delete cut
+      "10": ({"_CHECKPOINT_METADATA": meta}, True),  # a commit-file save that just started
       "5": ({"notes.txt": "mine"}, False),  # a user's folder
-      "6": ({"_CHECKPOINT_METADATA": committed, "state/_METADATA": ""}, False),  # old, complete
-      "7": ({"_CHECKPOINT_METADATA": started, "state/x": "", "mine.txt": ""}, False),  # + user file
-      "8": ({"_CHECKPOINT_METADATA": "not json"}, False),
-      "9": ({"_CHECKPOINT_METADATA": started, "commit_success.txt": "", "state/x": ""}, False),
+      "7": ({"_CHECKPOINT_METADATA": meta, "state/x": "", "mine.txt": ""}, False),  # + user file
+      "8": ({"_METADATA": "", "d/x": "", "manifest.ocdbt": ""}, False),  # another Orbax's
+      "9": ({"commit_success.txt": "", "state/x": ""}, False),  # complete
+      "11": ({}, False),  # empty: no evidence
       "checkpoint_5.orbax-checkpoint-tmp-1": ({"x": ""}, False),  # someone else's tmp
   }
   for name, (files, unfinished) in cases.items():
     assert _unfinished_write(make(name, files)) is unfinished, name
   messages = _tidy(epath.Path(tmp_path))
-  assert len(messages) == 2 and "holds 5, 6, 7, 8:" in messages[0]
+  assert len(messages) == 2 and "holds 11, 5, 7, 8:" in messages[0]
   assert "does not read: checkpoint_5.orbax-checkpoint-tmp-1 " in messages[1]
-  assert sorted(os.listdir(tmp_path)) == ["5", "6", "7", "8", "9",
+  assert sorted(os.listdir(tmp_path)) == ["11", "5", "7", "8", "9",
                                           "checkpoint_5.orbax-checkpoint-tmp-1"]
 
 
