@@ -261,7 +261,7 @@ class CheckpointHook(Hook):
       try:
         manager.close()
       except Exception:  # pylint: disable=broad-except  # already reported above
-        log.exception("loopkit: closing the checkpoint manager failed")
+        log.exception("closing the checkpoint manager failed")
 
   # -- queries ---------------------------------------------------------------
 
@@ -332,7 +332,7 @@ class CheckpointHook(Hook):
     manager = self._open()
     self.wait_until_finished()
     if step in manager.all_steps():
-      log.info("loopkit: checkpoint %d already exists in %s", step, self.directory)
+      log.info("checkpoint %d already exists in %s", step, self.directory)
       return False
     if (self.directory / str(step)).exists():  # a folder loopkit did not write (see _tidy)
       warnings.warn(f"loopkit: not saving step {step}: {self.directory / str(step)} exists "
@@ -436,7 +436,7 @@ class CheckpointHook(Hook):
       try:
         self.close()
       except CheckpointError as e:
-        log.warning("loopkit: %s", e)
+        log.warning("%s", e)
     self._open()
     if not self.restore_on_start or self.latest_step() is None:
       return None
@@ -450,7 +450,7 @@ class CheckpointHook(Hook):
       if callable(put) and key in r.hook_states:
         put(r.hook_states[key])
     self.restored_step = r.step
-    log.info("loopkit: resumed from checkpoint %d in %s", r.step, self.directory)
+    log.info("resumed from checkpoint %d in %s", r.step, self.directory)
     return r.state
 
   def observe(self, info: LoopInfo) -> None:
@@ -485,7 +485,7 @@ class CheckpointHook(Hook):
     try:
       self.close()
     except CheckpointError as e:
-      log.warning("loopkit: while the run raised %s: %s", type(error).__name__, e)
+      log.warning("while the run raised %s: %s", type(error).__name__, e)
       if step is not None and jax.process_index() == 0:
         _remove_tmp_dirs(self.directory, step)
 
@@ -560,7 +560,7 @@ def _tidy(directory: epath.Path) -> list[str]:
     for p in sorted(directory.iterdir(), key=lambda q: q.name):
       name = p.name
       if _unfinished_write(p):
-        log.warning("loopkit: removing unfinished checkpoint directory %s", p)
+        log.warning("removing unfinished checkpoint directory %s", p)
         _rmtree(p)
       elif name.isdigit() and not (p / _COMMIT_FILE).exists():
         kept.append(name)
@@ -589,7 +589,7 @@ def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
     return
   for p in directory.iterdir():
     if _step_of_name(p.name) == step and _unfinished_write(p):
-      log.warning("loopkit: removing unfinished checkpoint directory %s", p)
+      log.warning("removing unfinished checkpoint directory %s", p)
       _rmtree(p)
 
 

@@ -290,7 +290,7 @@ def default_step_of(state: Any) -> jax.Array:
       "(attribute or dict key) or pass step_of=... to TrainLoop")
 
 
-def _describe(x: Any) -> str:
+def _describe_output(x: Any) -> str:
   """A short description of a traced step output: its type, and shape/dtype if an array."""
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return f"an array of shape {tuple(x.shape)} dtype {x.dtype}"
@@ -311,23 +311,44 @@ def unpack_step_output(out: Any, state: Any) -> tuple[Any, dict]:
               "scalars, e.g. `return new_state, {'loss': loss}`")
   if not isinstance(out, tuple) or len(out) != 2:
     if isinstance(out, tuple):
-      got = f"a tuple of {len(out)}: ({', '.join(_describe(x) for x in out[:4])})"
+      got = f"a tuple of {len(out)}: ({', '.join(_describe_output(x) for x in out[:4])})"
     elif jax.tree.structure(out) == jax.tree.structure(state):
       got = "only a state (no metrics)"
     else:
-      got = _describe(out)
+      got = _describe_output(out)
     raise TypeError(f"{expected}; it returned {got}")
   new_state, metrics = out
   state_def = jax.tree.structure(state)
   if jax.tree.structure(metrics) == state_def and jax.tree.structure(new_state) != state_def:
     raise TypeError(f"{expected}; the state and the metrics look swapped: its first element is "
-                    f"{_describe(new_state)} and its second has the state's structure")
+                    f"{_describe_output(new_state)} and its second has the state's structure")
   if not isinstance(metrics, dict):
     hint = ""
     if hasattr(metrics, "shape") and not getattr(metrics, "shape", (1,)):
       hint = " (a bare scalar: wrap it, {'loss': loss})"
-    raise TypeError(f"{expected}; its second element is {_describe(metrics)}{hint}")
+    raise TypeError(f"{expected}; its second element is {_describe_output(metrics)}{hint}")
   return new_state, metrics
+
+
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_lowerings = [0]
+
+
+def _count_lowering(event: str, duration_secs: float, **kwargs: Any) -> None:
+  del duration_secs, kwargs
+  if event == _LOWERING_EVENT:
+    _lowerings[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_lowering)
+
+
+def lowering_count() -> int:
+  """JAX lowerings (jaxpr to an XLA module, the first stage of every compile, also
+  when the persistent compilation cache then supplies the executable) so far in
+  this process, from the public ``jax.monitoring`` events. The difference around
+  one call tells whether that call compiled."""
+  return _lowerings[0]
 
 
 def leaf_fingerprint(x: jax.Array) -> jax.Array:
@@ -392,6 +413,7 @@ class MultiStepProgram:
     self._jitted = None
     self._replica_check: Callable[[Any], Any] | None = None
     self._first_signature: list[tuple[str, tuple]] | None = None
+    self._compiles = 0  # calls that compiled (lowering_count)
     self.state_shardings = None
 
   @property
@@ -518,16 +540,16 @@ class MultiStepProgram:
     if self._jitted is None:
       self._build(state)
     assert self._jitted is not None
-    compiled = self._jitted._cache_size()
+    lowered = lowering_count()
     out = self._jitted(state, batches, num_steps)
-    if self._jitted._cache_size() > compiled:  # read from the (donated) arrays' metadata
+    if lowering_count() > lowered:  # read from the (donated) arrays' metadata
+      self._compiles += 1
       signature = call_signature(state, batches, num_steps)
       if self._first_signature is None:
         self._first_signature = signature
       else:
         warnings.warn(RecompileWarning(
-            f"loopkit: the train program was compiled again (compilation "
-            f"{self._jitted._cache_size()}): "
+            f"the train program was compiled again (compilation {self._compiles}): "
             f"{signature_change(self._first_signature, signature)}"), stacklevel=2)
     return out
 
@@ -578,5 +600,10 @@ class MultiStepProgram:
     return self._jitted.lower(state, batches, jax.ShapeDtypeStruct((), jnp.int32))
 
   def compile_count(self) -> int:
-    """Number of executables compiled for this program (1 in a healthy run)."""
-    return 0 if self._jitted is None else self._jitted._cache_size()
+    """Number of times a call compiled this program (1 in a healthy run).
+
+    Counted from JAX's lowering events during this program's calls
+    (:func:`lowering_count`), not from ``jit``'s dispatch cache, which can hold
+    two entries for one executable (seen with typed PRNG keys in the state).
+    """
+    return self._compiles

@@ -320,7 +320,7 @@ def test_progress_bar_in_a_terminal_keeps_log_lines_on_their_own_lines():
 
 # Modules whose log calls still start with "loopkit: " (the default handler already prefixes
 # warnings "loopkit WARNING:"); remove a module from here once its messages are fixed.
-KNOWN_PREFIXED = {"checkpoint.py"}
+KNOWN_PREFIXED: set[str] = set()
 
 
 def test_log_messages_do_not_repeat_the_loggers_name():
