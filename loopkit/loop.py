@@ -164,8 +164,9 @@ class TrainLoop:
 
   Raises:
     ValueError: K < 1 or not an int or duration; a duration K on several
-      processes; ``max_iterations_per_loop`` with an int K; ``global_batch_size`` not divisible by the data-parallel
-      size; ``steps_per_epoch`` < 1; a hook's ``every_epochs`` that is not a
+      processes; ``max_iterations_per_loop`` with an int K;
+      ``global_batch_size`` not divisible by the data-parallel size;
+      ``steps_per_epoch`` < 1; a hook's ``every_epochs`` that is not a
       whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
   Attributes:

@@ -468,8 +468,8 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
     slow = loopkit.CallbackHook(
         lambda info, _: time.sleep(slow_secs) if jax.process_index() == 0 else None,
         every_steps=6, at_end=False, needs_state=False)
-    timed = loopkit.CallbackHook(lambda info, _: fired.append(info.end_step), every_secs=0.3,
-                                 at_end=False, needs_state=False)
+    timed = loopkit.CallbackHook(lambda info, _, fired=fired: fired.append(info.end_step),
+                                 every_secs=0.3, at_end=False, needs_state=False)
     ckpt = loopkit.CheckpointHook(os.path.join(directory, str(r)), every_secs=0.3)
     loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
                              hooks=[slow, timed, ckpt])

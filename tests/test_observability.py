@@ -12,11 +12,11 @@ import textwrap
 import numpy as np
 import pytest
 
-import loopkit
-from tests import toy
-
 # No 'tensorboard.compat.notf' marker (see tests/test_writers.py).
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import loopkit
+from tests import toy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

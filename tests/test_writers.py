@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import loopkit
-from loopkit import writers as writers_lib
-
 # TensorBoard's reader uses TensorFlow when it is installed (the test extra has it). No
 # 'tensorboard.compat.notf' marker here: it would make TensorBoard's summary ops (used by
 # Flax's SummaryWriter in tests/test_writer_adapters.py) fail for the rest of the session.
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import loopkit
+from loopkit import writers as writers_lib
 
 
 def read_tb(logdir):
