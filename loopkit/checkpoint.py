@@ -466,7 +466,16 @@ class CheckpointHook(Hook):
                       steps_per_epoch=getattr(self._loop, "steps_per_epoch", None))
     self.save(info.end_step, state, ledger=ledger, data_position=info.data_position,
               metrics=info.metrics)
+    self._flush_other_hooks()
     return None
+
+  def _flush_other_hooks(self) -> None:
+    """Flushes every other hook that has ``flush()`` (their metric writers), so what a
+    checkpoint covers is also on disk when the job is killed after it."""
+    for _, h in self._other_hooks():
+      flush = getattr(h, "flush", None)
+      if callable(flush):
+        flush()
 
   def on_run_end(self, loop: Any, state: Any) -> None:
     """Waits for the last write; raises :class:`CheckpointError` if it failed."""

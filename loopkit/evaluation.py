@@ -402,6 +402,13 @@ class EvalHook(Hook):
     self.state_fn = state_fn if state_fn is not None else _default_state_fn
     self.results: list[tuple[int, EvalResult]] = []
 
+  def flush(self) -> None:
+    """Flushes the writer (a :class:`~loopkit.checkpoint.CheckpointHook` calls this at
+    each save, so the eval rows a checkpoint covers survive a kill)."""
+    flush = getattr(self.writer, "flush", None)
+    if flush is not None:
+      flush()
+
   def after_call(self, info: LoopInfo, state: Any) -> None:
     batches = self.batches() if callable(self.batches) else self.batches
     result = self.evaluator.evaluate(self.state_fn(state), batches,

@@ -311,10 +311,9 @@ class LoggingHook(Hook):
     Restored by :meth:`restore_checkpoint_state`, so after a kill and resume
     the first row averages the same steps as without the kill (case C42): a
     row at step 20 with a checkpoint at 12 covers steps 11..20, bitwise the
-    same values. Also flushes the writer (a checkpoint is being saved: the
-    rows it covers must survive a kill).
+    same values. (The checkpoint hook then calls :meth:`flush`: the rows a
+    checkpoint covers survive a kill.)
     """
-    self.flush()
     return {"acc": {k: metrics_lib.to_json(v) for k, v in self._acc.items()},
             "first_step": self._first_step}
 

@@ -353,3 +353,27 @@ def test_c42_a_logging_hook_after_the_checkpoint_hook_is_warned_about(tmp_path):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[log, ckpt])
+
+
+def test_a_checkpoint_save_flushes_the_other_hooks_writers(tmp_path):
+  """What a checkpoint covers is on disk: every hook with flush() is flushed at each save."""
+  pytest.importorskip("orbax.checkpoint")
+  flushed = []
+
+  class Writer:
+    def write_scalars(self, step, scalars):
+      pass
+
+    def flush(self):
+      flushed.append(loop.ledger.step)
+
+  ev = loopkit.EvalHook(loopkit.Evaluator(lambda s, b: {"x": jnp.mean(b["x"])},
+                                          global_batch_size=8),
+                        [{"x": np.ones((8,), np.float32)}], writer=Writer(), every_steps=100,
+                        at_end=False)
+  hooks = [loopkit.LoggingHook(Writer(), every_steps=100, at_end=False), ev,
+           loopkit.CheckpointHook(tmp_path, every_steps=4, async_save=False)]
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=hooks)
+  loop.run(toy.init_state(), toy.batches(8), num_steps=8)
+  # At each save (4, 8) both writers, once; the LoggingHook flushes again at its run end.
+  assert flushed == [4, 4, 8, 8, 8]
