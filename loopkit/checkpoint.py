@@ -464,9 +464,9 @@ class CheckpointHook(Hook):
       ledger = Ledger(step=info.end_step, examples_seen=info.examples_seen,
                       loop_index=info.loop_index + 1,
                       steps_per_epoch=getattr(self._loop, "steps_per_epoch", None))
+    self._flush_other_hooks()  # the rows this checkpoint covers are on disk before it is
     self.save(info.end_step, state, ledger=ledger, data_position=info.data_position,
               metrics=info.metrics)
-    self._flush_other_hooks()
     return None
 
   def _flush_other_hooks(self) -> None:

@@ -242,10 +242,10 @@ class LoggingHook(Hook):
     clock: monotonic clock in seconds for the throughput (inject in tests).
     **trigger: see :class:`Hook` (default: every call).
 
-  Durability: :meth:`flush` flushes the writer; :meth:`checkpoint_state`
-  (called by :class:`~loopkit.checkpoint.CheckpointHook` at each save) and
-  ``on_run_end`` call it, so the rows up to a checkpoint are on disk before
-  the checkpoint is.
+  Durability: :meth:`flush` flushes the writer; a
+  :class:`~loopkit.checkpoint.CheckpointHook` calls it (for every hook with a
+  ``flush``) before each save, and ``on_run_end`` calls it, so the rows up to
+  a checkpoint are on disk before the checkpoint is.
   Put the LoggingHook *before* the CheckpointHook in ``hooks`` so that the
   row of the checkpoint's own step is written (and flushed) before the save.
 
