@@ -152,7 +152,26 @@ class NullWriter:
     pass
 
 
-class JsonlWriter:
+class _TextOnly:
+  """Texts as scalar rows; images and histograms skipped (a DEBUG record), for writers
+  that keep only text (JSONL, console)."""
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    raise NotImplementedError
+
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    self.write_scalars(step, {k: str(v) for k, v in texts.items()})
+
+  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
+    _skip(self, "images", step, images)
+
+  def write_histograms(self, step: int, arrays: Mapping[str, Any],
+                       num_buckets: Mapping[str, int] | None = None) -> None:
+    del num_buckets
+    _skip(self, "histograms", step, arrays)
+
+
+class JsonlWriter(_TextOnly):
   """Appends one JSON object per line: ``{"step": int, name: value, ...}``.
 
   Non-finite floats are written as ``NaN`` / ``Infinity`` (Python's ``json``
@@ -238,17 +257,6 @@ class JsonlWriter:
     row = {"step": int(step)}
     row.update({k: _to_python(v) for k, v in scalars.items()})
     self._write_row(row)
-
-  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-    self.write_scalars(step, {k: str(v) for k, v in texts.items()})
-
-  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
-    _skip(self, "images", step, images)
-
-  def write_histograms(self, step: int, arrays: Mapping[str, Any],
-                       num_buckets: Mapping[str, int] | None = None) -> None:
-    del num_buckets
-    _skip(self, "histograms", step, arrays)
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if self._enabled:
@@ -399,7 +407,7 @@ def _text_summary(name: str, text: str) -> Any:
   return s
 
 
-class ConsoleWriter:
+class ConsoleWriter(_TextOnly):
   """Logs ``step N: name=value, ...`` lines to a Python logger.
 
   Texts are lines like scalars, hparams one ``hparams: name=value, ...`` line;
@@ -426,17 +434,6 @@ class ConsoleWriter:
       v = _to_python(v)
       parts.append(f"{k}={v:.6g}" if isinstance(v, float) and math.isfinite(v) else f"{k}={v}")
     self.logger.log(self.level, "step %d: %s", int(step), ", ".join(parts))
-
-  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-    self.write_scalars(step, {k: str(v) for k, v in texts.items()})
-
-  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
-    _skip(self, "images", step, images)
-
-  def write_histograms(self, step: int, arrays: Mapping[str, Any],
-                       num_buckets: Mapping[str, int] | None = None) -> None:
-    del num_buckets
-    _skip(self, "histograms", step, arrays)
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if self._enabled:
