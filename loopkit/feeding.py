@@ -34,10 +34,11 @@ import dataclasses
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -57,6 +58,7 @@ _DONE = object()
 _POLL_SECS = 0.05  # how often a waiting ``next`` looks at the interrupt event
 _ALIGN_BYTES = 64  # chunk leaves this aligned are aliased by XLA:CPU, not copied
 _ALIGN_MIN_BYTES = 1 << 16  # below this a copy costs less than aligning
+_POOL_SIZE = 8  # reused chunk buffers kept per leaf shape and dtype (see ChunkFeeder._empty_leaf)
 CLOSE_TIMEOUT_SECS = 5.0
 """Default seconds ``ChunkFeeder.close`` (and interpreter exit) wait for a producer
 thread to leave the source's ``next``."""
@@ -330,6 +332,7 @@ class ChunkFeeder:
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
     self._align = is_cpu_mesh(batch_sharding.mesh)
+    self._pool: dict[tuple, list[np.ndarray]] = {}  # chunk leaf buffers (see _empty_leaf)
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
     self._thread = None
@@ -348,6 +351,14 @@ class ChunkFeeder:
   def _halted(self) -> bool:
     """Closing or interrupted: the chunk being formed is dropped."""
     return self._stop.is_set() or (self._interrupt is not None and self._interrupt.is_set())
+
+  def _halted_check(self) -> Callable[[], bool]:
+    """:meth:`_halted` with its lookups bound once (it runs twice per batch)."""
+    stop = self._stop.is_set
+    if self._interrupt is None:
+      return stop
+    interrupt = self._interrupt.is_set
+    return lambda: stop() or interrupt()
 
   def _interrupted_chunk(self) -> Chunk:
     return Chunk(None, None, 0, None, False, getattr(self, "global_batch_size", 0),
@@ -382,11 +393,14 @@ class ChunkFeeder:
     except (ValueError, TypeError):
       pass
     else:
-      for x, (shape, dtype) in zip(leaves, self._leaf_specs):
-        if getattr(x, "shape", None) != shape or getattr(x, "dtype", None) != dtype:
-          break
-      else:
-        return leaves
+      try:  # numpy's dtypes of built-in types are singletons: `is` first, then ==
+        for x, (shape, dtype) in zip(leaves, self._leaf_specs):
+          if x.shape != shape or (x.dtype is not dtype and x.dtype != dtype):
+            break
+        else:
+          return leaves
+      except AttributeError:  # a leaf that is not an array
+        pass
     problem = tree_mismatch(self._spec, jax.tree.map(np.asarray, batch),
                             what=f"batch for step {step + 1} differs from the first batch")
     if problem:
@@ -394,34 +408,65 @@ class ChunkFeeder:
     return jax.tree.leaves(batch)
 
   def _empty_leaf(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised chunk leaf ``[K, B, ...]``.
+    """An uninitialised chunk leaf ``[K, B, ...]``, in a reused buffer when one is free.
 
     On CPU devices a large one (>= ``_ALIGN_MIN_BYTES``) is 64-byte aligned, so
     placing it aliases the buffer instead of copying it (XLA:CPU aliases only
-    aligned host buffers; the feeder never writes a placed leaf again).
+    aligned host buffers). Buffers are kept in a pool per ``(shape, dtype)`` and
+    reused once free: a fresh buffer of a large chunk is fresh pages, and faulting
+    them in cost more than the copy itself (measured in
+    ``benchmarks/host_profile.py``, see ``benchmarks/README.md``). A buffer is free
+    when no array refers to it: JAX holds a reference to a host array it aliases
+    or is still copying from (until the device buffer is freed, or the transfer
+    ends), and every view of the buffer refers to it, so its reference count
+    tells; a buffer JAX or anyone else still holds is never written again.
+    At most ``_POOL_SIZE`` buffers per key are kept (prefetch + two calls in
+    flight + the one being formed fit); beyond that a chunk gets a fresh one.
     """
+    key = (shape, dtype)
+    bucket = self._pool.get(key)
+    if bucket is None:
+      bucket = self._pool[key] = []
+    for base in bucket:
+      # 3 references: the bucket, the loop variable and getrefcount's argument.
+      if sys.getrefcount(base) == 3:
+        break
+    else:
+      base = self._new_buffer(shape, dtype)
+      if len(bucket) < _POOL_SIZE:
+        bucket.append(base)
+    return base if base.shape == shape else self._leaf_view(base, shape, dtype)
+
+  def _new_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new buffer for a leaf: the array itself, or its aligned ``uint8`` base (CPU)."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if not self._align or nbytes < _ALIGN_MIN_BYTES:
       return np.empty(shape, dtype)
-    buf = np.empty(nbytes + _ALIGN_BYTES, np.uint8)
-    offset = -buf.__array_interface__["data"][0] % _ALIGN_BYTES
-    return buf[offset:offset + nbytes].view(dtype).reshape(shape)
+    return np.empty(nbytes + _ALIGN_BYTES, np.uint8)
+
+  @staticmethod
+  def _leaf_view(base: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The 64-byte aligned ``[K, B, ...]`` view of an aligned buffer's base."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    offset = -base.__array_interface__["data"][0] % _ALIGN_BYTES
+    return base[offset:offset + nbytes].view(dtype).reshape(shape)
 
   def _form(self, n: int) -> Chunk | None:
     """Forms a chunk of ``n`` batches; None when halted (nothing placed or counted)."""
     got: list[Any] = []
     exhausted = False
-    for _ in range(n):
-      if self._halted():
+    halted, it, check, step = self._halted_check(), self._it, self._check, self._step
+    for i in range(n):  # per batch: the lean path (about 1 us of Python besides the source)
+      if halted():
         return None
       try:
-        batch = next(self._it)
+        batch = next(it)
       except StopIteration:
         exhausted = True
         break
-      if self._halted():  # checked before any JAX call (see the module docstring)
+      if halted():  # checked before any JAX call (see the module docstring)
         return None
-      got.append(self._check(batch, self._step + len(got)))
+      got.append(check(batch, step + i))
     self._step += len(got)
     position = self._position()
     if not got:
