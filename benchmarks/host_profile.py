@@ -217,28 +217,53 @@ def render(rows: list[tuple[str, dict]]) -> str:
   return "\n".join(lines)
 
 
+def memcpy_gb_s(nbytes: int = 832_000, repeats: int = 200) -> float:
+  """Host memcpy speed, GB/s: ``np.copyto`` of ``nbytes`` (a K = 100 MLP chunk), best of
+  ``repeats`` after a warm-up copy."""
+  src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+  np.copyto(dst, src)
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    best = min(best, time.perf_counter() - t0)
+  return nbytes / best / 1e9
+
+
+def profile_rows(repeats: int, ks=(1, 100), prefetches=(0, 2),
+                 steps: int | None = None) -> list[tuple[str, dict]]:
+  """Every row of the profile table at this process's device count (see module docstring)."""
+  steps = steps or (2000 if jax.device_count() == 1 else 400)
+  step_bytes = wl.BATCH * (64 * 4 + 4)  # the MLP batch: x float32 [B, 64], y int32 [B]
+  rows = []
+  for k in ks:
+    s = max(steps, 2 * k) if k == 1 else max(steps * 5, 2 * k)
+    for pf in prefetches:
+      row = profile_loop(k, s, repeats, pf)
+      row["chunk_bytes"] = k * step_bytes
+      rows.append((f"loopkit K={k} prefetch={pf}", row))
+    rows.append((f"program only K={k}", profile_program(k, max(10, s // k), repeats)))
+  rows.append(("bare jit (per step)", profile_bare_jit(steps, repeats)))
+  return rows
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--devices", type=int, default=1)
   p.add_argument("--ks", type=int, nargs="+", default=[1, 100])
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--steps", type=int, help="steps per run (default 2000 on 1 device, 400 on 8)")
+  p.add_argument("--steps", type=int, help="steps per run at K = 1 (default 2000 on 1 device, "
+                 "400 on 8; 5x that at larger K)")
   p.add_argument("--prefetch", type=int, nargs="+", default=[0, 2])
   args = p.parse_args()
-  steps = args.steps or (2000 if jax.device_count() == 1 else 400)
   with open("/proc/loadavg") as f:
     load0 = " ".join(f.read().split()[:3])
-  rows = []
-  for k in args.ks:
-    s = max(steps, 2 * k) if k == 1 else max(steps * 5, 2 * k)
-    for pf in args.prefetch:
-      rows.append((f"loopkit K={k} prefetch={pf}", profile_loop(k, s, args.repeats, pf)))
-    rows.append((f"program only K={k}", profile_program(k, max(10, s // k), args.repeats)))
-  rows.append(("bare jit (per step)", profile_bare_jit(steps, args.repeats)))
+  rows = profile_rows(args.repeats, args.ks, args.prefetch, args.steps)
   with open("/proc/loadavg") as f:
     load1 = " ".join(f.read().split()[:3])
   print(f"{jax.device_count()} device(s), jax {jax.__version__}, load average {load0} -> "
-        f"{load1}; us per device call, best of {args.repeats} runs by host CPU")
+        f"{load1}; us per device call, best of {args.repeats} runs by host CPU; memcpy "
+        f"{memcpy_gb_s():.1f} GB/s")
   print(render(rows))
 
 

@@ -45,6 +45,10 @@ TARGET_STEP_1 = 5.0   # loopkit K=100 / per-step loop, 1 device
 TARGET_STEP_8 = 3.0   # loopkit K=100 / per-step loop, 8 devices
 TARGET_KERAS = 6.0    # loopkit K=100 / Keras steps_per_execution=100
 FLAT_RSS_MB = 5.0     # RSS growth over 500 calls counted as flat
+# Issue 19's host-cost goals (MLP).
+TARGET_K1_STEP = 0.9       # loopkit K=1 / per-step jit, numpy in (1 and 8 devices)
+TARGET_LIMIT_8 = 0.9       # loopkit K=100 / limit on 8 devices (TARGET_LIMIT on 1)
+TARGET_HOST_US = 100.0     # host CPU per call <= this + the chunk's bytes at memcpy speed
 
 
 # -- worker ----------------------------------------------------------------------
@@ -131,6 +135,13 @@ def worker(args: argparse.Namespace) -> dict:
           "timed_compiles": timed_compiles[s.name], "peak_rss_mb": peaks[s.name],
           "rss_growth_mb": growth.get(s.name, (None, None))[0],
           "rss_calls": growth.get(s.name, (None, None))[1]})
+    if wname == "mlp" and args.profile_repeats:
+      from benchmarks import host_profile  # noqa: PLC0415
+      out["profile"] = host_profile.profile_rows(args.profile_repeats)
+      out["memcpy_gb_s"] = host_profile.memcpy_gb_s()
+      _log(f"[{n_dev} dev {wname}] host profile: " + ", ".join(
+          f"{name} {r['main'] + r['producer']:.0f} us" for name, r in out["profile"]
+          if "main" in r))
     if wname == "mlp" and args.mechanism_calls:
       for k in (10, 100):
         # 8 fake devices make a call 10-30x slower (collectives on 2 cores): fewer calls.
@@ -228,8 +239,12 @@ def render_host_cost(rows: list[dict]) -> str:
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
-  """Evaluates the issue's targets on the MLP: (target, met or None if not measured, detail)."""
+def check_targets(rows: list[dict], profiles: dict | None = None
+                  ) -> list[tuple[str, bool | None, str]]:
+  """Evaluates the issues' targets on the MLP: (target, met or None if not measured, detail).
+
+  ``profiles``: ``{devices: (host profile rows, memcpy GB/s)}`` from the workers.
+  """
   out = []
 
   def rate(dev, system, wkl="mlp"):
@@ -246,11 +261,18 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
       return "" if lim is None else f"; the limit itself is {lim / other:.2f}x"
 
     if lim is not None:
-      ratio = k100 / lim
-      out.append((f"MLP, {dev} dev: loopkit K=100 >= {TARGET_LIMIT} x limit",
-                  ratio >= TARGET_LIMIT if dev == 1 else None,
-                  f"{ratio:.2f} ({k100:,.0f} vs {lim:,.0f} steps/s)"
-                  + ("" if dev == 1 else "; the target is stated for 1 device, shown for scale")))
+      ratio, goal = k100 / lim, TARGET_LIMIT if dev == 1 else TARGET_LIMIT_8
+      out.append((f"MLP, {dev} dev: loopkit K=100 >= {goal} x limit", ratio >= goal,
+                  f"{ratio:.2f} ({k100:,.0f} vs {lim:,.0f} steps/s)"))
+      k0 = rate(dev, "loopkit K=100 prefetch=0")
+      if k0 is not None:
+        out.append((f"MLP, {dev} dev: loopkit K=100 prefetch=0 >= {goal} x limit (not the "
+                    "default)", k0 / lim >= goal, f"{k0 / lim:.2f} ({k0:,.0f} steps/s)"))
+    k1, numpy_in = rate(dev, "loopkit K=1"), rate(dev, "per-step jit, numpy in")
+    if k1 is not None and numpy_in is not None:
+      out.append((f"MLP, {dev} dev: loopkit K=1 >= {TARGET_K1_STEP} x the per-step jit loop "
+                  "(numpy in)", k1 / numpy_in >= TARGET_K1_STEP,
+                  f"{k1 / numpy_in:.2f} ({k1:,.0f} vs {numpy_in:,.0f} steps/s)"))
     goal = TARGET_STEP_1 if dev == 1 else TARGET_STEP_8
     flax_style = _find(rows, "mlp", dev, "per-step jit + prefetch")
     if flax_style is not None:
@@ -270,6 +292,16 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
       out.append((f"MLP, {dev} dev: loopkit K=100 >= {TARGET_KERAS:g}x Keras "
                   "steps_per_execution=100", k100 / ker >= TARGET_KERAS,
                   f"{k100 / ker:.2f}x ({ker:,.0f} steps/s{ceiling(ker)})"))
+  for dev, (prof, gb_s) in sorted((profiles or {}).items()):
+    for name, r in prof:
+      if not name.endswith("prefetch=2"):  # the default
+        continue
+      budget = TARGET_HOST_US + r["chunk_bytes"] / (gb_s * 1e3)  # bytes / (GB/s) in us
+      host = r["main"] + r["producer"]
+      out.append((f"MLP, {dev} dev, {name.removeprefix('loopkit ')}: host CPU per call <= "
+                  f"{TARGET_HOST_US:g} us + the chunk at memcpy speed", host <= budget,
+                  f"{host:,.0f} us vs {budget:,.0f} us ({r['chunk_bytes'] / 1e3:,.0f} kB at "
+                  f"{gb_s:.1f} GB/s)"))
   lk = [r for r in rows if r["system"].startswith("loopkit")]
   if lk:
     ok = all(r["train_compiles"] == 1 and r["timed_compiles"] == 0 for r in lk)
@@ -329,6 +361,8 @@ def versions() -> dict:
 def render_report(results: list[dict], meta: dict) -> str:
   rows = [r for res in results for r in res["rows"]]
   mech = [m for res in results for m in res["mechanism"]]
+  profiles = {res["devices"]: (res["profile"], res["memcpy_gb_s"]) for res in results
+              if res.get("profile")}
   m = meta["machine"]
   parts = [
       "# loopkit benchmarks: side by side",
@@ -350,7 +384,7 @@ def render_report(results: list[dict], meta: dict) -> str:
       "",
       "## Targets (MLP workload)",
       "",
-      render_targets(check_targets(rows)),
+      render_targets(check_targets(rows, profiles)),
       "",
       "Why the missed targets are missed on this machine, and what was fixed on the way: "
       "`benchmarks/README.md`, section *What the numbers say*.",
@@ -373,6 +407,19 @@ def render_report(results: list[dict], meta: dict) -> str:
         host,
         "",
     ]
+  if profiles:
+    from benchmarks import host_profile  # noqa: PLC0415
+    parts += [
+        "## Host CPU per device call, by phase (MLP)",
+        "",
+        "`benchmarks/host_profile.py` inside each worker: µs of CPU per call by phase "
+        "(`time.thread_time` of the thread that runs it; phases defined in "
+        "`benchmarks/README.md`), best of the profile's runs by host CPU; memcpy speed "
+        "measured in the same worker.",
+        "",
+    ]
+    for dev, (prof, gb_s) in sorted(profiles.items()):
+      parts += [f"{dev} device(s), memcpy {gb_s:.1f} GB/s:", "", host_profile.render(prof), ""]
   if mech:
     parts += [
         "## Cost of loopkit's tail/event mechanism (MLP, chunk already on device)",
@@ -410,6 +457,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="fewer RSS calls where 500 would take longer than this")
   p.add_argument("--mechanism-calls", type=int, default=100,
                  help="calls per timing of the tail/event mechanism (0: skip)")
+  p.add_argument("--profile-repeats", type=int, default=3,
+                 help="runs per row of the per-phase host profile (0: skip)")
   p.add_argument("--no-keras", action="store_true", help="skip the Keras system")
   p.add_argument("--quick", action="store_true",
                  help="small smoke run (S=1000/20, 2 repeats, 20 RSS calls); implies --no-save")
@@ -425,6 +474,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.quick:
     args.mlp_steps, args.cnn_steps, args.repeats = args.mlp_steps or 500, args.cnn_steps or 10, 2
     args.rss_calls, args.mechanism_calls, args.no_save = 20, 10, True
+    args.profile_repeats = 1
     args.min_round_secs = 0.0
   args.steps = {}
   for n in (1, 8):
@@ -439,7 +489,8 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
   argv = [sys.executable, os.path.abspath(__file__), "--worker", "--workloads", *args.workloads,
           "--repeats", str(args.repeats), "--rss-calls", str(args.rss_calls),
           "--rss-secs", str(args.rss_secs), "--mechanism-calls", str(args.mechanism_calls),
-          "--min-round-secs", str(args.min_round_secs)]
+          "--min-round-secs", str(args.min_round_secs),
+          "--profile-repeats", str(args.profile_repeats)]
   if args.mlp_steps:
     argv += ["--mlp-steps", str(args.mlp_steps)]
   if args.cnn_steps:
