@@ -351,10 +351,6 @@ class ChunkFeeder:
       return get_state()
     return self._start_position + (self._step - self._first_step)  # batches formed
 
-  def _halted(self) -> bool:
-    """Closing or interrupted: the chunk being formed is dropped."""
-    return self._stop.is_set() or (self._interrupt is not None and self._interrupt.is_set())
-
   def _interrupted_chunk(self) -> Chunk:
     return Chunk(None, None, 0, None, False, getattr(self, "global_batch_size", 0),
                  interrupted=True)
@@ -447,8 +443,9 @@ class ChunkFeeder:
     ``benchmarks/host_profile.py``, see ``benchmarks/README.md``). A buffer is free
     when no array refers to it: JAX holds a reference to a host array it aliases
     or is still copying from (until the device buffer is freed, or the transfer
-    ends), and every view of the buffer refers to it, so its reference count
-    tells; a buffer JAX or anyone else still holds is never written again.
+    ends; jaxlib lets go of it lazily, at a later collection), and every view of
+    the buffer refers to it, so its reference count tells; a buffer JAX or anyone
+    else still holds is never written again.
     At most ``_POOL_SIZE`` buffers per key are kept (prefetch + two calls in
     flight + the one being formed fit); beyond that a chunk gets a fresh one.
     """
@@ -484,9 +481,9 @@ class ChunkFeeder:
     """Forms a chunk of ``n`` batches; None when halted (nothing placed or counted)."""
     got: list[Any] = []
     exhausted = False
-    # Per batch only the source and the halt check (_halted's two lookups bound once
-    # and inlined; bool() is False: no interrupt event); the batches are checked
-    # together once pulled (_check_chunk).
+    # Halted (closing or interrupted): the chunk being formed is dropped. Per batch only
+    # the source and that check (its two lookups bound once; bool() is False: no
+    # interrupt event); the batches are checked together once pulled (_check_chunk).
     stopped = self._stop.is_set
     interrupted = self._interrupt.is_set if self._interrupt is not None else bool
     it = self._it
