@@ -561,11 +561,14 @@ def resnet_example(workdir: str, data_dir: str, num_steps: int, *,
   behaviour). With ``wait_at_step``, waits there for a SIGTERM
   (:class:`WaitForPreemption`). ``cache_dir``: JAX's persistent compilation
   cache, as ``main.py`` keeps it (there in ``workdir/jax_cache``), here for
-  every program (also the small initialisation ones).
+  every program (also the small initialisation ones). JAX writes it from
+  process 0 only, and on CPU process 1's cache keys differ (they hash the
+  process's device topology), so only process 0 loads from it.
 
   The initial weights are drawn with JAX's ``unsafe_rbg`` PRNG instead of the
-  default threefry: the 36 small threefry programs of the model's eager
-  initialisation take ~30 s to compile on 2 CPU cores, ``unsafe_rbg``'s ~5 s.
+  default threefry: the model's eager initialisation (36 small programs) took
+  33 s to compile with threefry on this machine's 2 loaded CPU cores, 5 s
+  with ``unsafe_rbg``.
   Nothing else draws random numbers (the train step takes no key; the input
   pipeline shuffles with its own seeds), so the run is otherwise the
   example's.

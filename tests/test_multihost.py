@@ -497,7 +497,7 @@ def test_resnet_example_preempted_on_two_processes_resumes_bitwise(tmp_path):
     assert whole["checkpoints"] == []
     ledger = lambda r: {k: v for k, v in r["ledger"].items() if k != "seconds"}
     assert ledger(resumed) == ledger(whole)  # step, epoch, examples seen, device calls
-    # Steps 7-8 changed every part of the state, so the equality below is not the saved one's.
+    # Steps 7-8 changed each part of the state, so the equality below is not the saved one's.
     for part in ("params", "batch_stats", "opt_state"):
       moved = jax.tree.map(lambda a, b: not np.array_equal(a, b),
                            getattr(before["state"], part), getattr(whole["state"], part))
