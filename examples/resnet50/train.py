@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -325,7 +325,8 @@ def num_train_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> 
   return int(config.num_epochs * steps_per_epoch)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       extra_hooks: Sequence[loopkit.Hook] = ()) -> dict[str, Any]:
   """Trains the ResNet and evaluates it exactly on the eval split; resumes automatically.
 
   Writes to ``workdir`` (created if missing): ``checkpoints/`` (Orbax, when
@@ -339,6 +340,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Args:
     config: the example's configuration (see ``configs/``).
     workdir: output directory.
+    extra_hooks: more hooks (:class:`loopkit.Hook`), run after the example's
+      own (e.g. the multi-host test's hook that waits at a step for a SIGTERM).
 
   Returns:
     Summary dict: ``eval_accuracy``, ``eval_loss``, ``eval_count``, ``step``,
@@ -356,7 +359,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   os.makedirs(workdir, exist_ok=True)
   with _maybe_mock(config):
-    return _train_and_evaluate(config, workdir)
+    return _train_and_evaluate(config, workdir, tuple(extra_hooks))
 
 
 def make_mesh(devices: list[jax.Device]) -> jax.sharding.Mesh:
@@ -364,7 +367,8 @@ def make_mesh(devices: list[jax.Device]) -> jax.sharding.Mesh:
   return jax.make_mesh((len(devices),), ("data",), devices=devices)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        extra_hooks: tuple[loopkit.Hook, ...]) -> dict[str, Any]:
   mesh = make_mesh(jax.devices())
   per_device = config.step_style == "per_device"
   axis_name = "data" if per_device else None
@@ -409,7 +413,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   hooks += [run_start, eval_hook,
             progress.ProgressHook(total_steps, log_every_secs=config.progress_every_secs,
                                   logger=logging.getLogger("loopkit")),
-            goodput.GoodputHook(writer, workdir=workdir, log_summary=True)]
+            goodput.GoodputHook(writer, workdir=workdir, log_summary=True), *extra_hooks]
 
   loop = loopkit.TrainLoop(
       make_train_step(graphdef, tx, schedule, num_classes=config.num_classes,
