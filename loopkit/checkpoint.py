@@ -13,6 +13,7 @@ leaves each leaf's path, shape, dtype    ``JsonSave`` / ``JsonRestore``
 ledger :class:`~loopkit.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
 data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
 hooks  other hooks' ``checkpoint_state`` ``JsonSave`` / ``JsonRestore``
+       by hook name
 ====== ================================= ====================================
 
 **Leaf kinds.** Every leaf kind round-trips bitwise (case C28, tested in a
@@ -37,8 +38,11 @@ flight commit (or removes it, if it failed), so nothing is written after
 restores the latest complete checkpoint, if any (the checkpoint wins over the
 state passed in, like TPUEstimator's ``model_dir``): the state is restored
 into the live state's tree structure and shardings (so a run may resume on a
-different number of devices, and the program is not recompiled), the loop's
-ledger and data position are set, and hooks' states are handed back. A
+different number of devices, and the program is not recompiled) and returned
+with its ledger, data position and hooks' states as one
+:class:`~loopkit.context.Restore`; the loop applies it and hands each hook its
+state by name (checkpoints keyed ``"<index>:<Class>"``, written before hook
+names, still restore: see :func:`loopkit.context.match_hook_states`). A
 checkpoint whose tree, shapes or dtypes differ from the live state raises
 ``ValueError`` naming the first differing leaf before anything changes.
 
@@ -82,7 +86,7 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -98,8 +102,9 @@ try:
 except ImportError as e:
   raise missing(e, "loopkit.checkpoint") from e
 
+from loopkit.context import Restore, RunContext
 from loopkit.hooks import Hook, LoopInfo
-from loopkit.ledger import Ledger
+from loopkit.ledger import Bucket, Ledger
 
 log = logging.getLogger("loopkit")
 
@@ -131,7 +136,9 @@ class RestoredCheckpoint:
     state: the train state, with the tree structure and shardings of ``like``.
     ledger: the saved :class:`~loopkit.ledger.Ledger`.
     data_position: this process's data position (int, iterator state or None).
-    hook_states: ``{"<index>:<HookClass>": state}`` of the hooks that had one.
+    hook_states: ``{hook name: state}`` of the other hooks that had one
+      (:func:`loopkit.context.hook_names`; ``"<index>:<HookClass>"`` in
+      checkpoints written before hook names).
   """
 
   step: int
@@ -175,7 +182,7 @@ class CheckpointHook(Hook):
   """
 
   needs_state = True
-  time_bucket = "checkpoint"
+  time_bucket = Bucket.CHECKPOINT
 
   def __init__(self, directory: str | epath.PathLike, *, every_steps: int | None = None,
                every_epochs: float | None = None, at_steps: Sequence[int] | None = None,
@@ -205,7 +212,7 @@ class CheckpointHook(Hook):
     self.restored_step: int | None = None
     self.saved_steps: list[int] = []
     self._manager: ocp.CheckpointManager | None = None
-    self._loop: Any = None
+    self._ctx: RunContext | None = None
     self._in_flight: int | None = None
     self._warned: set[str] = set()
 
@@ -308,7 +315,9 @@ class CheckpointHook(Hook):
       self.wait_until_finished()
 
   def save(self, step: int, state: Any, *, ledger: Ledger, data_position: Any = None,
-           metrics: dict[str, float] | None = None) -> bool:
+           metrics: dict[str, float] | None = None,
+           hook_states: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
+           ) -> bool:
     """Starts saving one checkpoint (returns once the arrays are off the device).
 
     Args:
@@ -317,6 +326,9 @@ class CheckpointHook(Hook):
       ledger: the host ledger at ``step``.
       data_position: the source position after the step's batch.
       metrics: values for ranking (needs ``best_metric`` among them when set).
+      hook_states: ``{hook name: JSON-serialisable state}`` of other hooks, or
+        a function returning it, called only when the save is written (inside
+        a run, ``RunContext.hook_states``: a skipped save collects nothing).
 
     Returns:
       False if a checkpoint at ``step`` already exists (nothing written).
@@ -325,7 +337,7 @@ class CheckpointHook(Hook):
       CheckpointError: the previous asynchronous save failed, or this one
         could not start.
       ValueError: ``ledger.step != step`` or ``best_metric`` missing.
-      TypeError: a data position or hook state that is not JSON-serialisable.
+      TypeError: a data position that is not JSON-serialisable.
     """
     if ledger.step != step:
       raise ValueError(f"ledger step {ledger.step} != checkpoint step {step}")
@@ -350,7 +362,8 @@ class CheckpointHook(Hook):
         leaves=ocp.args.JsonSave(_leaf_record(state)),
         ledger=ocp.args.JsonSave(ledger.to_dict()),
         data=ocp.args.JsonSave(_encode_positions(data_position)),
-        hooks=ocp.args.JsonSave(self._hook_states()))
+        hooks=ocp.args.JsonSave(dict((hook_states() if callable(hook_states)
+                                      else hook_states) or {})))
     try:
       manager.save(step, args=args, metrics=ranked, force=True)
     except Exception as e:  # pylint: disable=broad-except
@@ -359,20 +372,6 @@ class CheckpointHook(Hook):
     self._in_flight = step
     self.saved_steps.append(step)
     return True
-
-  def _hook_states(self) -> dict[str, Any]:
-    states = {}
-    for key, h in self._other_hooks():
-      get = getattr(h, "checkpoint_state", None)
-      if callable(get):
-        value = get()
-        _check_json(value, f"checkpoint_state() of hook {key}")
-        states[key] = value
-    return states
-
-  def _other_hooks(self) -> list[tuple[str, Hook]]:
-    hooks = getattr(self._loop, "hooks", ()) if self._loop is not None else ()
-    return [(f"{i}:{type(h).__name__}", h) for i, h in enumerate(hooks) if h is not self]
 
   # -- restore ---------------------------------------------------------------
 
@@ -428,9 +427,15 @@ class CheckpointHook(Hook):
 
   # -- Hook protocol ---------------------------------------------------------
 
-  def on_run_start(self, loop: Any, state: Any) -> Any | None:
-    """Opens the directory and restores the latest checkpoint, if any."""
-    self._loop = loop
+  def on_run_start(self, ctx: RunContext, state: Any) -> Restore | None:
+    """Opens the directory; returns the latest checkpoint, if any, as a Restore.
+
+    Returns:
+      None (no checkpoint, or ``restore=False``) or a
+      :class:`~loopkit.context.Restore` of the state, ledger, data position
+      and other hooks' states, which the loop applies.
+    """
+    self._ctx = ctx
     self.restored_step = None
     if self._manager is not None:  # a previous run ended by an exception
       try:
@@ -441,48 +446,39 @@ class CheckpointHook(Hook):
     if not self.restore_on_start or self.latest_step() is None:
       return None
     r = self.restore(state)
-    steps_per_epoch = loop.ledger.steps_per_epoch if loop.ledger is not None else None
-    r.ledger.steps_per_epoch = steps_per_epoch
-    loop.ledger = r.ledger
-    loop.data_position = r.data_position
-    for key, h in self._other_hooks():
-      put = getattr(h, "restore_checkpoint_state", None)
-      if callable(put) and key in r.hook_states:
-        put(r.hook_states[key])
     self.restored_step = r.step
     log.info("resumed from checkpoint %d in %s", r.step, self.directory)
-    return r.state
+    return Restore(state=r.state, ledger=r.ledger, data_position=r.data_position,
+                   hook_states=r.hook_states)
 
   def observe(self, info: LoopInfo) -> None:
     """Raises the error of an asynchronous save that has failed meanwhile."""
     self._check_in_flight()
 
   def after_call(self, info: LoopInfo, state: Any) -> None:
-    """Saves the state at ``info.end_step`` (asynchronously)."""
-    ledger = self._loop.ledger if self._loop is not None else None
+    """Saves the state at ``info.end_step`` (asynchronously).
+
+    The ledger saved is the run's (read through the context); the other hooks'
+    states come from ``ctx.hook_states()``, for which the loop first flushes
+    every other hook with ``flush()`` (the rows this checkpoint covers are on
+    disk before it is).
+    """
+    ctx = self._ctx
+    ledger = ctx.ledger.copy() if ctx is not None else None
     if ledger is None or ledger.step != info.end_step:
       ledger = Ledger(step=info.end_step, examples_seen=info.examples_seen,
                       loop_index=info.loop_index + 1,
-                      steps_per_epoch=getattr(self._loop, "steps_per_epoch", None))
-    self._flush_other_hooks()  # the rows this checkpoint covers are on disk before it is
+                      steps_per_epoch=ctx.steps_per_epoch if ctx is not None else None)
     self.save(info.end_step, state, ledger=ledger, data_position=info.data_position,
-              metrics=info.metrics)
+              metrics=info.metrics, hook_states=ctx.hook_states if ctx is not None else None)
     return None
 
-  def _flush_other_hooks(self) -> None:
-    """Flushes every other hook that has ``flush()`` (their metric writers), so what a
-    checkpoint covers is also on disk when the job is killed after it."""
-    for _, h in self._other_hooks():
-      flush = getattr(h, "flush", None)
-      if callable(flush):
-        flush()
-
-  def on_run_end(self, loop: Any, state: Any) -> None:
+  def on_run_end(self, ctx: RunContext, state: Any) -> None:
     """Waits for the last write; raises :class:`CheckpointError` if it failed."""
     self.close()
     return None
 
-  def on_run_error(self, loop: Any, error: BaseException) -> None:
+  def on_run_error(self, ctx: RunContext, error: BaseException) -> None:
     """The run ends by ``error``: lets the in-flight save commit, then releases the directory.
 
     If that save fails too, its failure is logged (``error`` is what ``run``
