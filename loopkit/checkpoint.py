@@ -78,20 +78,13 @@ directory must be shared. Not thread-safe.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import logging
-import math
-import re
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from loopkit.extras import missing
 
@@ -102,6 +95,26 @@ try:
 except ImportError as e:
   raise missing(e, "loopkit.checkpoint") from e
 
+from loopkit.checkpoint_files import (
+  _COMMIT_FILE,
+  _ITEMS,
+  _drain_writers,
+  _remove_tmp_dirs,
+  _tidy,
+  _unfinished_write,
+)
+from loopkit.checkpoint_items import (
+  _abstract,
+  _decode_positions,
+  _encode_positions,
+  _into_structure,
+  _is_empty,
+  _leaf_record,
+  _leaves_from_orbax,
+  _leaves_from_record,
+  _storable,
+  _tree_difference,
+)
 from loopkit.context import Restore, RunContext
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Bucket, Ledger
@@ -109,15 +122,8 @@ from loopkit.ledger import Bucket, Ledger
 log = logging.getLogger("loopkit")
 
 __all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]
-
-_COMMIT_FILE = "commit_success.txt"
-_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (written when a save starts)
-_TMP_MARK = ".orbax-checkpoint-tmp"
-_ITEMS = ("state", "ledger", "data", "hooks", "leaves")
-# A name that looks like someone else's checkpoint: flax.training.checkpoints'
-# "checkpoint_50", TensorFlow's "ckpt-100.index", an Orbax manager with a step prefix.
-_FOREIGN_CHECKPOINT = re.compile(r"(checkpoint|ckpt)\D{0,3}\d+", re.IGNORECASE)
-
+# _tidy and _unfinished_write are imported from here by tests.
+_REEXPORTED = (_tidy, _unfinished_write)
 
 class CheckpointError(RuntimeError):
   """A checkpoint save failed (the message names the step and directory)."""
@@ -493,290 +499,3 @@ class CheckpointHook(Hook):
       log.warning("while the run raised %s: %s", type(error).__name__, e)
       if step is not None and jax.process_index() == 0:
         _remove_tmp_dirs(self.directory, step)
-
-
-# -- helpers -------------------------------------------------------------------
-
-
-def _drain_writers(manager: ocp.CheckpointManager, timeout_s: float = 60.0) -> None:
-  """After a failed save, waits (best effort) for that save's other writers.
-
-  Orbax raises the first failing item's error while the other items' writes
-  may still run; waiting for them keeps them from writing into a directory
-  that is about to be removed or reused. Uses Orbax internals when present.
-  """
-  checkpointer = getattr(manager, "_checkpointer", None)
-  async_manager = getattr(checkpointer, "_async_manager", None)
-  for f in getattr(async_manager, "_commit_futures", None) or ():
-    try:
-      f.result(timeout=timeout_s)
-    except Exception:  # pylint: disable=broad-except  # the first error was raised already
-      pass
-
-
-def _rmtree(p: epath.Path, attempts: int = 20) -> None:
-  """Removes a directory, retrying while a stray writer still adds files."""
-  for i in range(attempts):
-    try:
-      p.rmtree(missing_ok=True)
-      return
-    except OSError:
-      if i == attempts - 1:
-        raise
-      time.sleep(0.05 * (i + 1))
-
-
-def _step_of_name(name: str) -> int | None:
-  """The step of a name loopkit's Orbax manager writes (``12`` or ``12.orbax-checkpoint-tmp-*``)."""
-  base = name.split(_TMP_MARK, 1)[0]
-  return int(base) if base.isdigit() else None
-
-
-def _unfinished_write(p: epath.Path) -> bool:
-  """Whether ``p`` (a step's directory or tmp directory) is this hook's unfinished write.
-
-  The evidence: a tmp name (Orbax's atomic-rename mode, any local disk: the
-  directory is renamed to ``<step>`` only once complete), or a ``<step>``
-  directory without ``commit_success.txt`` that holds nothing but loopkit's
-  items and Orbax's ``_CHECKPOINT_METADATA`` (Orbax's commit-file mode, used on
-  GCS, writes in place; a kill during a retention delete leaves part of a
-  checkpoint). A folder with anything else in it (a user's ``5``, an older
-  Orbax's complete checkpoint of other items) or with nothing in it is not one.
-  """
-  if _step_of_name(p.name) is None or not p.is_dir():
-    return False
-  if _TMP_MARK in p.name:
-    return True
-  names = [c.name.split(_TMP_MARK, 1)[0] for c in p.iterdir()]
-  return bool(names) and _COMMIT_FILE not in names and set(names) <= {_STEP_METADATA, *_ITEMS}
-
-
-def _tidy(directory: epath.Path) -> list[str]:
-  """Removes this hook's unfinished saves; returns warnings about what loopkit does not read.
-
-  Runs on process 0, then syncs the processes. Only :func:`_unfinished_write`
-  entries are deleted (case C21); digit-named folders that are not complete
-  checkpoints (C35) and other programs' checkpoints (C41) are left in place,
-  each kind named in one message.
-  """
-  messages = []
-  if jax.process_index() == 0 and directory.exists():
-    kept, foreign = [], []
-    for p in sorted(directory.iterdir(), key=lambda q: q.name):
-      name = p.name
-      if _unfinished_write(p):
-        log.warning("removing unfinished checkpoint directory %s", p)
-        _rmtree(p)
-      elif name.isdigit() and not (p / _COMMIT_FILE).exists():
-        kept.append(name)
-      elif _step_of_name(name) is None and _FOREIGN_CHECKPOINT.search(name):
-        foreign.append(name)
-    if kept:
-      messages.append(
-          f"loopkit: {directory} holds {', '.join(kept)}: named like loopkit checkpoints but "
-          f"neither complete (no {_COMMIT_FILE}) nor an unfinished loopkit save; left in "
-          "place, not read, and a save at that step is skipped")
-    if foreign:
-      messages.append(
-          f"loopkit: {directory} holds checkpoints loopkit does not read: "
-          f"{', '.join(foreign)} (e.g. from flax.training.checkpoints); the run does not "
-          "resume from them. To start from such a state, restore it yourself and pass it "
-          "to TrainLoop.run (docs/checkpointing.md, 'Starting from another checkpoint')")
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices("loopkit_checkpoint_remove_unfinished")
-  return messages
-
-
-def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
-  """Removes the unfinished directories of one failed save (no collective)."""
-  if not directory.exists():
-    return
-  for p in directory.iterdir():
-    if _step_of_name(p.name) == step and _unfinished_write(p):
-      log.warning("removing unfinished checkpoint directory %s", p)
-      _rmtree(p)
-
-
-# -- leaves ----------------------------------------------------------------------
-#
-# Orbax (>= 0.11) saves typed PRNG keys natively, as their uint32 key data plus
-# the impl's name, and wraps them back on restore; its metadata then shows the
-# key data's shape and dtype. It refuses zero-size arrays. loopkit therefore
-# saves zero-size leaves as None (the live state gives their shape and dtype
-# back) and writes its own JSON record of every leaf's logical shape and dtype
-# (item "leaves"), which the mismatch check reads.
-
-
-def _is_key(x: Any) -> bool:
-  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _is_empty(x: Any) -> bool:
-  return math.prod(x.shape) == 0
-
-
-def _storable(state: Any) -> Any:
-  return jax.tree.map(lambda x: None if _is_empty(x) else x, state)
-
-
-def _dtype_name(x: Any) -> str:
-  return str(x.dtype) if _is_key(x) else str(np.dtype(x.dtype))
-
-
-def _leaf_record(state: Any) -> dict[str, Any]:
-  """``{"leaves": [{"path", "key", "shape", "dtype"[, "impl"]}, ...]}`` of a state."""
-  leaves = []
-  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-    entry = {"path": jax.tree_util.keystr(path) or "<root>", "key": list(_orbax_key(path)),
-             "shape": list(x.shape), "dtype": _dtype_name(x)}
-    if _is_key(x) and isinstance(x, jax.Array):
-      entry["impl"] = str(jax.random.key_impl(x))
-    leaves.append(entry)
-  return {"leaves": leaves}
-
-
-def _leaves_from_record(record: dict[str, Any]) -> dict[tuple[str, ...], dict[str, Any]]:
-  return {tuple(e["key"]): {"shape": tuple(e["shape"]), "dtype": e["dtype"],
-                            "impl": e.get("impl")} for e in record["leaves"]}
-
-
-def _leaves_from_orbax(tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
-  """The same from Orbax's metadata (checkpoints without the record): key data for keys."""
-  return {key: {"shape": tuple(getattr(m, "shape", ()) or ()),
-                "dtype": str(np.dtype(m.dtype)) if getattr(m, "dtype", None) is not None
-                else None, "impl": None, "physical": True}
-          for key, m in ocp.tree.to_flat_dict(tree).items() if m is not None}
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-
-
-def _orbax_key(path: tuple) -> tuple[str, ...]:
-  """The flat key Orbax stores a leaf under (``ocp.tree.to_flat_dict``)."""
-  out = []
-  for k in path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(k, attr):
-        out.append(str(getattr(k, attr)))
-        break
-    else:
-      out.append(str(k))
-  return tuple(out)
-
-
-def _described(dtype: str | None, impl: str | None) -> str:
-  return f"{dtype} (impl {impl})" if impl else str(dtype)
-
-
-def _tree_difference(saved: dict[tuple[str, ...], dict[str, Any]], like: Any) -> str | None:
-  """First difference between the saved leaves and a live state, or None."""
-  seen = set()
-  for path, x in jax.tree_util.tree_flatten_with_path(like)[0]:
-    key = _orbax_key(path)
-    name = jax.tree_util.keystr(path) or "<root>"
-    if key not in saved:
-      return f"leaf {name} of the train state is not in the checkpoint"
-    seen.add(key)
-    m = saved[key]
-    shape, dtype = tuple(x.shape), _dtype_name(x)
-    impl = str(jax.random.key_impl(x)) if _is_key(x) and isinstance(x, jax.Array) else None
-    if m.get("physical") and _is_key(x):  # Orbax's metadata shows a key's data
-      data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-      shape, dtype = tuple(data.shape), str(data.dtype)
-    if m["shape"] != shape:
-      return f"leaf {name} has shape {m['shape']} in the checkpoint, {shape} in the train state"
-    if m["dtype"] is not None and m["dtype"] != dtype:
-      return (f"leaf {name} has dtype {_described(m['dtype'], m.get('impl'))} in the "
-              f"checkpoint, {_described(dtype, impl)} in the train state")
-  for key in saved:
-    if key not in seen:
-      return f"the checkpoint has leaf {'.'.join(key)} that the train state lacks"
-  return None
-
-
-def _empty_like(x: Any) -> jax.Array:
-  return jnp.zeros(x.shape, x.dtype, device=getattr(x, "sharding", None))
-
-
-def _into_structure(restored: Any, like: Any) -> Any:
-  """Puts restored leaves into exactly ``like``'s tree structure (zero-size ones anew)."""
-  like_leaves = jax.tree_util.tree_flatten_with_path(like)[0]
-  like_def = jax.tree.structure(like)
-  if jax.tree.structure(restored) == like_def:  # type: ignore[operator]
-    return restored
-  flat = {_orbax_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
-  return jax.tree.unflatten(like_def, [_empty_like(x) if _is_empty(x) else flat[_orbax_key(p)]
-                                       for p, x in like_leaves])
-
-
-def _jsonable(x: Any) -> Any:
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, np.generic):
-    return x.item()
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  return x
-
-
-def _check_json(value: Any, what: str) -> None:
-  try:
-    json.dumps(value)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"{what} is not JSON-serialisable: {e}") from None
-
-
-def _encode_position(position: Any) -> dict[str, Any]:
-  """One process's data position as JSON: ``{"kind": ..., "value": ...}``."""
-  if position is None:
-    return {"kind": "none"}
-  if isinstance(position, (int, np.integer)) and not isinstance(position, bool):
-    return {"kind": "int", "value": int(position)}
-  if isinstance(position, (bytes, bytearray)):
-    return {"kind": "bytes", "value": base64.b64encode(bytes(position)).decode("ascii")}
-  value = _jsonable(position)
-  _check_json(value, f"the data position ({type(position).__name__})")
-  return {"kind": "json", "value": value}
-
-
-def _decode_position(d: dict[str, Any]) -> Any:
-  kind = d.get("kind")
-  if kind == "none":
-    return None
-  if kind == "int":
-    return int(d["value"])
-  if kind == "bytes":
-    return base64.b64decode(d["value"])
-  if kind == "json":
-    return d["value"]
-  raise ValueError(f"unknown data position kind {kind!r} in checkpoint")
-
-
-def _encode_positions(position: Any) -> dict[str, Any]:
-  """Every process's position (one entry per process, in process order)."""
-  mine = _encode_position(position)
-  if jax.process_count() == 1:
-    return {"per_process": [mine]}
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  raw = np.frombuffer(json.dumps(mine).encode(), np.uint8)
-  lengths = multihost_utils.process_allgather(np.asarray(raw.size, np.int32))
-  padded = np.zeros(int(np.max(lengths)), np.uint8)
-  padded[:raw.size] = raw
-  rows = np.asarray(multihost_utils.process_allgather(padded))
-  return {"per_process": [json.loads(bytes(row[:n]).decode())
-                          for row, n in zip(rows, np.asarray(lengths), strict=True)]}
-
-
-def _decode_positions(d: dict[str, Any]) -> Any:
-  per = d["per_process"]
-  n, i = jax.process_count(), jax.process_index()
-  if len(per) == n:
-    return _decode_position(per[i])
-  if all(p == per[0] for p in per):
-    return _decode_position(per[0])
-  raise ValueError(f"the checkpoint's data positions were saved by {len(per)} processes and "
-                   f"differ; they cannot be given to {n} processes")
