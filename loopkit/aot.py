@@ -331,8 +331,8 @@ class AotReport:
         lines += [
             f"    roofline: >= {p.step_secs * 1e3:.4g} ms per {unit} at peak bf16, i.e. <= "
             f"{p.examples_per_sec:,.0f} examples/s (a bound, not a measurement)",
-            f"    XLA's HBM traffic estimate at peak bandwidth: {p.memory_secs * 1e3:.4g} ms per "
-            f"{unit} (<= {mem_rate:,.0f} examples/s if that traffic is real)"]
+            f"    XLA's HBM traffic estimate at peak bandwidth: {(p.memory_secs or 0.0) * 1e3:.4g}"
+            f" ms per {unit} (<= {mem_rate:,.0f} examples/s if that traffic is real)"]
     return "\n".join(lines)
 
 
@@ -371,7 +371,9 @@ def _batch_size(batch: Any, what: str) -> int:
   if len(set(sizes.values())) != 1 or None in sizes.values():
     raise ValueError(f"every leaf of the {what} batch spec needs the same leading batch "
                      f"dimension B (the global batch); got {sizes}")
-  return next(iter(sizes.values()))
+  size = next(iter(sizes.values()))
+  assert size is not None  # checked above
+  return int(size)
 
 
 def _chunk(batch: Any, k: int) -> Any:

@@ -248,6 +248,7 @@ class CheckpointHook(Hook):
         cleanup_tmp_directories=False, create=True)
 
   def _metric_of(self, metrics: dict[str, Any]) -> float:
+    assert self.best_metric is not None  # only called with one
     return float(metrics[self.best_metric])
 
   def _open(self) -> ocp.CheckpointManager:

@@ -96,7 +96,8 @@ def hook_names(hooks: Sequence[Any]) -> list[str]:
     ValueError: a ``hook_name`` given twice, or one that looks like a generated
       repeat (``"Name#2"``) or an old positional key (``"3:Name"``).
   """
-  names, seen = [], {}
+  names: list[str] = []
+  seen: dict[str, int] = {}
   for h in hooks:
     own = getattr(h, "hook_name", None)
     if own is not None:
@@ -162,6 +163,9 @@ class RunContext:
   """
 
   __slots__ = ("_run", "_index", "_states")
+  _run: Any  # the loopkit.run.Run
+  _index: int
+  _states: Callable[[int], dict[str, Any]] | None
 
   def __init__(self, run: Any, index: int,
                states: Callable[[int], dict[str, Any]] | None = None):

@@ -323,7 +323,8 @@ class GoodputHook(Hook):
 
   def _write_record(self, ledger: Ledger | LedgerView, step: int) -> None:
     """Writes ``goodput.json`` (process 0) for the boundary at ``step``."""
-    if self.path is None or jax.process_index() != 0:
+    path = self.path
+    if path is None or jax.process_index() != 0:
       return
     s = summarize(ledger, step)
     trained = step + ledger.lost_steps
@@ -331,8 +332,8 @@ class GoodputHook(Hook):
     record = {"step": step, "lost_steps": ledger.lost_steps, "lost_secs": s.lost_secs,
               "secs_per_step": s.productive_secs / trained if trained else 0.0,
               "row_step": self._row_step, "saved_step": saved_step, "unsaved_secs": unsaved}
-    os.makedirs(self.workdir, exist_ok=True)
-    tmp = self.path + ".tmp"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
       json.dump(record, f)
-    os.replace(tmp, self.path)
+    os.replace(tmp, path)

@@ -128,6 +128,7 @@ class LedgerView:
   """
 
   __slots__ = ("_ledger",)
+  _ledger: Ledger
 
   def __init__(self, ledger: Ledger):
     object.__setattr__(self, "_ledger", ledger)

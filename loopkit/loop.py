@@ -175,8 +175,10 @@ class TrainLoop:
     self._auto_steps_per_epoch = steps_per_epoch == "auto"  # from the source, at each run
     if self._auto_steps_per_epoch:
       steps_per_epoch = None
-    elif steps_per_epoch is not None and steps_per_epoch < 1:
+    elif steps_per_epoch is not None and (isinstance(steps_per_epoch, str)
+                                          or steps_per_epoch < 1):
       raise ValueError(f"steps_per_epoch must be >= 1 or 'auto', got {steps_per_epoch!r}")
+    assert not isinstance(steps_per_epoch, str)
     self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
     if global_batch_size is not None:
       check_global_batch_size(global_batch_size, self.data_parallel_size)
@@ -189,7 +191,7 @@ class TrainLoop:
         raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
                         "(or wrap a function in loopkit.CallbackHook)")
     _warn_logging_after_checkpoint(self.hooks)
-    self.steps_per_epoch = steps_per_epoch
+    self.steps_per_epoch: int | None = steps_per_epoch
     if steps_per_epoch is not None:
       self._check_triggers()
     self.prefetch = prefetch
@@ -301,6 +303,7 @@ class TrainLoop:
       if self.steps_per_epoch is None:
         raise ValueError("num_epochs needs steps_per_epoch")
       return int(num_epochs) * self.steps_per_epoch
+    assert num_steps is not None
     return int(num_steps)
 
   def _check_triggers(self) -> None:

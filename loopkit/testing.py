@@ -179,7 +179,7 @@ def _configured_count() -> int:
 try:  # the fixture exists only where pytest does
   import pytest as _pytest
 except ImportError:  # pragma: no cover
-  _pytest = None
+  _pytest = None  # type: ignore[assignment]
 
 if _pytest is not None:
 
@@ -493,16 +493,19 @@ class ProcessGroup:
     return [self._result(i, i in killed) for i in range(len(self._procs))]
 
   def _result(self, i: int, killed: bool) -> ProcessResult:
+    directory = self._dir
+    assert directory is not None  # started
+
     def read(name: str) -> str:
       try:
-        with open(os.path.join(self._dir, name), "rb") as f:
+        with open(os.path.join(directory, name), "rb") as f:
           return f.read().decode("utf-8", "replace")
       except FileNotFoundError:
         return ""
 
     value, error = None, None
     try:
-      with open(os.path.join(self._dir, f"result_{i}.pkl"), "rb") as f:
+      with open(os.path.join(directory, f"result_{i}.pkl"), "rb") as f:
         status, payload = pickle.load(f)
       value, error = (payload, None) if status == "ok" else (None, payload)
     except FileNotFoundError:
@@ -654,6 +657,7 @@ def _child_main() -> None:
     if fn is not None:
       value = fn(*spec["args"], **spec["kwargs"])
     else:
+      assert module is not None  # _resolve gives one of the two
       sys.argv = [module] + [str(a) for a in spec["args"]]
       try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -712,7 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def echo() -> None:
       for i in range(group.num_processes):
         for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-          path = os.path.join(group._dir, f"{name}_{i}.txt")  # pylint: disable=protected-access
+          path = os.path.join(group._dir or "", f"{name}_{i}.txt")  # pylint: disable=protected-access
           with open(path, "rb") as f:
             f.seek(offsets.get((i, name), 0))
             data = f.read()

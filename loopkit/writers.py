@@ -63,7 +63,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 import jax
 import numpy as np
@@ -201,7 +201,7 @@ class JsonlWriter(_TextOnly):
     self.path = os.fspath(path)
     self.flush_secs = flush_secs
     self.clock = clock
-    self._f = None
+    self._f: TextIO | None = None
     self._checked = False  # the old rows were checked against the first stepped row
     self._enabled = _is_writer_process()
     self._last_flush = clock()
@@ -244,6 +244,7 @@ class JsonlWriter(_TextOnly):
   def _write_row(self, row: dict[str, Any]) -> None:
     if self._f is None or (not self._checked and "step" in row):
       self._open(row.get("step"))
+    assert self._f is not None  # opened above
     self._f.write(json.dumps(row) + "\n")
     if self.clock() - self._last_flush >= self.flush_secs:
       self.flush()
@@ -311,7 +312,7 @@ class TensorBoardWriter:
     self.logdir = os.fspath(logdir)
     self.flush_secs = flush_secs
     self.clock = clock
-    self._w = None
+    self._w: Any = None  # tensorboardX's EventsWriter, opened at the first write
     self._enabled = _is_writer_process()
     self._last_flush = clock()
     self._resuming = False
