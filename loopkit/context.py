@@ -23,16 +23,13 @@ a state (``after_call``,            checks it against the train state (structure
 =================================== =====================================================
 
 Hooks' own state in checkpoints is keyed by a stable *hook name*
-(:func:`hook_names`): the hook's ``hook_name`` attribute if set, else its class
-name, with ``#2``, ``#3``... for repeats, so adding an unrelated hook does not
-move another hook's saved state. Not thread-safe.
+(:mod:`loopkit.hook_state`). Not thread-safe.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from loopkit.ledger import Ledger, LedgerView
@@ -40,7 +37,7 @@ from loopkit.ledger import Ledger, LedgerView
 if TYPE_CHECKING:
   from loopkit.preemption import PreemptionWatcher
 
-__all__ = ["LedgerAdjustment", "Restore", "RunContext", "hook_names"]
+__all__ = ["LedgerAdjustment", "Restore", "RunContext"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +51,10 @@ class Restore:
     data_position: the source position to continue from (see
       :func:`loopkit.feeding.open_source`), or None for the source's start.
     hook_states: ``{hook name: state}`` to hand to the hooks'
-      ``restore_checkpoint_state`` (names from :func:`hook_names`; keys of
-      checkpoints written before loopkit 0.2, ``"<index>:<Class>"``, are
-      matched too, see :meth:`RunContext` docs in docs/concepts.md).
+      ``restore_checkpoint_state`` (names from
+      :func:`loopkit.hook_state.hook_names`; keys of checkpoints written before
+      hook names, ``"<index>:<Class>"``, are matched too:
+      :func:`loopkit.hook_state.match_hook_states`).
   """
 
   state: Any
@@ -89,61 +87,6 @@ class LedgerAdjustment:
       ledger.add_time(bucket, float(secs))
 
 
-def hook_names(hooks: Sequence[Any]) -> list[str]:
-  """Stable names of ``hooks``: ``hook_name`` or the class name, ``#2``, ``#3`` for repeats.
-
-  Raises:
-    ValueError: a ``hook_name`` given twice, or one that looks like a generated
-      repeat (``"Name#2"``) or an old positional key (``"3:Name"``).
-  """
-  names: list[str] = []
-  seen: dict[str, int] = {}
-  for h in hooks:
-    own = getattr(h, "hook_name", None)
-    if own is not None:
-      if not isinstance(own, str) or not own or re.fullmatch(r".*#\d+|\d+:.*", own):
-        raise ValueError(f"hook {h!r}: hook_name must be a non-empty str without a '#<n>' "
-                         f"suffix or '<n>:' prefix, got {own!r}")
-      if own in seen:
-        raise ValueError(f"two hooks are named {own!r}: give each a different hook_name")
-    base = own or type(h).__name__
-    seen[base] = seen.get(base, 0) + 1
-    names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
-  return names
-
-
-def match_hook_states(saved: Mapping[str, Any], hooks: Sequence[Any],
-                      names: Sequence[str]) -> tuple[dict[int, Any], list[str]]:
-  """Which saved hook state goes to which hook.
-
-  New keys are hook names. Keys ``"<index>:<Class>"`` (checkpoints written
-  before hook names) go to the hook at that index if it is of that class (the
-  old rule), else to the only hook of that class; otherwise they are unmatched.
-
-  Returns:
-    ``({index in hooks: state}, [unmatched keys])``.
-  """
-  by_name = {n: i for i, n in enumerate(names)}
-  out: dict[int, Any] = {}
-  unmatched = []
-  for key, value in saved.items():
-    m = re.fullmatch(r"(\d+):(.+)", key)
-    if key in by_name:
-      out[by_name[key]] = value
-    elif m is not None:
-      index, cls = int(m.group(1)), m.group(2)
-      same_class = [i for i, h in enumerate(hooks) if type(h).__name__ == cls]
-      if index < len(hooks) and type(hooks[index]).__name__ == cls:
-        out[index] = value
-      elif len(same_class) == 1:
-        out[same_class[0]] = value
-      else:
-        unmatched.append(key)
-    else:
-      unmatched.append(key)
-  return out, unmatched
-
-
 class RunContext:
   """A hook's read-only view of the run (what ``on_run_start`` etc. get instead of the loop).
 
@@ -159,7 +102,7 @@ class RunContext:
     preemption: the run's :class:`~loopkit.preemption.PreemptionWatcher`
       (``ctx.preemption.request()`` preempts at the next boundary).
     mesh, data_parallel_size, iterations_per_loop, time_based_k: the loop's.
-    hook_name: this hook's stable name (:func:`hook_names`).
+    hook_name: this hook's stable name (:func:`loopkit.hook_state.hook_names`).
   """
 
   __slots__ = ("_run", "_index", "_states")

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from loopkit.hook_state import hook_names
 from loopkit.hooks import Hook
 from loopkit.ledger import Bucket, Ledger
 from loopkit.logs import install_default_handler
@@ -191,6 +192,7 @@ class TrainLoop:
         raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
                         "(or wrap a function in loopkit.CallbackHook)")
     _warn_logging_after_checkpoint(self.hooks)
+    hook_names(self.hooks)  # raises now for a hook_name given twice
     self.steps_per_epoch: int | None = steps_per_epoch
     if steps_per_epoch is not None:
       self._check_triggers()

@@ -20,7 +20,6 @@ Hooks read a :class:`~loopkit.context.RunContext` and return what they change
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 import warnings
@@ -32,8 +31,9 @@ import numpy as np
 
 from loopkit import metrics as metrics_lib
 from loopkit.boundary import agree
-from loopkit.context import LedgerAdjustment, Restore, RunContext, hook_names, match_hook_states
+from loopkit.context import LedgerAdjustment, Restore, RunContext
 from loopkit.feeding import Chunk, ChunkFeeder, open_source, warn_if_pmap_layout
+from loopkit.hook_state import collect_hook_states, give_hook_states, hook_names
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Bucket, Ledger, LedgerView, epoch_of
 from loopkit.planner import plan_calls
@@ -51,17 +51,11 @@ class DataExhaustedWarning(UserWarning):
 
 
 def _fetch(tree: Any, copy_async: bool) -> Any:
-  """``jax.device_get`` of a pytree of fully addressable ``jax.Array``, cheaper on CPU.
+  """``jax.device_get`` of a pytree of ``jax.Array``: numpy copies that own their memory.
 
-  Args:
-    tree: pytree of ``jax.Array``.
-    copy_async: start every leaf's host copy before reading any (what
-      ``jax.device_get`` does: it overlaps the transfers on accelerators, but
-      costs about 10-30 us per leaf on CPU devices, whose buffers the host
-      reads directly).
-
-  Returns:
-    The same pytree with numpy arrays that own their memory (host copies).
+  ``copy_async`` starts every leaf's host copy before reading any (as
+  ``jax.device_get``: it overlaps transfers on accelerators, but costs about
+  10-30 us per leaf on CPU devices, whose buffers the host reads directly).
   """
   leaves, treedef = jax.tree.flatten(tree)
   if copy_async:
@@ -115,7 +109,7 @@ class Run:
     ledger: the run's :class:`~loopkit.ledger.Ledger` (written only here).
     ledger_view: its read-only view, for hooks.
     data_position: source position after the last consumed call.
-    names: the hooks' stable names (:func:`loopkit.context.hook_names`).
+    names: the hooks' stable names (:func:`loopkit.hook_state.hook_names`).
   """
 
   def __init__(self, loop: TrainLoop, ledger: Ledger, target: int, num_epochs: int | None):
@@ -229,11 +223,7 @@ class Run:
     ledger.steps_per_epoch = self.loop.steps_per_epoch
     self.set_ledger(ledger)
     self.data_position = r.data_position
-    matched, unmatched = match_hook_states(r.hook_states, self.hooks, self.names)
-    for j, value in matched.items():
-      put = getattr(self.hooks[j], "restore_checkpoint_state", None)
-      if callable(put) and j != i:
-        put(value)
+    unmatched = give_hook_states(r.hook_states, self.hooks, self.names, i)
     if unmatched:
       log.warning("%s: the restored hook states %s match no hook of this loop (hooks: %s); "
                   "they are not restored", type(h).__name__, ", ".join(sorted(unmatched)),
@@ -241,24 +231,8 @@ class Run:
     return state
 
   def _hook_states(self, caller: int) -> dict[str, Any]:
-    """Flushes the other hooks, then collects their ``checkpoint_state()`` by name."""
-    others = [(n, h) for j, (n, h) in enumerate(zip(self.names, self.hooks)) if j != caller]
-    for _, h in others:
-      flush = getattr(h, "flush", None)
-      if callable(flush):
-        flush()
-    states = {}
-    for name, h in others:
-      get = getattr(h, "checkpoint_state", None)
-      if callable(get):
-        value = get()
-        try:
-          json.dumps(value)
-        except (TypeError, ValueError) as e:
-          raise TypeError(f"checkpoint_state() of hook {name} is not JSON-serialisable: "
-                          f"{e}") from None
-        states[name] = value
-    return states
+    """For ``ctx.hook_states()``: flushes the other hooks, collects their states by name."""
+    return collect_hook_states(self.hooks, self.names, caller)
 
   # -- the run --------------------------------------------------------------
 
@@ -395,9 +369,10 @@ class Run:
 
   def fire(self, firing: list[int], info: LoopInfo, state: Any) -> Any:
     """Calls ``after_call`` of the hooks ``firing``; admits the states they return."""
-    if state is not None and any(self.hooks[i].needs_state for i in firing):
+    readers = [type(self.hooks[i]).__name__ for i in firing if self.hooks[i].needs_state]
+    if state is not None and readers:
       self.check_replicas(state, f"at step {info.end_step}, before the state goes to "
-                          f"{', '.join(type(self.hooks[i]).__name__ for i in firing if self.hooks[i].needs_state)},")  # noqa: E501
+                          f"{', '.join(readers)},")
     for i in firing:
       h = self.hooks[i]
       new = self.call_hook(i, h.after_call, info, state if h.needs_state else None)
@@ -441,12 +416,9 @@ class Run:
   def agree(self) -> tuple[str | None, dict[int, bool]]:
     """Takes every host-local decision of one boundary, agreed across processes.
 
-    Called once before each dispatch. This process's preemption flag, a stop
-    requested by a hook, and each ``every_secs`` trigger's clock go into one
-    :func:`loopkit.boundary.agree`, so every process stops at the same boundary
-    and fires the same hooks. A time mark read here counts for the call about
-    to be dispatched: an ``every_secs`` hook fires at the end of the first call
-    that starts at least ``every_secs`` after its last firing.
+    Once before each dispatch: this process's preemption flag, a requested stop
+    and each ``every_secs`` clock go into one :func:`loopkit.boundary.agree`. A
+    time mark read here counts for the call about to be dispatched.
 
     Returns:
       ``(stop, time_due)``: the stop reason (``"preempted"``, the requested
@@ -473,15 +445,12 @@ class Run:
     return firing
 
   def fire_at_end(self, state: Any) -> Any:
-    """At the end of a run, fires the ``at_end`` hooks that did not fire on its last call.
+    """Fires the ``at_end`` hooks with a mark that did not fire on the run's last call.
 
-    After an early stop (a stop request or a preemption) that is every ``at_end``
-    hook with a mark that did not fire on the last call. A run that made no
-    call (stopped before its first one, or already at its target) fires every
-    ``at_end`` hook with a mark once with an empty :class:`LoopInfo`
-    (``num_steps == 0``, no metrics) at the current step, so e.g. a preempted
-    run still saves and re-running a finished run still evaluates once. Hooks
-    without marks (every call) do not fire for an empty boundary.
+    After an early stop, with the last call's info (``is_last=True``); after no
+    call at all, once with an empty :class:`LoopInfo` at the current step (see
+    :mod:`loopkit.hooks`: a preempted run still saves, a finished run re-run
+    still evaluates once).
     """
     last = self.last
     due = [i for i, h in enumerate(self.hooks) if h.trigger.at_end and not h.trigger.every_call]

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 import loopkit
-from loopkit.context import hook_names, match_hook_states
+from loopkit.hook_state import hook_names, match_hook_states
 from loopkit.ledger import Bucket, Ledger, LedgerView, epoch_of
 from tests import toy
 
