@@ -129,7 +129,6 @@ class TrainLoop:
       whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
   Attributes:
-    ledger: the :class:`~loopkit.ledger.Ledger` (after ``run`` starts).
     status: ``"completed"``, ``"data_exhausted"``, ``"preempted"`` or ``"stopped"``
       (or the reason given to :meth:`request_stop`) after ``run``.
     preemption: the run's :class:`~loopkit.preemption.PreemptionWatcher`
@@ -140,7 +139,6 @@ class TrainLoop:
     iterations_per_loop: the compiled slot count K (the cap, for time-based K).
     time_based_k: the :class:`~loopkit.planner.TimeBasedK`, or None.
     target_step: the global step the current ``run`` ends at.
-    data_position: source position after the last consumed chunk.
 
   Not thread-safe. Multi-host: every process runs the same loop.
   """
