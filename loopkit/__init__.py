@@ -6,12 +6,13 @@ results that do not depend on K.
 
 from loopkit import aot, conv_layout, goodput, metrics
 from loopkit.accumulation import accumulate
+from loopkit.context import LedgerAdjustment, Restore, RunContext
 from loopkit.device_data import DeviceDataset, DeviceDataState
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate, per_example
 from loopkit.feeding import BatchLayoutWarning
 from loopkit.goodput import GoodputHook, GoodputSummary
 from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
-from loopkit.ledger import Ledger
+from loopkit.ledger import Bucket, Ledger
 from loopkit.loop import DataExhaustedWarning, TrainLoop
 from loopkit.planner import TimeBasedK, next_call_length, plan_calls
 from loopkit.preemption import PreemptionWatcher
@@ -82,4 +83,5 @@ __all__ = [
     "TfDataSource", "batch_arrays", "eval_batches_per_process", "evaluate",
     "grain_shard_for_process", "grain_shard_options", "process_shard_bounds",
     "shard_for_process", "tfds_split_for_process",
+    "Bucket", "LedgerAdjustment", "Restore", "RunContext",
 ]

@@ -13,6 +13,7 @@ leaves each leaf's path, shape, dtype    ``JsonSave`` / ``JsonRestore``
 ledger :class:`~loopkit.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
 data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
 hooks  other hooks' ``checkpoint_state`` ``JsonSave`` / ``JsonRestore``
+       by hook name
 ====== ================================= ====================================
 
 **Leaf kinds.** Every leaf kind round-trips bitwise (case C28, tested in a
@@ -37,8 +38,11 @@ flight commit (or removes it, if it failed), so nothing is written after
 restores the latest complete checkpoint, if any (the checkpoint wins over the
 state passed in, like TPUEstimator's ``model_dir``): the state is restored
 into the live state's tree structure and shardings (so a run may resume on a
-different number of devices, and the program is not recompiled), the loop's
-ledger and data position are set, and hooks' states are handed back. A
+different number of devices, and the program is not recompiled) and returned
+with its ledger, data position and hooks' states as one
+:class:`~loopkit.context.Restore`; the loop applies it and hands each hook its
+state by name (checkpoints keyed ``"<index>:<Class>"``, written before hook
+names, still restore: see :func:`loopkit.context.match_hook_states`). A
 checkpoint whose tree, shapes or dtypes differ from the live state raises
 ``ValueError`` naming the first differing leaf before anything changes.
 
@@ -74,20 +78,13 @@ directory must be shared. Not thread-safe.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import logging
-import math
-import re
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from loopkit.extras import missing
 
@@ -98,21 +95,35 @@ try:
 except ImportError as e:
   raise missing(e, "loopkit.checkpoint") from e
 
+from loopkit.checkpoint_files import (
+  _COMMIT_FILE,
+  _ITEMS,
+  _drain_writers,
+  _remove_tmp_dirs,
+  _tidy,
+  _unfinished_write,
+)
+from loopkit.checkpoint_items import (
+  _abstract,
+  _decode_positions,
+  _encode_positions,
+  _into_structure,
+  _is_empty,
+  _leaf_record,
+  _leaves_from_orbax,
+  _leaves_from_record,
+  _storable,
+  _tree_difference,
+)
+from loopkit.context import Restore, RunContext
 from loopkit.hooks import Hook, LoopInfo
-from loopkit.ledger import Ledger
+from loopkit.ledger import Bucket, Ledger
 
 log = logging.getLogger("loopkit")
 
 __all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]
-
-_COMMIT_FILE = "commit_success.txt"
-_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (written when a save starts)
-_TMP_MARK = ".orbax-checkpoint-tmp"
-_ITEMS = ("state", "ledger", "data", "hooks", "leaves")
-# A name that looks like someone else's checkpoint: flax.training.checkpoints'
-# "checkpoint_50", TensorFlow's "ckpt-100.index", an Orbax manager with a step prefix.
-_FOREIGN_CHECKPOINT = re.compile(r"(checkpoint|ckpt)\D{0,3}\d+", re.IGNORECASE)
-
+# _tidy and _unfinished_write are imported from here by tests.
+_REEXPORTED = (_tidy, _unfinished_write)
 
 class CheckpointError(RuntimeError):
   """A checkpoint save failed (the message names the step and directory)."""
@@ -131,7 +142,9 @@ class RestoredCheckpoint:
     state: the train state, with the tree structure and shardings of ``like``.
     ledger: the saved :class:`~loopkit.ledger.Ledger`.
     data_position: this process's data position (int, iterator state or None).
-    hook_states: ``{"<index>:<HookClass>": state}`` of the hooks that had one.
+    hook_states: ``{hook name: state}`` of the other hooks that had one
+      (:func:`loopkit.context.hook_names`; ``"<index>:<HookClass>"`` in
+      checkpoints written before hook names).
   """
 
   step: int
@@ -175,7 +188,7 @@ class CheckpointHook(Hook):
   """
 
   needs_state = True
-  time_bucket = "checkpoint"
+  time_bucket = Bucket.CHECKPOINT
 
   def __init__(self, directory: str | epath.PathLike, *, every_steps: int | None = None,
                every_epochs: float | None = None, at_steps: Sequence[int] | None = None,
@@ -205,7 +218,7 @@ class CheckpointHook(Hook):
     self.restored_step: int | None = None
     self.saved_steps: list[int] = []
     self._manager: ocp.CheckpointManager | None = None
-    self._loop: Any = None
+    self._ctx: RunContext | None = None
     self._in_flight: int | None = None
     self._warned: set[str] = set()
 
@@ -235,6 +248,7 @@ class CheckpointHook(Hook):
         cleanup_tmp_directories=False, create=True)
 
   def _metric_of(self, metrics: dict[str, Any]) -> float:
+    assert self.best_metric is not None  # only called with one
     return float(metrics[self.best_metric])
 
   def _open(self) -> ocp.CheckpointManager:
@@ -308,7 +322,9 @@ class CheckpointHook(Hook):
       self.wait_until_finished()
 
   def save(self, step: int, state: Any, *, ledger: Ledger, data_position: Any = None,
-           metrics: dict[str, float] | None = None) -> bool:
+           metrics: dict[str, float] | None = None,
+           hook_states: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
+           ) -> bool:
     """Starts saving one checkpoint (returns once the arrays are off the device).
 
     Args:
@@ -317,6 +333,9 @@ class CheckpointHook(Hook):
       ledger: the host ledger at ``step``.
       data_position: the source position after the step's batch.
       metrics: values for ranking (needs ``best_metric`` among them when set).
+      hook_states: ``{hook name: JSON-serialisable state}`` of other hooks, or
+        a function returning it, called only when the save is written (inside
+        a run, ``RunContext.hook_states``: a skipped save collects nothing).
 
     Returns:
       False if a checkpoint at ``step`` already exists (nothing written).
@@ -325,7 +344,7 @@ class CheckpointHook(Hook):
       CheckpointError: the previous asynchronous save failed, or this one
         could not start.
       ValueError: ``ledger.step != step`` or ``best_metric`` missing.
-      TypeError: a data position or hook state that is not JSON-serialisable.
+      TypeError: a data position that is not JSON-serialisable.
     """
     if ledger.step != step:
       raise ValueError(f"ledger step {ledger.step} != checkpoint step {step}")
@@ -350,7 +369,8 @@ class CheckpointHook(Hook):
         leaves=ocp.args.JsonSave(_leaf_record(state)),
         ledger=ocp.args.JsonSave(ledger.to_dict()),
         data=ocp.args.JsonSave(_encode_positions(data_position)),
-        hooks=ocp.args.JsonSave(self._hook_states()))
+        hooks=ocp.args.JsonSave(dict((hook_states() if callable(hook_states)
+                                      else hook_states) or {})))
     try:
       manager.save(step, args=args, metrics=ranked, force=True)
     except Exception as e:  # pylint: disable=broad-except
@@ -359,20 +379,6 @@ class CheckpointHook(Hook):
     self._in_flight = step
     self.saved_steps.append(step)
     return True
-
-  def _hook_states(self) -> dict[str, Any]:
-    states = {}
-    for key, h in self._other_hooks():
-      get = getattr(h, "checkpoint_state", None)
-      if callable(get):
-        value = get()
-        _check_json(value, f"checkpoint_state() of hook {key}")
-        states[key] = value
-    return states
-
-  def _other_hooks(self) -> list[tuple[str, Hook]]:
-    hooks = getattr(self._loop, "hooks", ()) if self._loop is not None else ()
-    return [(f"{i}:{type(h).__name__}", h) for i, h in enumerate(hooks) if h is not self]
 
   # -- restore ---------------------------------------------------------------
 
@@ -428,9 +434,15 @@ class CheckpointHook(Hook):
 
   # -- Hook protocol ---------------------------------------------------------
 
-  def on_run_start(self, loop: Any, state: Any) -> Any | None:
-    """Opens the directory and restores the latest checkpoint, if any."""
-    self._loop = loop
+  def on_run_start(self, ctx: RunContext, state: Any) -> Restore | None:
+    """Opens the directory; returns the latest checkpoint, if any, as a Restore.
+
+    Returns:
+      None (no checkpoint, or ``restore=False``) or a
+      :class:`~loopkit.context.Restore` of the state, ledger, data position
+      and other hooks' states, which the loop applies.
+    """
+    self._ctx = ctx
     self.restored_step = None
     if self._manager is not None:  # a previous run ended by an exception
       try:
@@ -441,48 +453,39 @@ class CheckpointHook(Hook):
     if not self.restore_on_start or self.latest_step() is None:
       return None
     r = self.restore(state)
-    steps_per_epoch = loop.ledger.steps_per_epoch if loop.ledger is not None else None
-    r.ledger.steps_per_epoch = steps_per_epoch
-    loop.ledger = r.ledger
-    loop.data_position = r.data_position
-    for key, h in self._other_hooks():
-      put = getattr(h, "restore_checkpoint_state", None)
-      if callable(put) and key in r.hook_states:
-        put(r.hook_states[key])
     self.restored_step = r.step
     log.info("resumed from checkpoint %d in %s", r.step, self.directory)
-    return r.state
+    return Restore(state=r.state, ledger=r.ledger, data_position=r.data_position,
+                   hook_states=r.hook_states)
 
   def observe(self, info: LoopInfo) -> None:
     """Raises the error of an asynchronous save that has failed meanwhile."""
     self._check_in_flight()
 
   def after_call(self, info: LoopInfo, state: Any) -> None:
-    """Saves the state at ``info.end_step`` (asynchronously)."""
-    ledger = self._loop.ledger if self._loop is not None else None
+    """Saves the state at ``info.end_step`` (asynchronously).
+
+    The ledger saved is the run's (read through the context); the other hooks'
+    states come from ``ctx.hook_states()``, for which the loop first flushes
+    every other hook with ``flush()`` (the rows this checkpoint covers are on
+    disk before it is).
+    """
+    ctx = self._ctx
+    ledger = ctx.ledger.copy() if ctx is not None else None
     if ledger is None or ledger.step != info.end_step:
       ledger = Ledger(step=info.end_step, examples_seen=info.examples_seen,
                       loop_index=info.loop_index + 1,
-                      steps_per_epoch=getattr(self._loop, "steps_per_epoch", None))
-    self._flush_other_hooks()  # the rows this checkpoint covers are on disk before it is
+                      steps_per_epoch=ctx.steps_per_epoch if ctx is not None else None)
     self.save(info.end_step, state, ledger=ledger, data_position=info.data_position,
-              metrics=info.metrics)
+              metrics=info.metrics, hook_states=ctx.hook_states if ctx is not None else None)
     return None
 
-  def _flush_other_hooks(self) -> None:
-    """Flushes every other hook that has ``flush()`` (their metric writers), so what a
-    checkpoint covers is also on disk when the job is killed after it."""
-    for _, h in self._other_hooks():
-      flush = getattr(h, "flush", None)
-      if callable(flush):
-        flush()
-
-  def on_run_end(self, loop: Any, state: Any) -> None:
+  def on_run_end(self, ctx: RunContext, state: Any) -> None:
     """Waits for the last write; raises :class:`CheckpointError` if it failed."""
     self.close()
     return None
 
-  def on_run_error(self, loop: Any, error: BaseException) -> None:
+  def on_run_error(self, ctx: RunContext, error: BaseException) -> None:
     """The run ends by ``error``: lets the in-flight save commit, then releases the directory.
 
     If that save fails too, its failure is logged (``error`` is what ``run``
@@ -497,290 +500,3 @@ class CheckpointHook(Hook):
       log.warning("while the run raised %s: %s", type(error).__name__, e)
       if step is not None and jax.process_index() == 0:
         _remove_tmp_dirs(self.directory, step)
-
-
-# -- helpers -------------------------------------------------------------------
-
-
-def _drain_writers(manager: ocp.CheckpointManager, timeout_s: float = 60.0) -> None:
-  """After a failed save, waits (best effort) for that save's other writers.
-
-  Orbax raises the first failing item's error while the other items' writes
-  may still run; waiting for them keeps them from writing into a directory
-  that is about to be removed or reused. Uses Orbax internals when present.
-  """
-  checkpointer = getattr(manager, "_checkpointer", None)
-  async_manager = getattr(checkpointer, "_async_manager", None)
-  for f in getattr(async_manager, "_commit_futures", None) or ():
-    try:
-      f.result(timeout=timeout_s)
-    except Exception:  # pylint: disable=broad-except  # the first error was raised already
-      pass
-
-
-def _rmtree(p: epath.Path, attempts: int = 20) -> None:
-  """Removes a directory, retrying while a stray writer still adds files."""
-  for i in range(attempts):
-    try:
-      p.rmtree(missing_ok=True)
-      return
-    except OSError:
-      if i == attempts - 1:
-        raise
-      time.sleep(0.05 * (i + 1))
-
-
-def _step_of_name(name: str) -> int | None:
-  """The step of a name loopkit's Orbax manager writes (``12`` or ``12.orbax-checkpoint-tmp-*``)."""
-  base = name.split(_TMP_MARK, 1)[0]
-  return int(base) if base.isdigit() else None
-
-
-def _unfinished_write(p: epath.Path) -> bool:
-  """Whether ``p`` (a step's directory or tmp directory) is this hook's unfinished write.
-
-  The evidence: a tmp name (Orbax's atomic-rename mode, any local disk: the
-  directory is renamed to ``<step>`` only once complete), or a ``<step>``
-  directory without ``commit_success.txt`` that holds nothing but loopkit's
-  items and Orbax's ``_CHECKPOINT_METADATA`` (Orbax's commit-file mode, used on
-  GCS, writes in place; a kill during a retention delete leaves part of a
-  checkpoint). A folder with anything else in it (a user's ``5``, an older
-  Orbax's complete checkpoint of other items) or with nothing in it is not one.
-  """
-  if _step_of_name(p.name) is None or not p.is_dir():
-    return False
-  if _TMP_MARK in p.name:
-    return True
-  names = [c.name.split(_TMP_MARK, 1)[0] for c in p.iterdir()]
-  return bool(names) and _COMMIT_FILE not in names and set(names) <= {_STEP_METADATA, *_ITEMS}
-
-
-def _tidy(directory: epath.Path) -> list[str]:
-  """Removes this hook's unfinished saves; returns warnings about what loopkit does not read.
-
-  Runs on process 0, then syncs the processes. Only :func:`_unfinished_write`
-  entries are deleted (case C21); digit-named folders that are not complete
-  checkpoints (C35) and other programs' checkpoints (C41) are left in place,
-  each kind named in one message.
-  """
-  messages = []
-  if jax.process_index() == 0 and directory.exists():
-    kept, foreign = [], []
-    for p in sorted(directory.iterdir(), key=lambda q: q.name):
-      name = p.name
-      if _unfinished_write(p):
-        log.warning("removing unfinished checkpoint directory %s", p)
-        _rmtree(p)
-      elif name.isdigit() and not (p / _COMMIT_FILE).exists():
-        kept.append(name)
-      elif _step_of_name(name) is None and _FOREIGN_CHECKPOINT.search(name):
-        foreign.append(name)
-    if kept:
-      messages.append(
-          f"loopkit: {directory} holds {', '.join(kept)}: named like loopkit checkpoints but "
-          f"neither complete (no {_COMMIT_FILE}) nor an unfinished loopkit save; left in "
-          "place, not read, and a save at that step is skipped")
-    if foreign:
-      messages.append(
-          f"loopkit: {directory} holds checkpoints loopkit does not read: "
-          f"{', '.join(foreign)} (e.g. from flax.training.checkpoints); the run does not "
-          "resume from them. To start from such a state, restore it yourself and pass it "
-          "to TrainLoop.run (docs/checkpointing.md, 'Starting from another checkpoint')")
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices("loopkit_checkpoint_remove_unfinished")
-  return messages
-
-
-def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
-  """Removes the unfinished directories of one failed save (no collective)."""
-  if not directory.exists():
-    return
-  for p in directory.iterdir():
-    if _step_of_name(p.name) == step and _unfinished_write(p):
-      log.warning("removing unfinished checkpoint directory %s", p)
-      _rmtree(p)
-
-
-# -- leaves ----------------------------------------------------------------------
-#
-# Orbax (>= 0.11) saves typed PRNG keys natively, as their uint32 key data plus
-# the impl's name, and wraps them back on restore; its metadata then shows the
-# key data's shape and dtype. It refuses zero-size arrays. loopkit therefore
-# saves zero-size leaves as None (the live state gives their shape and dtype
-# back) and writes its own JSON record of every leaf's logical shape and dtype
-# (item "leaves"), which the mismatch check reads.
-
-
-def _is_key(x: Any) -> bool:
-  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _is_empty(x: Any) -> bool:
-  return math.prod(x.shape) == 0
-
-
-def _storable(state: Any) -> Any:
-  return jax.tree.map(lambda x: None if _is_empty(x) else x, state)
-
-
-def _dtype_name(x: Any) -> str:
-  return str(x.dtype) if _is_key(x) else str(np.dtype(x.dtype))
-
-
-def _leaf_record(state: Any) -> dict[str, Any]:
-  """``{"leaves": [{"path", "key", "shape", "dtype"[, "impl"]}, ...]}`` of a state."""
-  leaves = []
-  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-    entry = {"path": jax.tree_util.keystr(path) or "<root>", "key": list(_orbax_key(path)),
-             "shape": list(x.shape), "dtype": _dtype_name(x)}
-    if _is_key(x) and isinstance(x, jax.Array):
-      entry["impl"] = str(jax.random.key_impl(x))
-    leaves.append(entry)
-  return {"leaves": leaves}
-
-
-def _leaves_from_record(record: dict[str, Any]) -> dict[tuple[str, ...], dict[str, Any]]:
-  return {tuple(e["key"]): {"shape": tuple(e["shape"]), "dtype": e["dtype"],
-                            "impl": e.get("impl")} for e in record["leaves"]}
-
-
-def _leaves_from_orbax(tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
-  """The same from Orbax's metadata (checkpoints without the record): key data for keys."""
-  return {key: {"shape": tuple(getattr(m, "shape", ()) or ()),
-                "dtype": str(np.dtype(m.dtype)) if getattr(m, "dtype", None) is not None
-                else None, "impl": None, "physical": True}
-          for key, m in ocp.tree.to_flat_dict(tree).items() if m is not None}
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-
-
-def _orbax_key(path: tuple) -> tuple[str, ...]:
-  """The flat key Orbax stores a leaf under (``ocp.tree.to_flat_dict``)."""
-  out = []
-  for k in path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(k, attr):
-        out.append(str(getattr(k, attr)))
-        break
-    else:
-      out.append(str(k))
-  return tuple(out)
-
-
-def _described(dtype: str | None, impl: str | None) -> str:
-  return f"{dtype} (impl {impl})" if impl else str(dtype)
-
-
-def _tree_difference(saved: dict[tuple[str, ...], dict[str, Any]], like: Any) -> str | None:
-  """First difference between the saved leaves and a live state, or None."""
-  seen = set()
-  for path, x in jax.tree_util.tree_flatten_with_path(like)[0]:
-    key = _orbax_key(path)
-    name = jax.tree_util.keystr(path) or "<root>"
-    if key not in saved:
-      return f"leaf {name} of the train state is not in the checkpoint"
-    seen.add(key)
-    m = saved[key]
-    shape, dtype = tuple(x.shape), _dtype_name(x)
-    impl = str(jax.random.key_impl(x)) if _is_key(x) and isinstance(x, jax.Array) else None
-    if m.get("physical") and _is_key(x):  # Orbax's metadata shows a key's data
-      data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-      shape, dtype = tuple(data.shape), str(data.dtype)
-    if m["shape"] != shape:
-      return f"leaf {name} has shape {m['shape']} in the checkpoint, {shape} in the train state"
-    if m["dtype"] is not None and m["dtype"] != dtype:
-      return (f"leaf {name} has dtype {_described(m['dtype'], m.get('impl'))} in the "
-              f"checkpoint, {_described(dtype, impl)} in the train state")
-  for key in saved:
-    if key not in seen:
-      return f"the checkpoint has leaf {'.'.join(key)} that the train state lacks"
-  return None
-
-
-def _empty_like(x: Any) -> jax.Array:
-  return jnp.zeros(x.shape, x.dtype, device=getattr(x, "sharding", None))
-
-
-def _into_structure(restored: Any, like: Any) -> Any:
-  """Puts restored leaves into exactly ``like``'s tree structure (zero-size ones anew)."""
-  like_leaves = jax.tree_util.tree_flatten_with_path(like)[0]
-  like_def = jax.tree.structure(like)
-  if jax.tree.structure(restored) == like_def:  # type: ignore[operator]
-    return restored
-  flat = {_orbax_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
-  return jax.tree.unflatten(like_def, [_empty_like(x) if _is_empty(x) else flat[_orbax_key(p)]
-                                       for p, x in like_leaves])
-
-
-def _jsonable(x: Any) -> Any:
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, np.generic):
-    return x.item()
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  return x
-
-
-def _check_json(value: Any, what: str) -> None:
-  try:
-    json.dumps(value)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"{what} is not JSON-serialisable: {e}") from None
-
-
-def _encode_position(position: Any) -> dict[str, Any]:
-  """One process's data position as JSON: ``{"kind": ..., "value": ...}``."""
-  if position is None:
-    return {"kind": "none"}
-  if isinstance(position, (int, np.integer)) and not isinstance(position, bool):
-    return {"kind": "int", "value": int(position)}
-  if isinstance(position, (bytes, bytearray)):
-    return {"kind": "bytes", "value": base64.b64encode(bytes(position)).decode("ascii")}
-  value = _jsonable(position)
-  _check_json(value, f"the data position ({type(position).__name__})")
-  return {"kind": "json", "value": value}
-
-
-def _decode_position(d: dict[str, Any]) -> Any:
-  kind = d.get("kind")
-  if kind == "none":
-    return None
-  if kind == "int":
-    return int(d["value"])
-  if kind == "bytes":
-    return base64.b64decode(d["value"])
-  if kind == "json":
-    return d["value"]
-  raise ValueError(f"unknown data position kind {kind!r} in checkpoint")
-
-
-def _encode_positions(position: Any) -> dict[str, Any]:
-  """Every process's position (one entry per process, in process order)."""
-  mine = _encode_position(position)
-  if jax.process_count() == 1:
-    return {"per_process": [mine]}
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  raw = np.frombuffer(json.dumps(mine).encode(), np.uint8)
-  lengths = multihost_utils.process_allgather(np.asarray(raw.size, np.int32))
-  padded = np.zeros(int(np.max(lengths)), np.uint8)
-  padded[:raw.size] = raw
-  rows = np.asarray(multihost_utils.process_allgather(padded))
-  return {"per_process": [json.loads(bytes(row[:n]).decode())
-                          for row, n in zip(rows, np.asarray(lengths), strict=True)]}
-
-
-def _decode_positions(d: dict[str, Any]) -> Any:
-  per = d["per_process"]
-  n, i = jax.process_count(), jax.process_index()
-  if len(per) == n:
-    return _decode_position(per[i])
-  if all(p == per[0] for p in per):
-    return _decode_position(per[0])
-  raise ValueError(f"the checkpoint's data positions were saved by {len(per)} processes and "
-                   f"differ; they cannot be given to {n} processes")

@@ -37,15 +37,16 @@ from typing import Any
 
 import jax
 
+from loopkit.context import LedgerAdjustment, RunContext
 from loopkit.hooks import Hook, LoopInfo
-from loopkit.ledger import Ledger
+from loopkit.ledger import Bucket, Ledger, LedgerView
 
 __all__ = ["GoodputHook", "GoodputSummary", "summarize"]
 
 log = logging.getLogger("loopkit")
 
-BADPUT_BUCKETS = ("compile", "data_wait", "checkpoint", "eval")
-_PRODUCTIVE_BUCKETS = ("dispatch", "device_wait")
+BADPUT_BUCKETS = (Bucket.COMPILE, Bucket.DATA_WAIT, Bucket.CHECKPOINT, Bucket.EVAL)
+_PRODUCTIVE_BUCKETS = (Bucket.DISPATCH, Bucket.DEVICE_WAIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +105,12 @@ class GoodputSummary:
     return "\n".join(lines)
 
 
-def summarize(ledger: Ledger, step: int | None = None) -> GoodputSummary:
+def summarize(ledger: Ledger | LedgerView, step: int | None = None) -> GoodputSummary:
   """Computes the goodput split from a ledger's time buckets.
 
   Args:
-    ledger: the loop's :class:`~loopkit.ledger.Ledger` (``loop.ledger``), or one
-      restored from a checkpoint.
+    ledger: the loop's :class:`~loopkit.ledger.Ledger` (``loop.ledger``, or a
+      hook's ``ctx.ledger`` view), or one restored from a checkpoint.
     step: the step the summary describes (default ``ledger.step``). A hook that
       runs one call late passes ``info.end_step``: by then the loop has
       dispatched the next call and ``ledger.step`` counts its steps too.
@@ -121,16 +122,16 @@ def summarize(ledger: Ledger, step: int | None = None) -> GoodputSummary:
   """
   sec = ledger.seconds
   get = lambda k: float(sec.get(k, 0.0))
-  total, lost = get("total"), get("lost")
+  total, lost = get(Bucket.TOTAL), get(Bucket.LOST)
   job = total + lost
   badput = sum(get(k) for k in BADPUT_BUCKETS) + lost
   productive = max(job - badput, 0.0)
   host_gap = max(productive - sum(get(k) for k in _PRODUCTIVE_BUCKETS), 0.0)
   return GoodputSummary(
-      job_secs=job, total_secs=total, compile_secs=get("compile"),
-      data_wait_secs=get("data_wait"), checkpoint_secs=get("checkpoint"),
-      eval_secs=get("eval"), lost_secs=lost, dispatch_secs=get("dispatch"),
-      device_wait_secs=get("device_wait"), host_gap_secs=host_gap,
+      job_secs=job, total_secs=total, compile_secs=get(Bucket.COMPILE),
+      data_wait_secs=get(Bucket.DATA_WAIT), checkpoint_secs=get(Bucket.CHECKPOINT),
+      eval_secs=get(Bucket.EVAL), lost_secs=lost, dispatch_secs=get(Bucket.DISPATCH),
+      device_wait_secs=get(Bucket.DEVICE_WAIT), host_gap_secs=host_gap,
       productive_secs=productive, goodput=productive / job if job > 0 else float("nan"),
       steps=ledger.step if step is None else int(step), lost_steps=ledger.lost_steps)
 
@@ -150,15 +151,18 @@ class GoodputHook(Hook):
   kilobyte). When a later run starts below that mark (it restored an older
   checkpoint, or started over) the steps in between were trained and lost:
   they add to ``ledger.lost_steps``, and ``lost_steps * seconds per productive
-  step`` (as measured by the attempt that lost them) to ``seconds["lost"]``.
+  step`` (as measured by the attempt that lost them) to ``seconds["lost"]``:
+  the hook returns this as a :class:`~loopkit.context.LedgerAdjustment` from
+  :meth:`adjust_ledger`, once per run after every restore, and the loop
+  applies it.
 
   Time after the last checkpoint: a checkpoint holds the ledger as it was when
   saved, so time spent later at that same step (an eval hook after the
   checkpoint hook, the end of the run) is not in it. The record also holds
   that time, per bucket; a run that restores that checkpoint (via
-  :class:`~loopkit.checkpoint.CheckpointHook`, which hands this hook its
-  :meth:`checkpoint_state` back; keep the hook at the same index in the hook
-  list) and starts at the step the record was written at adds it back.
+  :class:`~loopkit.checkpoint.CheckpointHook`; the loop hands this hook its
+  :meth:`checkpoint_state` back by hook name) and starts at the step the
+  record was written at adds it back.
 
   Args:
     writer: a :class:`~loopkit.writers.MetricWriter` for the ``goodput/*``
@@ -191,8 +195,7 @@ class GoodputHook(Hook):
     self.workdir = None if workdir is None else os.fspath(workdir)
     self.log_summary = log_summary
     self.summary: GoodputSummary | None = None
-    self._loop: Any = None  # the TrainLoop, set in on_run_start
-    self._begun = False  # this run's restart accounting is done
+    self._ctx: RunContext | None = None  # the run's read-only context, set in on_run_start
     self._row_step = -1  # step of the last goodput/* row written
     # {"step", "seconds"}: the ledger as the last checkpoint saved or restored holds it.
     self._saved: dict[str, Any] | None = None
@@ -211,9 +214,9 @@ class GoodputHook(Hook):
       ``{"step": int, "seconds": {bucket: float}}`` (the ledger's step and
       time buckets now), or ``{}`` outside a run.
     """
-    ledger = getattr(self._loop, "ledger", None)
-    if ledger is None:
+    if self._ctx is None:
       return {}
+    ledger = self._ctx.ledger
     self._saved = {"step": ledger.step, "seconds": dict(ledger.seconds)}
     return dict(self._saved)
 
@@ -230,31 +233,62 @@ class GoodputHook(Hook):
 
   # -- hook protocol ------------------------------------------------------------
 
-  def on_run_start(self, loop: Any, state: Any) -> None:
+  def on_run_start(self, ctx: RunContext, state: Any) -> None:
     del state
-    self._loop = loop
-    self._begun = False  # a restore (by a hook before or after this one) may still come
+    self._ctx = ctx
+
+  def adjust_ledger(self, ctx: RunContext) -> LedgerAdjustment | None:
+    """Reads the previous attempt's record and accounts for the restart (once per run).
+
+    Called by the loop after every ``on_run_start`` (a restore by any hook included).
+
+    Returns:
+      The work lost to a restart (``lost_steps`` and ``seconds["lost"]``), or
+      the time the previous attempt spent after the checkpoint this run
+      restored; None when there is nothing to add (no record, another
+      process than 0, no ``workdir``).
+    """
+    restored, self._restored_step = self._restored_step, None
+    if self.path is None or jax.process_index() != 0:
+      return None
+    try:
+      with open(self.path) as f:
+        prev = json.load(f)
+    except FileNotFoundError:
+      return None
+    start_step = ctx.ledger.step
+    self._row_step = max(self._row_step, int(prev.get("row_step", -1)))
+    if prev["step"] > start_step:
+      redone = int(prev["step"]) - start_step
+      # The record of the attempt that died is newer than the restored checkpoint.
+      lost_steps = int(prev["lost_steps"]) + redone
+      log.warning("goodput: this run starts at step %d but an earlier attempt reached step "
+                  "%d; %d steps are redone (%d in all so far)", start_step, prev["step"],
+                  redone, lost_steps)
+      return LedgerAdjustment(lost_steps=lost_steps, set_seconds={
+          Bucket.LOST: float(prev["lost_secs"]) + redone * float(prev["secs_per_step"])})
+    if prev["step"] == start_step == restored and prev.get("saved_step") == start_step:
+      # The previous attempt ended at the checkpoint this run restored; its time after
+      # that save (and its lost-work count, which goes with the "lost" seconds) is in
+      # the record, not in the checkpoint.
+      return LedgerAdjustment(lost_steps=int(prev["lost_steps"]), add_seconds={
+          bucket: float(secs) for bucket, secs in prev.get("unsaved_secs", {}).items()})
+    return None
 
   def observe(self, info: LoopInfo) -> None:
-    ledger = self._loop.ledger
-    self._begin(ledger, info.start_step)  # every on_run_start (a restore included) has run
     # info.end_step: the last step known complete (ledger.step may be a call ahead).
-    self._write_record(ledger, info.end_step)
+    self._write_record(self._view(), info.end_step)
 
   def after_call(self, info: LoopInfo, state: Any) -> None:
     del state
     if not info.is_last:  # the last is written by on_run_end
-      ledger = self._loop.ledger
+      ledger = self._view()
       if self._write_row(summarize(ledger, info.end_step)):
         self._write_record(ledger, info.end_step)
 
-  def on_run_end(self, loop: Any, state: Any) -> None:
+  def on_run_end(self, ctx: RunContext, state: Any) -> None:
     del state
-    tick = getattr(loop, "_tick_total", None)
-    if tick is not None:
-      tick()  # bring the ledger's total up to now (hooks before this one included)
-    ledger = loop.ledger
-    self._begin(ledger, ledger.step)  # a run with no device call (nothing left to train)
+    ledger = ctx.ledger  # its total is current: the loop ticks it before each on_run_end
     self.summary = summarize(ledger)
     if self._write_row(self.summary) and self.writer is not None:
       self.writer.flush()
@@ -264,39 +298,10 @@ class GoodputHook(Hook):
 
   # -- internals ----------------------------------------------------------------
 
-  def _begin(self, ledger: Ledger, start_step: int) -> None:
-    """Once per run: reads the previous attempt's record and accounts for the restart."""
-    if self._begun:
-      return
-    self._begun = True
-    restored, self._restored_step = self._restored_step, None
-    if self.path is None or jax.process_index() != 0:
-      return
-    try:
-      with open(self.path) as f:
-        prev = json.load(f)
-    except FileNotFoundError:
-      return
-    self._row_step = max(self._row_step, int(prev.get("row_step", -1)))
-    if prev["step"] > start_step:
-      self._account_lost_work(ledger, prev, start_step)
-    elif (prev["step"] == start_step == restored
-          and prev.get("saved_step") == start_step):
-      # The previous attempt ended at the checkpoint this run restored; its time after
-      # that save (and its lost-work count, which goes with the "lost" seconds) is in
-      # the record, not in the checkpoint.
-      ledger.lost_steps = int(prev["lost_steps"])
-      for bucket, secs in prev.get("unsaved_secs", {}).items():
-        ledger.add_time(bucket, float(secs))
-
-  def _account_lost_work(self, ledger: Ledger, prev: dict[str, Any], start_step: int) -> None:
-    redone = int(prev["step"]) - start_step
-    # The record of the attempt that died is newer than the restored checkpoint.
-    ledger.lost_steps = int(prev["lost_steps"]) + redone
-    ledger.seconds["lost"] = float(prev["lost_secs"]) + redone * float(prev["secs_per_step"])
-    log.warning("goodput: this run starts at step %d but an earlier attempt reached step %d; "
-                "%d steps are redone (%d in all so far)", start_step, prev["step"], redone,
-                ledger.lost_steps)
+  def _view(self) -> LedgerView:
+    if self._ctx is None:
+      raise RuntimeError("GoodputHook: called outside a TrainLoop run (no on_run_start)")
+    return self._ctx.ledger
 
   def _write_row(self, summary: GoodputSummary) -> bool:
     """Writes the ``goodput/*`` row at ``summary.steps`` unless that step has one."""
@@ -306,7 +311,7 @@ class GoodputHook(Hook):
     self._row_step = summary.steps
     return True
 
-  def _unsaved(self, ledger: Ledger) -> tuple[int | None, dict[str, float]]:
+  def _unsaved(self, ledger: Ledger | LedgerView) -> tuple[int | None, dict[str, float]]:
     """(step of the last checkpoint saved or restored, time added to the ledger since)."""
     if self._saved is None:
       return None, {}
@@ -316,9 +321,10 @@ class GoodputHook(Hook):
     return self._saved["step"], {k: v - saved.get(k, 0.0) for k, v in ledger.seconds.items()
                                  if v > saved.get(k, 0.0)}
 
-  def _write_record(self, ledger: Ledger, step: int) -> None:
+  def _write_record(self, ledger: Ledger | LedgerView, step: int) -> None:
     """Writes ``goodput.json`` (process 0) for the boundary at ``step``."""
-    if self.path is None or jax.process_index() != 0:
+    path = self.path
+    if path is None or jax.process_index() != 0:
       return
     s = summarize(ledger, step)
     trained = step + ledger.lost_steps
@@ -326,8 +332,8 @@ class GoodputHook(Hook):
     record = {"step": step, "lost_steps": ledger.lost_steps, "lost_secs": s.lost_secs,
               "secs_per_step": s.productive_secs / trained if trained else 0.0,
               "row_step": self._row_step, "saved_step": saved_step, "unsaved_secs": unsaved}
-    os.makedirs(self.workdir, exist_ok=True)
-    tmp = self.path + ".tmp"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
       json.dump(record, f)
-    os.replace(tmp, self.path)
+    os.replace(tmp, path)

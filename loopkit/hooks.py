@@ -29,6 +29,16 @@ requests and preemption flags are agreed at each boundary
 first one, or started at its target) fires its ``at_end`` hooks that have a
 mark once with an empty :class:`LoopInfo` (``num_steps == 0``, no metrics).
 
+What a hook may touch (:mod:`loopkit.context`): it reads its
+:class:`LoopInfo` and a read-only :class:`~loopkit.context.RunContext` (``ctx``,
+given to ``on_run_start`` / ``on_run_end`` / ``on_run_error``), and *returns*
+what it changes: a new state, a :class:`~loopkit.context.Restore` (state,
+ledger and data position together) from ``on_run_start``, or a
+:class:`~loopkit.context.LedgerAdjustment` from ``adjust_ledger``. It may ask
+for a stop (``ctx.request_stop``, ``ctx.preemption.request()``); it may write
+its own attributes and files. Only the run writes the ledger, the data
+position, the status and the state.
+
 Hooks are not thread-safe; on multi-host every process runs every hook (a hook
 that writes files should write on process 0 only).
 """
@@ -46,6 +56,8 @@ import jax
 import numpy as np
 
 from loopkit import metrics as metrics_lib
+from loopkit.context import LedgerAdjustment, RunContext
+from loopkit.ledger import Bucket
 from loopkit.triggers import Trigger
 from loopkit.writers import ConsoleWriter, as_writer
 
@@ -103,10 +115,21 @@ class Hook:
   A hook whose own state must survive a resume may define
   ``checkpoint_state() -> dict`` (JSON-serialisable) and
   ``restore_checkpoint_state(d: dict)``; :class:`loopkit.checkpoint.CheckpointHook`
-  saves and restores it with each checkpoint.
+  saves it with each checkpoint, keyed by the hook's stable name
+  (``hook_name``, default the class name, ``#2``... for repeats; see
+  :func:`loopkit.context.hook_names`), and the loop hands it back on a restore.
+  A hook with ``flush()`` is flushed by the loop before a checkpoint is saved.
+
+  Attributes:
+    needs_state: the hook reads the state in ``after_call`` (the loop then
+      synchronises at its boundaries).
+    time_bucket: the ledger bucket its time goes to (:class:`~loopkit.ledger.Bucket`).
+    hook_name: stable name for its saved state (None: the class name).
   """
 
   needs_state: bool = True
+  time_bucket: str = Bucket.HOOKS
+  hook_name: str | None = None
 
   def __init__(self, *, every_steps: int | None = None, every_epochs: float | None = None,
                at_steps: Sequence[int] | None = None, every_secs: float | None = None,
@@ -114,14 +137,29 @@ class Hook:
     self.trigger = Trigger(every_steps=every_steps, every_epochs=every_epochs,
                            at_steps=at_steps, every_secs=every_secs, at_end=at_end)
 
-  def on_run_start(self, loop: Any, state: Any) -> Any | None:
-    """Called once per ``run`` before the first call.
+  def on_run_start(self, ctx: RunContext, state: Any) -> Any | None:
+    """Called once per ``run`` before the first call, in hook order.
 
-    ``loop.ledger`` is set from the state's step. A hook may return a
-    replacement state (e.g. restored from a checkpoint); it must then also set
-    ``loop.ledger`` (a :class:`~loopkit.ledger.Ledger` at the restored step) and
-    may set ``loop.data_position`` (see :func:`loopkit.feeding.open_source`).
+    Args:
+      ctx: the run's read-only :class:`~loopkit.context.RunContext`
+        (``ctx.ledger`` is at the state's step, or at a restore by an earlier hook).
+      state: the state the run starts from.
+
+    Returns:
+      None; a replacement state at the same step; or a
+      :class:`~loopkit.context.Restore` (state, ledger and data position
+      together, e.g. from a checkpoint), which the loop applies.
     """
+
+  def adjust_ledger(self, ctx: RunContext) -> LedgerAdjustment | None:
+    """Called once per ``run`` after every ``on_run_start`` (restores applied).
+
+    Returns:
+      None or a :class:`~loopkit.context.LedgerAdjustment` for the loop to
+      apply (e.g. :class:`~loopkit.goodput.GoodputHook`'s work lost to restarts).
+    """
+    del ctx
+    return None
 
   def observe(self, info: LoopInfo) -> None:
     """Called after every device call, in step order."""
@@ -130,11 +168,15 @@ class Hook:
     """Called when the trigger fires; return a new state or None."""
     return None
 
-  def on_run_end(self, loop: Any, state: Any) -> Any | None:
-    """Called once at the end of ``run`` (also after a stop or preemption)."""
+  def on_run_end(self, ctx: RunContext, state: Any) -> Any | None:
+    """Called once at the end of ``run`` (also after a stop or preemption).
+
+    ``ctx.ledger.seconds["total"]`` is current (up to this call). May return a
+    replacement state.
+    """
     return None
 
-  def on_run_error(self, loop: Any, error: BaseException) -> None:
+  def on_run_error(self, ctx: RunContext, error: BaseException) -> None:
     """Called once when ``run`` leaves by an exception after every ``on_run_start`` returned.
 
     For cleanup that must finish before the error reaches the caller, e.g. waiting
@@ -143,7 +185,7 @@ class Hook:
     then. Exceptions raised here are logged, not raised: ``run`` raises ``error``.
 
     Args:
-      loop: the :class:`~loopkit.loop.TrainLoop`.
+      ctx: the run's :class:`~loopkit.context.RunContext`.
       error: the exception that ends the run (any ``BaseException``, e.g. a
         ``KeyboardInterrupt``).
     """
@@ -242,10 +284,10 @@ class LoggingHook(Hook):
     clock: monotonic clock in seconds for the throughput (inject in tests).
     **trigger: see :class:`Hook` (default: every call).
 
-  Durability: :meth:`flush` flushes the writer; a
-  :class:`~loopkit.checkpoint.CheckpointHook` calls it (for every hook with a
-  ``flush``) before each save, and ``on_run_end`` calls it, so the rows up to
-  a checkpoint are on disk before the checkpoint is.
+  Durability: :meth:`flush` flushes the writer; the loop calls it (for every
+  hook with a ``flush``) before a :class:`~loopkit.checkpoint.CheckpointHook`
+  saves, and ``on_run_end`` calls it, so the rows up to a checkpoint are on
+  disk before the checkpoint is.
   Put the LoggingHook *before* the CheckpointHook in ``hooks`` so that the
   row of the checkpoint's own step is written (and flushed) before the save.
 
@@ -269,15 +311,15 @@ class LoggingHook(Hook):
     self._log = not _prints_to_console(writer)
     self._acc: dict[str, metrics_lib.Metric] = {}
     self._first_step: int | None = None  # first step merged into _acc
-    self._loop: Any = None
+    self._ctx: RunContext | None = None
     self._mark: tuple[float, int, int, int] | None = None  # (time, step, examples, calls)
     self._calls = 0
     self.records: list[tuple[int, dict[str, float]]] = []
     self.first_steps: list[int | None] = []
 
-  def on_run_start(self, loop: Any, state: Any) -> None:
+  def on_run_start(self, ctx: RunContext, state: Any) -> None:
     del state
-    self._loop = loop
+    self._ctx = ctx
     self._mark = None
 
   def observe(self, info: LoopInfo) -> None:
@@ -300,9 +342,9 @@ class LoggingHook(Hook):
     if flush is not None:
       flush()
 
-  def on_run_end(self, loop: Any, state: Any) -> None:
+  def on_run_end(self, ctx: RunContext, state: Any) -> None:
     """Flushes the writer: the run's last rows are on disk even if the writer is never closed."""
-    del loop, state
+    del ctx, state
     self.flush()
 
   def checkpoint_state(self) -> dict[str, Any]:
@@ -311,7 +353,7 @@ class LoggingHook(Hook):
     Restored by :meth:`restore_checkpoint_state`, so after a kill and resume
     the first row averages the same steps as without the kill (case C42): a
     row at step 20 with a checkpoint at 12 covers steps 11..20, bitwise the
-    same values. (The checkpoint hook then calls :meth:`flush`: the rows a
+    same values. (The loop has called :meth:`flush` just before: the rows a
     checkpoint covers survive a kill.)
     """
     return {"acc": {k: metrics_lib.to_json(v) for k, v in self._acc.items()},
@@ -333,8 +375,8 @@ class LoggingHook(Hook):
     out = {"throughput/steps_per_sec": (info.end_step - s0) / dt,
            "throughput/examples_per_sec": (info.examples_seen - e0) / dt,
            "throughput/secs_per_call": dt / calls}
-    ledger = getattr(self._loop, "ledger", None)
-    if ledger is not None:
+    if self._ctx is not None:
+      ledger = self._ctx.ledger
       from loopkit import goodput  # goodput imports this module
       g = goodput.summarize(ledger, info.end_step).goodput
       if math.isfinite(g):

@@ -151,6 +151,7 @@ class ProgressHook(Hook):
     return info.examples_seen // info.end_step if info.end_step else 0
 
   def _rates(self, step: int, examples: int, now: float) -> tuple[float, float]:
+    assert self._mark is not None  # set at the first boundary
     t0, s0, e0 = self._mark
     dt = now - t0
     if dt <= 0:

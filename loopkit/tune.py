@@ -54,8 +54,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loopkit.context import RunContext
 from loopkit.extras import require
 from loopkit.hooks import Hook, LoopInfo
+from loopkit.ledger import Bucket
 from loopkit.loop import DataExhaustedWarning, TrainLoop
 
 __all__ = ["DEFAULT_KS", "TuneResult", "TuneRow", "demo_target", "main", "measure", "plot",
@@ -145,8 +147,9 @@ class TuneResult:
     lines.append(f"recommended iterations_per_loop = {self.recommended} (smallest K within "
                  f"{100 * self.tolerance:g}% of the best, {best.steps_per_sec:,.0f} steps/s "
                  f"at K={best.iterations_per_loop})")
-    if self.warning():
-      lines.append(self.warning())
+    warning = self.warning()
+    if warning is not None:
+      lines.append(warning)
     return "\n".join(lines)
 
 
@@ -188,16 +191,17 @@ class _BoundaryClock(Hook):
     self.warmup_calls, self.calls, self.min_secs = warmup_calls, calls, min_secs
     self.marks: list[tuple[float, int, float]] = []
 
-  def on_run_start(self, loop, state):
-    self._loop = loop
+  def on_run_start(self, ctx: RunContext, state: Any) -> None:
+    self._ctx = ctx
 
   def observe(self, info: LoopInfo) -> None:
+    ctx = self._ctx
     self.marks.append((time.perf_counter(), info.end_step,
-                       self._loop.ledger.seconds.get("device_wait", 0.0)))
+                       ctx.ledger.seconds.get(Bucket.DEVICE_WAIT, 0.0)))
     measured = len(self.marks) - self.warmup_calls
     if (measured >= self.calls
         and self.marks[-1][0] - self.marks[self.warmup_calls - 1][0] >= self.min_secs):
-      self._loop.request_stop("measured")
+      ctx.request_stop("measured")
 
 
 def _batch_bytes(batch: Any) -> int:
@@ -279,15 +283,17 @@ def measure(train_step: Callable, init_state: Any, batches: Any, *, iterations_p
     warnings.simplefilter("ignore", DataExhaustedWarning)
     state = loop.run(jax.tree.map(np.asarray, init_state), source, num_steps=num_steps)
   jax.block_until_ready(state)
+  ledger = loop.ledger
+  assert ledger is not None  # set by run
   if len(clock.marks) < warmup_calls + calls:
-    raise ValueError(f"the batch source ran out at step {loop.ledger.step} while measuring "
+    raise ValueError(f"the batch source ran out at step {ledger.step} while measuring "
                      f"K={k}; it needs at least {(warmup_calls + calls) * k} batches")
   t0, s0, w0 = clock.marks[warmup_calls - 1]
   t1, s1, w1 = clock.marks[-1]
   wall = t1 - t0
   return TuneRow(iterations_per_loop=k, steps_per_sec=(s1 - s0) / wall,
                  host_overhead=min(max(1.0 - (w1 - w0) / wall, 0.0), 1.0),
-                 compile_secs=loop.ledger.seconds.get("compile", 0.0),
+                 compile_secs=ledger.seconds.get(Bucket.COMPILE, 0.0),
                  input_bytes_per_call=k * (source.batch_bytes or 0),
                  secs_per_call=wall / (len(clock.marks) - warmup_calls))
 

@@ -63,93 +63,22 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, TextIO
 
-import jax
-import numpy as np
-
-from loopkit.extras import require
+from loopkit.metric_writer import (
+  MetricWriter,
+  NullWriter,
+  _hparam_value,
+  _is_writer_process,
+  _skip,
+  _to_python,
+)
+from loopkit.tensorboard_writer import TensorBoardWriter
 
 __all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
            "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer"]
 
 log = logging.getLogger("loopkit")
-
-
-class MetricWriter(Protocol):
-  """What a metric writer provides. Steps are global steps (optimizer updates).
-
-  The optional methods of CLU's interface (``write_texts(step, texts)``,
-  ``write_images(step, images)``, ``write_histograms(step, arrays,
-  num_buckets=None)``, ``write_hparams(hparams)``) are provided by every writer
-  of this module; a user writer may omit them.
-  """
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    """Writes ``scalars`` (name -> number; numpy/JAX scalars allowed) at ``step``."""
-    ...
-
-  def flush(self) -> None:
-    """Makes everything written so far durable (on disk / emitted)."""
-    ...
-
-  def close(self) -> None:
-    """Flushes and releases resources; later writes are errors or no-ops."""
-    ...
-
-
-def _is_writer_process() -> bool:
-  return jax.process_index() == 0
-
-
-def _to_python(value: Any) -> Any:
-  """A JSON-friendly Python scalar: numpy / JAX scalars become int, float or bool."""
-  if isinstance(value, (bool, int, float, str)) or value is None:
-    return value
-  arr = np.asarray(value)  # a jax.Array is fetched here (on the writer's thread)
-  if arr.ndim != 0:
-    raise ValueError(f"metric writers take scalars, got an array of shape {arr.shape}")
-  return arr.item()
-
-
-def _hparam_value(value: Any) -> bool | int | float | str:
-  """An hparam as TensorBoard takes it: bool, int, float or str (else its ``str``)."""
-  if isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
-    return np.asarray(value).item()
-  return str(value)
-
-
-def _skip(writer: Any, what: str, step: int, names: Any) -> None:
-  log.debug("%s does not record %s; skipped %s at step %d", type(writer).__name__, what,
-            sorted(names), step)
-
-
-class NullWriter:
-  """Discards everything (the writer of processes other than 0)."""
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    del step, scalars
-
-  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-    del step, texts
-
-  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
-    del step, images
-
-  def write_histograms(self, step: int, arrays: Mapping[str, Any],
-                       num_buckets: Mapping[str, int] | None = None) -> None:
-    del step, arrays, num_buckets
-
-  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    del hparams
-
-  def flush(self) -> None:
-    pass
-
-  def close(self) -> None:
-    pass
 
 
 class _TextOnly:
@@ -201,7 +130,7 @@ class JsonlWriter(_TextOnly):
     self.path = os.fspath(path)
     self.flush_secs = flush_secs
     self.clock = clock
-    self._f = None
+    self._f: TextIO | None = None
     self._checked = False  # the old rows were checked against the first stepped row
     self._enabled = _is_writer_process()
     self._last_flush = clock()
@@ -244,6 +173,7 @@ class JsonlWriter(_TextOnly):
   def _write_row(self, row: dict[str, Any]) -> None:
     if self._f is None or (not self._checked and "step" in row):
       self._open(row.get("step"))
+    assert self._f is not None  # opened above
     self._f.write(json.dumps(row) + "\n")
     if self.clock() - self._last_flush >= self.flush_secs:
       self.flush()
@@ -271,140 +201,6 @@ class JsonlWriter(_TextOnly):
     if self._f is not None:
       self._f.close()
       self._f = None
-
-
-class TensorBoardWriter:
-  """TensorBoard event files via ``tensorboardX``'s protos (no TensorFlow needed).
-
-  Each scalar becomes a ``simple_value`` summary (stored as float32) tagged with
-  its name, at the given global step; string values and :meth:`write_texts`
-  become text summaries; :meth:`write_images` writes ``[H, W, C]`` or
-  ``[N, H, W, C]`` arrays (C = 1, 3 or 4; uint8 in 0..255 or floats in
-  [0, 1]; N images are tiled into one, as tensorboardX's ``add_images``);
-  :meth:`write_histograms` writes histograms (``num_buckets[name]`` equal-width
-  buckets, default 30 as TensorBoard's ``tf.summary.histogram``); :meth:`write_hparams` writes the
-  HParams plugin's experiment and session summaries at step 0.
-
-  Events are written synchronously to the file (no tensorboardX queue
-  thread), so :meth:`flush` makes everything written so far durable. The
-  event file is created at the first write; when ``logdir`` already holds
-  event files (a resumed run), that write's step becomes the ``purge_step``
-  (a ``SessionLog.START`` event): TensorBoard then hides the old events at
-  steps ``>=`` it, so a kill and a resume show each step once.
-
-  Args:
-    logdir: directory for the ``events.out.tfevents.*`` file (created).
-    flush_secs: a write flushes the file when the last flush is at least this
-      old (seconds; 0 flushes at every write). :meth:`flush` always flushes.
-    clock: monotonic clock in seconds (inject a fake one in tests).
-
-  Raises:
-    ImportError: if ``tensorboardX`` is not installed (``pip install 'loopkit[observability]'``).
-
-  Writes only on process 0. Not thread-safe (wrap in :class:`AsyncWriter`).
-  """
-
-  _files_opened = 0  # makes event file names unique within a process
-
-  def __init__(self, logdir: str | os.PathLike, *, flush_secs: float = 10.0,
-               clock: Callable[[], float] = time.monotonic):
-    self.logdir = os.fspath(logdir)
-    self.flush_secs = flush_secs
-    self.clock = clock
-    self._w = None
-    self._enabled = _is_writer_process()
-    self._last_flush = clock()
-    self._resuming = False
-    self._purged = False
-    if self._enabled:
-      require("tensorboardX", "loopkit.TensorBoardWriter")  # fail early if missing
-      os.makedirs(self.logdir, exist_ok=True)
-      self._resuming = any("tfevents" in f for f in os.listdir(self.logdir))
-
-  def _write(self, step: int, summary: Any, *, stepped: bool = True) -> None:
-    from tensorboardX.proto import event_pb2
-    if self._w is None:
-      from tensorboardX.event_file_writer import EventsWriter
-      TensorBoardWriter._files_opened += 1
-      self._w = EventsWriter(os.path.join(self.logdir, "events"),
-                             f".{os.getpid()}.{TensorBoardWriter._files_opened}")
-    if stepped and self._resuming and not self._purged:
-      self._purged = True
-      self._w.write_event(event_pb2.Event(
-          wall_time=time.time(), step=int(step),
-          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-      log.info("%s: TensorBoard hides the earlier events at steps >= %d (purge_step)",
-               self.logdir, step)
-    self._w.write_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
-    if self.clock() - self._last_flush >= self.flush_secs:
-      self.flush()
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    if not self._enabled:
-      return
-    from tensorboardX import summary
-    for name, value in scalars.items():
-      value = _to_python(value)
-      if isinstance(value, str):
-        self._write(step, _text_summary(name, value))
-      else:
-        self._write(step, summary.scalar(name, float(value)))
-
-  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-    if not self._enabled:
-      return
-    for name, text in texts.items():
-      self._write(step, _text_summary(name, str(text)))
-
-  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
-    if not self._enabled:
-      return
-    from tensorboardX import summary
-    for name, image in images.items():
-      image = np.asarray(image)
-      if image.ndim not in (3, 4) or image.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"image {name!r} must be [H, W, C] or [N, H, W, C] with C in "
-                         f"(1, 3, 4), got shape {image.shape}")
-      if image.dtype != np.uint8:
-        image = np.clip(image.astype(np.float32), 0.0, 1.0)
-      self._write(step, summary.image(name, image,
-                                      dataformats="HWC" if image.ndim == 3 else "NHWC"))
-
-  def write_histograms(self, step: int, arrays: Mapping[str, Any],
-                       num_buckets: Mapping[str, int] | None = None) -> None:
-    if not self._enabled:
-      return
-    from tensorboardX import summary
-    for name, values in arrays.items():
-      bins = int((num_buckets or {}).get(name, 30))
-      self._write(step, summary.histogram(name, np.asarray(values, np.float64).ravel(), bins))
-
-  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    if not self._enabled:
-      return
-    from tensorboardX import summary
-    exp, ssi, sei = summary.hparams({k: _hparam_value(v) for k, v in hparams.items()}, {})
-    for s in (exp, ssi, sei):
-      self._write(0, s, stepped=False)
-
-  def flush(self) -> None:
-    self._last_flush = self.clock()
-    if self._w is not None:
-      self._w.flush()
-
-  def close(self) -> None:
-    if self._w is not None:
-      self._w.close()
-      self._w = None
-
-
-def _text_summary(name: str, text: str) -> Any:
-  """A text-plugin summary tagged ``name`` (tensorboardX's own would tag it
-  ``name/text_summary``; TensorFlow's ``tf.summary.text`` and CLU use ``name``)."""
-  from tensorboardX import summary
-  s = summary.text(name, text)
-  s.value[0].tag = name
-  return s
 
 
 class ConsoleWriter(_TextOnly):

@@ -119,8 +119,8 @@ def test_completed_means_the_target_step_was_reached(k, spe, marks):
 
 def test_completed_is_never_reported_below_the_target(monkeypatch):
   """A plan that ends early (a planner bug) is an error, not a 'completed' run."""
-  real = loopkit.loop.plan_calls
-  monkeypatch.setattr(loopkit.loop, "plan_calls",
+  real = loopkit.run.plan_calls
+  monkeypatch.setattr(loopkit.run, "plan_calls",
                       lambda *a, **kw: itertools.islice(real(*a, **kw), 2))
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
   with pytest.raises(RuntimeError, match="ended at step 8 without reaching its target step 12"):

@@ -40,6 +40,7 @@ class Recorder(loopkit.Hook):
     super().__init__()
     self.start = None
     self.calls = []
+    self.infos = []
 
   def on_run_start(self, loop, state):
     led = loop.ledger
@@ -47,6 +48,7 @@ class Recorder(loopkit.Hook):
 
   def observe(self, info):
     self.calls.append((info.end_step, info.epoch, {k: v.copy() for k, v in info.traces.items()}))
+    self.infos.append((info.end_step, info.epoch, info.step_in_epoch))
 
 
 # -- resume equivalence ---------------------------------------------------------------------
@@ -152,8 +154,11 @@ def test_c06_resume_accounting(tmp_path):
   loop = make_loop(5, [hook, rec], steps_per_epoch=5)
   final = loop.run(toy.init_state(), data, num_epochs=3)
   assert hook.restored_step == 10
-  assert rec.start[:3] == (10, 2, 0)  # step 10, epoch index 2, step-in-epoch restarts at 0
-  assert [(s, e) for s, e, _ in rec.calls] == [(15, 2)]  # hook steps [15], epoch 2
+  # One epoch convention (loopkit.ledger.epoch_of, LoopInfo's): after step 10 the ledger is
+  # at the end of epoch 1 (5 of 5 steps done); the next step starts epoch 2 from 0.
+  assert rec.start[:3] == (10, 1, 5)
+  assert [(s, e) for s, e, _ in rec.calls] == [(15, 2)]  # hook steps [15], epoch index 2
+  assert [i for _, _, i in rec.infos] == [5]  # step-in-epoch restarted at 0: 5 steps into 2
   assert loop.ledger.step == 15 and int(final["step"]) == 15 and toy.opt_count(final) == 15
   assert loop.ledger.loop_index == 3  # 2 calls before the restore + 1 after
   assert hook.saved_steps == [15]
@@ -515,8 +520,33 @@ def test_hook_state_and_ledger_round_trip(tmp_path):
   assert c1.calls == 2 and c2.calls == 3  # 2 restored + 1 new call
   r = hook.restore(toy.init_state(), 8)
   assert r.ledger.examples_seen == 8 * 16 and r.ledger.loop_index == 2
-  assert r.hook_states == {"1:Counter": {"calls": 2}}
+  assert r.hook_states == {"Counter": {"calls": 2}}  # keyed by the hook's stable name
   assert loop2.ledger.seconds["total"] > r.ledger.seconds["total"] > 0
+
+
+def test_hook_state_follows_the_hook_name_not_its_position(tmp_path):
+  """Saved with [ckpt, Counter]; resumed with an unrelated hook inserted before Counter."""
+  data = toy.batches(12)
+  make_loop(4, [CheckpointHook(tmp_path, every_steps=4), Counter()]).run(
+      toy.init_state(), data, num_steps=8)
+  c2 = Counter()
+  make_loop(4, [CheckpointHook(tmp_path), loopkit.NanCheckHook(), c2]).run(
+      toy.init_state(), data, num_steps=12)
+  assert c2.calls == 3  # 2 restored + 1 new call
+
+
+def test_old_checkpoints_keyed_by_position_still_restore(tmp_path):
+  """A checkpoint written before hook names ({"1:Counter": ...}): the only Counter gets it,
+  wherever it now is."""
+  hook = CheckpointHook(tmp_path, async_save=False)
+  at4 = make_loop(4).run(toy.init_state(), toy.batches(4), num_steps=4)
+  assert hook.save(4, at4, ledger=loopkit.Ledger(step=4, examples_seen=64, loop_index=1),
+                   data_position=4, hook_states={"1:Counter": {"calls": 7}})
+  hook.close()
+  c = Counter()
+  loop = make_loop(4, [CheckpointHook(tmp_path), loopkit.NanCheckHook(), c])
+  loop.run(toy.init_state(), toy.batches(8), num_steps=8)
+  assert c.calls == 8 and loop.ledger.step == 8  # 7 restored + 1 new call
 
 
 def test_bad_arguments(tmp_path):

@@ -267,7 +267,7 @@ def _resumable_run(tmp_path, clock, writer, num_steps):
 def test_resume_keeps_the_time_spent_after_the_last_checkpoint(tmp_path, monkeypatch):
   """The step-66 eval runs after the step-66 save; a resumed run still counts its 1/4 s."""
   clock = FakeTime()
-  monkeypatch.setattr(loopkit.loop, "time", clock)
+  monkeypatch.setattr(loopkit.run, "time", clock)
   writer = Recorder()
   loop1, _, ev1, gp1 = _resumable_run(tmp_path, clock, writer, 66)
   assert ev1.fired_at == [33, 66]
@@ -298,7 +298,7 @@ def test_resume_keeps_the_time_spent_after_the_last_checkpoint(tmp_path, monkeyp
 def test_resume_writes_one_row_per_step(tmp_path, monkeypatch):
   """Runs to 66, again to 66 (restored, nothing to do), then to 99: one row at 33, 66, 99."""
   clock = FakeTime()
-  monkeypatch.setattr(loopkit.loop, "time", clock)
+  monkeypatch.setattr(loopkit.run, "time", clock)
   writer = Recorder()
   for num_steps in (66, 66, 99):
     _resumable_run(tmp_path, clock, writer, num_steps)
@@ -320,9 +320,15 @@ def test_time_after_the_save_is_added_only_to_the_restored_ledger(tmp_path, rest
   gp = goodput.GoodputHook(Recorder(), workdir=tmp_path, log_summary=False)
   if restored:
     gp.restore_checkpoint_state({"step": 12, "seconds": dict(ledger.seconds)})
-  loop = types.SimpleNamespace(ledger=ledger)
-  gp.on_run_start(loop, None)
-  gp.on_run_end(loop, None)  # no device call: nothing left to train
+  ctx = types.SimpleNamespace(ledger=ledger)  # the loop's context, reduced to its ledger
+  gp.on_run_start(ctx, None)
+  change = gp.adjust_ledger(ctx)  # the hook returns the change; the loop applies it
+  assert (change is not None) == restored
+  if change is not None:
+    assert change.lost_steps == 2 and dict(change.add_seconds) == {
+        "lost": 0.5, "eval": 0.125, "total": 0.625}
+    change.apply_to(ledger)
+  gp.on_run_end(ctx, None)  # no device call: nothing left to train
   if restored:
     assert ledger.seconds == {"total": 4.625, "eval": 1.125, "lost": 0.5}
     assert ledger.lost_steps == 2

@@ -55,7 +55,7 @@ def opt_count(state) -> int:
 
 
 class SetPosition(loopkit.Hook):
-  """Plays the checkpoint hook's part in a restore: sets loop.data_position."""
+  """Plays the checkpoint hook's part in a restore: returns the state, ledger and position."""
 
   needs_state = False
 
@@ -63,8 +63,8 @@ class SetPosition(loopkit.Hook):
     super().__init__(at_end=False)
     self.position = None
 
-  def on_run_start(self, loop, state):
-    loop.data_position = self.position
+  def on_run_start(self, ctx, state):
+    return loopkit.Restore(state, ctx.ledger.copy(), self.position)
 
 
 class FakeClock:
