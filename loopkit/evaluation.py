@@ -45,15 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from loopkit.checks import check_global_batch_size, check_iterations_per_loop, check_step_style
+from loopkit.compat import lowering_count
 from loopkit.device_data import DeviceDataState
 from loopkit.feeding import ChunkFeeder
 from loopkit.hooks import Hook, LoopInfo
-from loopkit.program import (
-  check_global_batch_size,
-  check_iterations_per_loop,
-  check_step_style,
-  resolve_mesh,
-)
+from loopkit.program import build_program, resolve_mesh, run_slots
 from loopkit.writers import as_writer
 
 log = logging.getLogger("loopkit")
@@ -126,17 +123,12 @@ class Evaluator:
       self._set_batch_size(global_batch_size)
     self._batch_sharding = NamedSharding(self.mesh, P(None, data_axis))
     self._replicated = NamedSharding(self.mesh, P())
-    fn = self._loop
-    if step_style == "per_device":
-      fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(None, data_axis), P()),
-                         out_specs=P(), check_vma=False)
-    self._jitted = jax.jit(fn, out_shardings=self._replicated)
+    self._compiles = 0  # calls that compiled (loopkit.compat.lowering_count)
+    self._jitted = build_program(self._loop, mesh=self.mesh, data_axis=data_axis,
+                                 style=step_style, out_shardings=self._replicated)
 
   def _set_batch_size(self, b: int) -> None:
-    check_global_batch_size(b, self.data_parallel_size)
-    if b % jax.process_count():
-      raise ValueError(f"global batch size {b} is not divisible by the process count "
-                       f"{jax.process_count()}")
+    check_global_batch_size(b, self.data_parallel_size, process_count=jax.process_count())
     self.global_batch_size = b
 
   # -- traced ------------------------------------------------------------------
@@ -156,16 +148,18 @@ class Evaluator:
             f"eval_step value {name!r} has shape {tuple(s.shape)}; it must be per-example, "
             f"shape {per_example} (e.g. (pred == label).astype(jnp.float32), not its mean)")
 
-    def body(i, acc):
+    def body(i, slot, acc):
+      del i
       totals, count = acc
-      m = take(mask, i)
-      out = self.eval_step(state, jax.tree.map(lambda x: take(x, i), batches))
+      m = slot["mask"]
+      out = self.eval_step(state, slot["batch"])
       totals = {k: totals[k] + jnp.sum(jnp.where(m, out[k].astype(jnp.float32), 0.0))
                 for k in totals}
       return totals, count + jnp.sum(m.astype(jnp.int32))
 
     init = ({k: jnp.zeros((), jnp.float32) for k in shapes}, jnp.zeros((), jnp.int32))
-    totals, count = jax.lax.fori_loop(0, num_batches, body, init)
+    # The training program's loop: K = 1 compiles the K = 2 body (program.run_slots).
+    totals, count = run_slots(body, chunk, num_batches, init)
     if self.step_style == "per_device":
       totals, count = jax.lax.psum((totals, count), self.data_axis)
     return totals, count
@@ -260,7 +254,9 @@ class Evaluator:
         chunk = feeder.next()
         if chunk is None or chunk.length == 0:
           break
+        lowered = lowering_count()
         outs.append(self._jitted(state, chunk.batches, chunk.num_steps))
+        self._compiles += int(lowering_count() > lowered)
         fed += chunk.length
         if chunk.exhausted:
           break
@@ -296,8 +292,12 @@ class Evaluator:
     return self._jitted.lower(state, chunk, num)
 
   def compile_count(self) -> int:
-    """Executables compiled for the eval program (1 in a healthy run)."""
-    return self._jitted._cache_size()  # type: ignore[attr-defined]  # jax's jit cache
+    """Calls that compiled the eval program (1 in a healthy run).
+
+    Counted from JAX's public lowering events (:func:`loopkit.compat.lowering_count`) around
+    each call, as for :meth:`loopkit.program.MultiStepProgram.compile_count`.
+    """
+    return self._compiles
 
 
 def per_example(eval_step: Callable) -> Callable:

@@ -191,7 +191,7 @@ def test_array_source_process_parts_form_the_global_batch():
 def test_array_source_errors():
   with pytest.raises(ValueError, match="fewer than one batch"):
     ArraySource({"x": np.arange(3)}, 4)
-  with pytest.raises(ValueError, match="6 is not a positive multiple of the process count 4"):
+  with pytest.raises(ValueError, match="6 is not divisible by the process count 4"):
     ArraySource({"x": np.arange(30)}, 6, process_index=0, process_count=4)
   with pytest.raises(ValueError, match="same leading"):
     ArraySource({"x": np.arange(30), "y": np.arange(29)}, 2)
@@ -222,7 +222,7 @@ def test_c27_shard_sizes_and_eval_steps():
   assert n == 2
   counts = [[len(b["x"]) for b in batch_arrays({"x": s}, 2, num_batches=n)] for s in shards]
   assert counts == [[2, 1], [2, 1], [2, 0], [2, 0]]
-  with pytest.raises(ValueError, match="not a positive multiple"):
+  with pytest.raises(ValueError, match="not divisible by the process count"):
     eval_batches_per_process(10, 6, 4)
 
 
