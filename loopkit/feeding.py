@@ -467,6 +467,7 @@ class ChunkFeeder:
       self._put(e)
 
   def _put(self, item: Any) -> bool:
+    assert self._queue is not None  # the producer thread runs only with prefetch > 0
     while not self._stop.is_set():
       try:
         self._queue.put(item, timeout=0.1)
@@ -496,7 +497,7 @@ class ChunkFeeder:
       except queue.Empty:
         if self._interrupt is not None and self._interrupt.is_set():
           return self._interrupted_chunk()
-        if not self._thread.is_alive() and self._queue.empty():
+        if self._thread is not None and not self._thread.is_alive() and self._queue.empty():
           raise RuntimeError("loopkit prefetch thread ended without a result") from None
     if item is _DONE:
       return None

@@ -301,14 +301,15 @@ def unpack_step_output(out: Any, state: Any) -> tuple[Any, dict]:
   if not isinstance(out, tuple) or len(out) != 2:
     if isinstance(out, tuple):
       got = f"a tuple of {len(out)}: ({', '.join(_describe_output(x) for x in out[:4])})"
-    elif jax.tree.structure(out) == jax.tree.structure(state):
+    elif jax.tree.structure(out) == jax.tree.structure(state):  # type: ignore[operator]
       got = "only a state (no metrics)"
     else:
       got = _describe_output(out)
     raise TypeError(f"{expected}; it returned {got}")
   new_state, metrics = out
   state_def = jax.tree.structure(state)
-  if jax.tree.structure(metrics) == state_def and jax.tree.structure(new_state) != state_def:
+  if (jax.tree.structure(metrics) == state_def  # type: ignore[operator]
+      and jax.tree.structure(new_state) != state_def):  # type: ignore[operator]
     raise TypeError(f"{expected}; the state and the metrics look swapped: its first element is "
                     f"{_describe_output(new_state)} and its second has the state's structure")
   if not isinstance(metrics, dict):

@@ -396,7 +396,7 @@ def steps_per_epoch_of(source: Any) -> int:
   """
   what = f"{type(source).__module__}.{type(source).__qualname__}"
   n = getattr(source, "steps_per_epoch", None)
-  dataset = getattr(source, "dataset", source) if isinstance(source, TfDataSource) else source
+  dataset: Any = getattr(source, "dataset", source) if isinstance(source, TfDataSource) else source
   if n is None and callable(getattr(dataset, "cardinality", None)):
     n = int(dataset.cardinality())
     if n == -1:  # tf.data.INFINITE_CARDINALITY
