@@ -283,8 +283,8 @@ def to_json(m: Metric) -> dict[str, Any]:
   running accumulators (e.g. :class:`loopkit.LoggingHook`'s, case C42). A user's
   metric kind is named ``module.QualName``.
   """
-  return {"kind": _kind(m),
-          **{f.name: float(np.float32(getattr(m, f.name))) for f in dataclasses.fields(m)}}
+  fields = dataclasses.fields(m)  # type: ignore[arg-type]  # every kind is a dataclass
+  return {"kind": _kind(m), **{f.name: float(np.float32(getattr(m, f.name))) for f in fields}}
 
 
 def from_json(d: dict[str, Any]) -> Metric:

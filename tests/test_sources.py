@@ -133,7 +133,8 @@ def _state():
   return {"step": jnp.zeros((), jnp.int32), "seen": jnp.full((STEPS, B), -1, jnp.int32)}
 
 
-@pytest.mark.parametrize("kind", list(SOURCES))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.tf) if k.startswith("tf")
+                                  else k for k in SOURCES])
 def test_source_conformance(kind, loop):
   """Same batches through the loop as read directly; exact resume from a saved position."""
   if kind.startswith("grain"):
@@ -248,6 +249,7 @@ def test_grain_dataloader_shards_drop_the_remainder():
   assert len(set(itertools.chain(*got))) == 8  # disjoint, but 2 examples never read
 
 
+@pytest.mark.tf
 def test_c27_tfds_split_for_process(tmp_path):
   tfds = pytest.importorskip("tensorflow_datasets")
   from tensorflow_datasets.testing.test_utils import DummyDatasetSharedGenerator
