@@ -3,7 +3,8 @@
 Install nox with ``pip install -e '.[dev]'`` (or ``pipx install nox``). Every
 session builds its own virtualenv under ``.nox/`` and installs loopkit in it.
 ``tests`` runs for each listed Python that is installed (3.11; 3.12 also
-works); CI runs ``.ci/run`` instead, which needs only ``python3``.
+works); CI runs ``.ci/run`` instead (Python 3.11 on the pyproject floors, Python 3.12 on the
+newest JAX without TensorFlow; see the README).
 """
 
 import nox

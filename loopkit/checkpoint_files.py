@@ -14,6 +14,7 @@ import time
 
 import jax
 
+from loopkit import compat
 from loopkit.extras import missing
 
 try:
@@ -38,15 +39,9 @@ def _drain_writers(manager: ocp.CheckpointManager, timeout_s: float = 60.0) -> N
 
   Orbax raises the first failing item's error while the other items' writes
   may still run; waiting for them keeps them from writing into a directory
-  that is about to be removed or reused. Uses Orbax internals when present.
+  that is about to be removed or reused (:func:`loopkit.compat.wait_for_orbax_writers`).
   """
-  checkpointer = getattr(manager, "_checkpointer", None)
-  async_manager = getattr(checkpointer, "_async_manager", None)
-  for f in getattr(async_manager, "_commit_futures", None) or ():
-    try:
-      f.result(timeout=timeout_s)
-    except Exception:  # pylint: disable=broad-except  # the first error was raised already
-      pass
+  compat.wait_for_orbax_writers(manager, timeout_s)
 
 
 def _rmtree(p: epath.Path, attempts: int = 20) -> None:

@@ -41,11 +41,7 @@ import jax.extend.core
 from jax import lax
 from jax.sharding import PartitionSpec
 
-try:  # jaxpr evaluation is not public API; without it the step runs unchanged
-  from jax._src import core as _core, source_info_util as _source_info_util
-except ImportError:  # pragma: no cover
-  _core = None
-  _source_info_util = None
+from loopkit import compat
 
 _CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
 
@@ -150,9 +146,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     env[v] = x
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with (_source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          eqn.ctx.manager):
+    with compat.source_info_context(eqn), eqn.ctx.manager:
       if eqn.primitive is lax.conv_general_dilated_p and not is_canonical(eqn.params):
         outs = [canonical_conv(*invals, **eqn.params)]
       elif (eqn.primitive.name in _CALL_PRIMITIVES and "jaxpr" in eqn.params
@@ -175,10 +169,9 @@ def canonicalize_convs(closed: Any) -> Callable[..., list[Any]]:
 
   Returns:
     ``f(*flat_args) -> flat_outputs`` like ``jax.extend.core.jaxpr_as_fun(closed)``;
-    that function itself when ``closed`` has no convolution to rewrite or jaxpr
-    evaluation is unavailable in this jax version.
+    that function itself when ``closed`` has no convolution to rewrite.
   """
-  if _core is None or count_convs(closed.jaxpr)[0] == 0:
+  if count_convs(closed.jaxpr)[0] == 0:
     return jax.extend.core.jaxpr_as_fun(closed)
   return lambda *args: _eval(closed.jaxpr, closed.consts, *args)
 

@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from loopkit.program import check_step_style, default_step_of, resolve_mesh
+from loopkit.checks import check_global_batch_size, check_step_style
+from loopkit.program import default_step_of, resolve_mesh
 
 _ROUNDS = 6
 
@@ -173,12 +174,7 @@ class DeviceDataset:
       raise ValueError(f"all arrays need the same leading (example) size, got {sorted(sizes)}")
     self.num_examples = sizes.pop()
     dp = mesh.shape[data_axis]
-    if global_batch_size < 1 or global_batch_size % dp:
-      raise ValueError(f"global batch size {global_batch_size} is not divisible by the "
-                       f"data-parallel size {dp}")
-    if global_batch_size % jax.process_count():
-      raise ValueError(f"global batch size {global_batch_size} is not divisible by the "
-                       f"process count {jax.process_count()}")
+    check_global_batch_size(global_batch_size, dp, process_count=jax.process_count())
     if self.num_examples < global_batch_size:
       raise ValueError(f"{self.num_examples} examples are fewer than one batch of "
                        f"{global_batch_size}")

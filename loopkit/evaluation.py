@@ -11,12 +11,15 @@ An eval step returns **per-example** values, never batch means::
 last batch, and on multi-host the extra batches of short processes) with zero
 rows and a per-example mask, stacks up to K batches into one chunk
 ``[K, B, ...]`` (prefetched by :class:`loopkit.feeding.ChunkFeeder`), and runs
-one compiled program per chunk that accumulates ``sum(mask * value)`` and
-``sum(mask)``. Padded rows never count, even when their values are NaN. The
-program sums across devices (for per-device steps with ``psum``), and the host
-adds the per-call sums in float64, so a metric is ``total / count`` over the
-real examples: never a mean of batch or device means (cases C15, C18).
-Every call length and every eval run reuses one executable.
+one compiled program per chunk that computes each batch's ``sum(mask * value)``
+(float32) and ``sum(mask)``. Padded rows never count, even when their values are
+NaN. The program sums across devices (for per-device steps with ``psum``), and
+the host adds the per-batch sums in float64 in batch order, so a metric is
+``total / count`` over the real examples, never a mean of batch or device means
+(cases C15, C18), and the same bits for every K: the program runs the training
+program's loop (:func:`loopkit.program.run_slots`), so K = 1 compiles the
+K = 2 body, and no float32 sum spans batches. Every call length and every eval
+run reuses one executable.
 
 An eval step written for batch means (Flax's examples) is made per-example by
 :func:`per_example` (each example evaluated as a batch of one); an NNX eval
@@ -45,15 +48,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from loopkit.checks import check_global_batch_size, check_iterations_per_loop, check_step_style
+from loopkit.compat import lowering_count
 from loopkit.device_data import DeviceDataState
 from loopkit.feeding import ChunkFeeder
 from loopkit.hooks import Hook, LoopInfo
-from loopkit.program import (
-  check_global_batch_size,
-  check_iterations_per_loop,
-  check_step_style,
-  resolve_mesh,
-)
+from loopkit.program import MIN_SLOTS, build_program, resolve_mesh, run_slots
 from loopkit.writers import as_writer
 
 log = logging.getLogger("loopkit")
@@ -126,17 +126,12 @@ class Evaluator:
       self._set_batch_size(global_batch_size)
     self._batch_sharding = NamedSharding(self.mesh, P(None, data_axis))
     self._replicated = NamedSharding(self.mesh, P())
-    fn = self._loop
-    if step_style == "per_device":
-      fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(None, data_axis), P()),
-                         out_specs=P(), check_vma=False)
-    self._jitted = jax.jit(fn, out_shardings=self._replicated)
+    self._compiles = 0  # calls that compiled (loopkit.compat.lowering_count)
+    self._jitted = build_program(self._loop, mesh=self.mesh, data_axis=data_axis,
+                                 style=step_style, out_shardings=self._replicated)
 
   def _set_batch_size(self, b: int) -> None:
-    check_global_batch_size(b, self.data_parallel_size)
-    if b % jax.process_count():
-      raise ValueError(f"global batch size {b} is not divisible by the process count "
-                       f"{jax.process_count()}")
+    check_global_batch_size(b, self.data_parallel_size, process_count=jax.process_count())
     self.global_batch_size = b
 
   # -- traced ------------------------------------------------------------------
@@ -156,16 +151,19 @@ class Evaluator:
             f"eval_step value {name!r} has shape {tuple(s.shape)}; it must be per-example, "
             f"shape {per_example} (e.g. (pred == label).astype(jnp.float32), not its mean)")
 
-    def body(i, acc):
+    def body(i, slot, acc):  # one batch's sums into slot i: no float32 sum spans batches
       totals, count = acc
-      m = take(mask, i)
-      out = self.eval_step(state, jax.tree.map(lambda x: take(x, i), batches))
-      totals = {k: totals[k] + jnp.sum(jnp.where(m, out[k].astype(jnp.float32), 0.0))
+      m = slot["mask"]
+      out = self.eval_step(state, slot["batch"])
+      totals = {k: totals[k].at[i].set(jnp.sum(jnp.where(m, out[k].astype(jnp.float32), 0.0)))
                 for k in totals}
-      return totals, count + jnp.sum(m.astype(jnp.int32))
+      return totals, count.at[i].set(jnp.sum(m.astype(jnp.int32)))
 
-    init = ({k: jnp.zeros((), jnp.float32) for k in shapes}, jnp.zeros((), jnp.int32))
-    totals, count = jax.lax.fori_loop(0, num_batches, body, init)
+    slots = max(self.k, MIN_SLOTS)
+    init = ({k: jnp.zeros((slots,), jnp.float32) for k in shapes}, jnp.zeros((slots,), jnp.int32))
+    # The training program's loop: K = 1 compiles the K = 2 body (program.run_slots).
+    totals, count = run_slots(body, chunk, num_batches, init)
+    totals, count = jax.tree.map(lambda t: t[:self.k], (totals, count))  # [K] per-batch sums
     if self.step_style == "per_device":
       totals, count = jax.lax.psum((totals, count), self.data_axis)
     return totals, count
@@ -260,7 +258,9 @@ class Evaluator:
         chunk = feeder.next()
         if chunk is None or chunk.length == 0:
           break
+        lowered = lowering_count()
         outs.append(self._jitted(state, chunk.batches, chunk.num_steps))
+        self._compiles += int(lowering_count() > lowered)
         fed += chunk.length
         if chunk.exhausted:
           break
@@ -268,10 +268,11 @@ class Evaluator:
       feeder.close()
     totals: dict[str, float] = {}
     count = 0
-    for sums, n in jax.device_get(outs):
+    for sums, n in jax.device_get(outs):  # [K] per batch; slots past the call's length are 0
       for k, v in sums.items():
-        totals[k] = totals.get(k, 0.0) + float(v)
-      count += int(n)
+        for x in v:
+          totals[k] = totals.get(k, 0.0) + float(x)
+      count += int(np.sum(n))
     metrics = {k: (v / count if count else float("nan")) for k, v in totals.items()}
     return EvalResult(metrics, totals, count, fed, len(outs))
 
@@ -296,8 +297,12 @@ class Evaluator:
     return self._jitted.lower(state, chunk, num)
 
   def compile_count(self) -> int:
-    """Executables compiled for the eval program (1 in a healthy run)."""
-    return self._jitted._cache_size()  # type: ignore[attr-defined]  # jax's jit cache
+    """Calls that compiled the eval program (1 in a healthy run).
+
+    Counted from JAX's public lowering events (:func:`loopkit.compat.lowering_count`) around
+    each call, as for :meth:`loopkit.program.MultiStepProgram.compile_count`.
+    """
+    return self._compiles
 
 
 def per_example(eval_step: Callable) -> Callable:

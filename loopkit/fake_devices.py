@@ -16,8 +16,8 @@ def _backends_initialized() -> bool:
   """Whether JAX has created its backends (after which the device count is fixed)."""
   if "jax" not in sys.modules:
     return False
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  return xla_bridge.backends_are_initialized()
+  from loopkit import compat  # pylint: disable=g-import-not-at-top  (imports jax)
+  return compat.backends_initialized()
 
 
 def _with_count_flag(xla_flags: str, n: int) -> str:

@@ -46,12 +46,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from loopkit import compat
 from loopkit.program import check_global_batch_size, is_cpu_mesh, tree_mismatch
-
-try:  # the transfer under jax.device_put (not public API; without it, jax.device_put)
-  from jax._src.interpreters import pxla as _pxla
-except ImportError:  # pragma: no cover
-  _pxla = None
 
 log = logging.getLogger("loopkit")
 
@@ -231,7 +227,8 @@ class _Placer:
 
   ``jax.device_put`` spends about 35 us of Python per leaf (abstractify, checks,
   aval updates) around the one transfer call that moves the data
-  (``pxla.batched_device_put``). Every chunk's leaves have the same shapes,
+  (``pxla.batched_device_put``, private: :data:`loopkit.compat.batched_device_put`, None
+  where this JAX has none). Every chunk's leaves have the same shapes,
   dtypes and sharding, so the first chunk goes through ``jax.device_put`` and
   fixes each leaf's aval, devices and shard indices; later chunks call the
   transfer directly. The second chunk is also placed by ``jax.device_put`` and
@@ -246,14 +243,16 @@ class _Placer:
 
   def __init__(self, sharding: NamedSharding):
     self._sharding = sharding
-    self._fast = _pxla is not None
+    self._fast = compat.batched_device_put is not None
     self._leaves: list[tuple[Any, list, list]] | None = None  # (aval, devices, indices)
     self._checked = False
 
   def __call__(self, arrays: list[np.ndarray]) -> list[jax.Array]:
     if self._fast and self._leaves is not None:
       try:
-        placed = [_pxla.batched_device_put(aval, self._sharding, [a[i] for i in indices], devices)
+        put = compat.batched_device_put
+        assert put is not None
+        placed = [put(aval, self._sharding, [a[i] for i in indices], devices)
                   for a, (aval, devices, indices) in zip(arrays, self._leaves)]
       except Exception:  # noqa: BLE001  (internal API changed: the public path)
         self._fast = False
@@ -271,7 +270,7 @@ class _Placer:
     placed = jax.device_put(arrays, self._sharding)
     if self._fast and self._leaves is None:
       try:
-        devices = list(self._sharding._addressable_device_assignment)
+        devices = compat.addressable_devices(self._sharding)
         self._leaves = []
         for a, p in zip(arrays, placed):
           index_map = self._sharding.addressable_devices_indices_map(a.shape)
@@ -544,6 +543,7 @@ class ChunkFeeder:
       self._put(e)
 
   def _put(self, item: Any) -> bool:
+    assert self._queue is not None  # the producer thread runs only with prefetch > 0
     while not self._stop.is_set():
       try:
         self._queue.put(item, timeout=0.1)
@@ -573,7 +573,7 @@ class ChunkFeeder:
       except queue.Empty:
         if self._interrupt is not None and self._interrupt.is_set():
           return self._interrupted_chunk()
-        if not self._thread.is_alive() and self._queue.empty():
+        if self._thread is not None and not self._thread.is_alive() and self._queue.empty():
           raise RuntimeError("loopkit prefetch thread ended without a result") from None
     if item is _DONE:
       return None

@@ -57,43 +57,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from loopkit import conv_layout, metrics as metrics_lib
+from loopkit.checks import (
+  check_data_axis,
+  check_global_batch_size as check_global_batch_size,
+  check_iterations_per_loop as check_iterations_per_loop,
+  check_step_style as check_step_style,
+  leaf_dtype,
+  tree_mismatch as tree_mismatch,
+)
+from loopkit.compat import lowering_count as lowering_count
 
 StepStyle = Literal["global", "per_device"]
 
 # The fewest chunk slots the loop body is compiled for (see the module docstring).
 MIN_SLOTS = 2
-
-
-def tree_mismatch(expected: Any, got: Any, *, what: str,
-                  check_sharding: bool = False) -> str | None:
-  """Describes the first leaf where two pytrees differ, or None if they agree.
-
-  Compares tree structure, then per leaf shape, dtype and (optionally) sharding;
-  the message names the leaf path (``jax.tree_util.keystr``).
-  """
-  e_leaves, e_def = jax.tree_util.tree_flatten_with_path(expected)
-  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(got)
-  if e_def != g_def:  # type: ignore[operator]  # PyTreeDef supports !=
-    e_paths = [jax.tree_util.keystr(p) for p, _ in e_leaves]
-    g_paths = [jax.tree_util.keystr(p) for p, _ in g_leaves]
-    for a, b in zip(e_paths, g_paths):
-      if a != b:
-        return f"{what}: tree structure differs at leaf {a} (expected) vs {b} (got)"
-    return (f"{what}: tree structure differs: expected {len(e_paths)} leaves, "
-            f"got {len(g_paths)} ({e_def} vs {g_def})")
-  for (path, e), (_, g) in zip(e_leaves, g_leaves):
-    name = jax.tree_util.keystr(path) or "<root>"
-    e_shape, g_shape = np.shape(e), np.shape(g)
-    if e_shape != g_shape:
-      return f"{what}: leaf {name} has shape {g_shape}, expected {e_shape}"
-    e_dtype, g_dtype = _dtype(e), _dtype(g)
-    if e_dtype != g_dtype:
-      return f"{what}: leaf {name} has dtype {g_dtype}, expected {e_dtype}"
-    if check_sharding:
-      e_sh, g_sh = getattr(e, "sharding", None), getattr(g, "sharding", None)
-      if e_sh is not None and g_sh is not None and not e_sh.is_equivalent_to(g_sh, len(e_shape)):
-        return f"{what}: leaf {name} has sharding {g_sh}, expected {e_sh}"
-  return None
 
 
 def data_parallel_mesh(data_axis: str = "data", devices: Any = None) -> Mesh:
@@ -113,28 +90,6 @@ def is_cpu_mesh(mesh: Any) -> bool:
   return mesh.devices.flat[0].platform == "cpu"
 
 
-def check_iterations_per_loop(k: Any) -> int:
-  """Validates K, the steps (slots) per device call.
-
-  Returns:
-    ``k``.
-
-  Raises:
-    ValueError: ``k`` is not an int (bools are refused) or is < 1.
-  """
-  if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-    raise ValueError(f"iterations_per_loop must be an int >= 1, got {k!r}")
-  if k < 1:
-    raise ValueError(f"iterations_per_loop must be >= 1, got {k}")
-  return int(k)
-
-
-def check_step_style(style: Any) -> None:
-  """Raises ValueError unless ``style`` is ``"global"`` or ``"per_device"``."""
-  if style not in ("global", "per_device"):
-    raise ValueError(f"step_style must be 'global' or 'per_device', got {style!r}")
-
-
 def resolve_mesh(mesh: Mesh | None, data_axis: str) -> tuple[Mesh, int]:
   """The mesh to run on and its data-parallel size.
 
@@ -149,27 +104,8 @@ def resolve_mesh(mesh: Mesh | None, data_axis: str) -> tuple[Mesh, int]:
     ValueError: ``data_axis`` is not an axis of ``mesh``.
   """
   mesh = mesh if mesh is not None else data_parallel_mesh(data_axis)
-  if data_axis not in mesh.axis_names:
-    raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
+  check_data_axis(mesh, data_axis)
   return mesh, mesh.shape[data_axis]
-
-
-def check_global_batch_size(global_batch_size: int, data_parallel_size: int) -> None:
-  """Raises ValueError unless the global batch splits evenly over the data-parallel size."""
-  if global_batch_size < 1 or global_batch_size % data_parallel_size:
-    raise ValueError(
-        f"global batch size {global_batch_size} is not divisible by the data-parallel "
-        f"size {data_parallel_size}")
-
-
-def _dtype(x: Any) -> Any:
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
-    return np.asarray(x).dtype
-  try:
-    return np.dtype(dtype)
-  except TypeError:  # an extended dtype, e.g. a new-style PRNG key's key<fry>
-    return dtype
 
 
 def pad_slots(chunk: Any) -> Any:
@@ -192,6 +128,59 @@ def pad_slots(chunk: Any) -> Any:
       return x
     return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
   return jax.tree.map(pad, chunk)
+
+
+def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
+              init: Any) -> Any:
+  """``carry = body(i, chunk[i], carry)`` for ``i < num_steps``: the loop of every loopkit program.
+
+  A ``lax.fori_loop`` with a traced trip count over a chunk's slots (so every call length
+  reuses one executable), the chunk padded to ``MIN_SLOTS`` slots first (:func:`pad_slots`) so
+  that K = 1 compiles the body of K = 2. The training program and the
+  :class:`~loopkit.evaluation.Evaluator` both run their step through it.
+
+  Args:
+    body: ``(i, slot, carry) -> carry``; ``slot`` is the chunk's leaves at slot ``i``
+      (``[B, ...]``).
+    chunk: traced pytree of ``[K, B, ...]`` leaves.
+    num_steps: traced int32 scalar, ``1 <= num_steps <= K``.
+    init: the initial carry.
+
+  Returns:
+    The final carry.
+  """
+  chunk = pad_slots(chunk)
+
+  def step(i, carry):
+    return body(i, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
+                                chunk), carry)
+
+  return jax.lax.fori_loop(0, num_steps, step, init)
+
+
+def build_program(loop: Callable, *, mesh: Mesh, data_axis: str, style: StepStyle,
+                  **jit_kwargs: Any) -> Any:
+  """``jax.jit`` of ``loop(state, chunk, num_steps)``, the builder of every loopkit program.
+
+  ``"global"`` style: ``jit(loop)``. ``"per_device"``: ``jit(shard_map(loop))`` with the state
+  and ``num_steps`` replicated, the chunk ``[K, B, ...]`` split on ``data_axis`` and every
+  output replicated (the loop reduces over the data axis itself).
+
+  Args:
+    loop: the traced function, usually a :func:`run_slots` over a step.
+    mesh: the device mesh.
+    data_axis: the mesh axis the batch is split over.
+    style: ``"global"`` or ``"per_device"``.
+    **jit_kwargs: passed to ``jax.jit`` (shardings, ``donate_argnums``).
+
+  Returns:
+    The ``jax.jit``-wrapped program.
+  """
+  fn = loop
+  if style == "per_device":
+    fn = jax.shard_map(loop, mesh=mesh, in_specs=(P(), P(None, data_axis), P()),
+                       out_specs=P(), check_vma=False)
+  return jax.jit(fn, **jit_kwargs)
 
 
 class RecompileWarning(UserWarning):
@@ -232,7 +221,7 @@ def call_signature(state: Any, batches: Any, num_steps: Any) -> list[tuple[str, 
   for what, tree in (("state", state), ("batch", batches), ("num_steps", num_steps)):
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
       out.append((f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}",
-                  (np.shape(x), _dtype(x), bool(getattr(x, "weak_type", False)),
+                  (np.shape(x), leaf_dtype(x), bool(getattr(x, "weak_type", False)),
                    getattr(x, "sharding", None))))
   return out
 
@@ -312,14 +301,15 @@ def unpack_step_output(out: Any, state: Any) -> tuple[Any, dict]:
   if not isinstance(out, tuple) or len(out) != 2:
     if isinstance(out, tuple):
       got = f"a tuple of {len(out)}: ({', '.join(_describe_output(x) for x in out[:4])})"
-    elif jax.tree.structure(out) == jax.tree.structure(state):
+    elif jax.tree.structure(out) == jax.tree.structure(state):  # type: ignore[operator]
       got = "only a state (no metrics)"
     else:
       got = _describe_output(out)
     raise TypeError(f"{expected}; it returned {got}")
   new_state, metrics = out
   state_def = jax.tree.structure(state)
-  if jax.tree.structure(metrics) == state_def and jax.tree.structure(new_state) != state_def:
+  if (jax.tree.structure(metrics) == state_def  # type: ignore[operator]
+      and jax.tree.structure(new_state) != state_def):  # type: ignore[operator]
     raise TypeError(f"{expected}; the state and the metrics look swapped: its first element is "
                     f"{_describe_output(new_state)} and its second has the state's structure")
   if not isinstance(metrics, dict):
@@ -328,27 +318,6 @@ def unpack_step_output(out: Any, state: Any) -> tuple[Any, dict]:
       hint = " (a bare scalar: wrap it, {'loss': loss})"
     raise TypeError(f"{expected}; its second element is {_describe_output(metrics)}{hint}")
   return new_state, metrics
-
-
-_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-_lowerings = [0]
-
-
-def _count_lowering(event: str, duration_secs: float, **kwargs: Any) -> None:
-  del duration_secs, kwargs
-  if event == _LOWERING_EVENT:
-    _lowerings[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_lowering)
-
-
-def lowering_count() -> int:
-  """JAX lowerings (jaxpr to an XLA module, the first stage of every compile, also
-  when the persistent compilation cache then supplies the executable) so far in
-  this process, from the public ``jax.monitoring`` events. The difference around
-  one call tells whether that call compiled."""
-  return _lowerings[0]
 
 
 def leaf_fingerprint(x: jax.Array) -> jax.Array:
@@ -471,19 +440,17 @@ class MultiStepProgram:
                 else jax.extend.core.jaxpr_as_fun(closed))
     out_def = jax.tree.structure((out_state_shape, metric_shape))
 
-    batches = pad_slots(batches)  # see the module docstring: K = 1 compiles as K = 2
-    slots = max(self.k, MIN_SLOTS)
+    slots = max(self.k, MIN_SLOTS)  # see the module docstring: K = 1 compiles as K = 2
     traces0 = jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), metric_shape)
 
-    def body(i, carry):
+    def body(i, b, carry):
       s, traces = carry
-      b = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
       flat = run_step(*jax.tree.leaves((s, b)))
       new_s, m = jax.tree.unflatten(out_def, flat)
       traces = jax.tree.map(lambda buf, v: buf.at[i].set(v), traces, m)
       return new_s, traces
 
-    state, traces = jax.lax.fori_loop(0, num_steps, body, (state, traces0))
+    state, traces = run_slots(body, batches, num_steps, (state, traces0))
     traces = jax.tree.map(lambda t: t[:self.k], traces)
     if self.style == "per_device":
       traces = metrics_lib.reduce_devices(traces, self.data_axis)
@@ -492,14 +459,9 @@ class MultiStepProgram:
 
   def _build(self, state):
     self.state_shardings = self.state_sharding_for(state)
-    if self.style == "per_device":
-      fn = jax.shard_map(self._loop, mesh=self.mesh,
-                         in_specs=(P(), P(None, self.data_axis), P()),
-                         out_specs=(P(), P()), check_vma=False)
-    else:
-      fn = self._loop
-    self._jitted = jax.jit(
-        fn, donate_argnums=(0,),
+    self._jitted = build_program(
+        self._loop, mesh=self.mesh, data_axis=self.data_axis, style=self.style,
+        donate_argnums=(0,),
         in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
         out_shardings=(self.state_shardings, self.replicated))
 
@@ -603,7 +565,7 @@ class MultiStepProgram:
     """Number of times a call compiled this program (1 in a healthy run).
 
     Counted from JAX's lowering events during this program's calls
-    (:func:`lowering_count`), not from ``jit``'s dispatch cache, which can hold
+    (:func:`loopkit.compat.lowering_count`), not from ``jit``'s dispatch cache, which can hold
     two entries for one executable (seen with typed PRNG keys in the state).
     """
     return self._compiles

@@ -45,6 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from loopkit.checks import check_global_batch_size
 from loopkit.extras import require
 
 
@@ -187,9 +188,7 @@ def eval_batches_per_process(num_examples: int, global_batch_size: int,
     ValueError: B not divisible by P, or B < 1.
   """
   _, count = _process(0, process_count)
-  if global_batch_size < 1 or global_batch_size % count:
-    raise ValueError(f"global batch size {global_batch_size} is not a positive multiple of "
-                     f"the process count {count}")
+  check_global_batch_size(global_batch_size, 1, process_count=count)
   return math.ceil(math.ceil(num_examples / count) / (global_batch_size // count))
 
 
@@ -276,9 +275,7 @@ class ArraySource:
     self.arrays = arrays
     self.num_examples = _num_examples(arrays)
     self._index, self._count = _process(process_index, process_count)
-    if global_batch_size < 1 or global_batch_size % self._count:
-      raise ValueError(f"global batch size {global_batch_size} is not a positive multiple "
-                       f"of the process count {self._count}")
+    check_global_batch_size(global_batch_size, 1, process_count=self._count)
     if self.num_examples < global_batch_size:
       raise ValueError(f"{self.num_examples} examples are fewer than one batch of "
                        f"{global_batch_size}")
@@ -399,7 +396,7 @@ def steps_per_epoch_of(source: Any) -> int:
   """
   what = f"{type(source).__module__}.{type(source).__qualname__}"
   n = getattr(source, "steps_per_epoch", None)
-  dataset = getattr(source, "dataset", source) if isinstance(source, TfDataSource) else source
+  dataset: Any = getattr(source, "dataset", source) if isinstance(source, TfDataSource) else source
   if n is None and callable(getattr(dataset, "cardinality", None)):
     n = int(dataset.cardinality())
     if n == -1:  # tf.data.INFINITE_CARDINALITY

@@ -8,6 +8,7 @@ import pytest
 import loopkit
 from loopkit.evaluation import EvalHook, Evaluator, evaluate
 from loopkit.sources import batch_arrays, eval_batches_per_process, shard_for_process
+from tests.test_k_invariance import _data, _Net, _while_body
 
 
 def mesh_of(n):
@@ -189,3 +190,46 @@ def test_eval_hook_rejects_one_shot_iterator():
   ev = Evaluator(accuracy_step, mesh=mesh_of(2), global_batch_size=4)
   with pytest.raises(ValueError, match="re-iterable"):
     EvalHook(ev, iter(c15_batches()), every_steps=2)
+
+
+# -- K = 1 compiles the eval step like every K (the training program's loop) ---------------
+
+
+def _half_precision_eval(dtype, style):
+  """The C38 net (tests/test_k_invariance.py) as an eval step: per-example loss in ``dtype``."""
+  model = _Net(dtype, "data" if style == "per_device" else None)
+  variables = model.init(jax.random.key(0), jnp.ones((1, 8, 8, 3), dtype))
+
+  def eval_step(state, batch):
+    logits, _ = model.apply(state, batch["x"], mutable=["batch_stats"])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return {"loss": -jnp.take_along_axis(logp, batch["y"][:, None], axis=1)[:, 0]}
+
+  return variables, eval_step, _data(dtype)
+
+
+@pytest.mark.parametrize("style", ["global", "per_device"])
+def test_eval_k1_totals_bitwise_equal_k2_k3_in_float16(style):
+  """Every batch's eval step sees only state and batch (both loop-invariant at K = 1), so a
+  K = 1 loop without the slot padding hoists the whole step; with it totals agree bitwise."""
+  state, eval_step, data = _half_precision_eval(jnp.float16, style)
+  totals = {}
+  for k in (1, 2, 3):
+    ev = Evaluator(eval_step, iterations_per_loop=k, step_style=style, prefetch=0)
+    result = ev.evaluate(state, data)
+    assert result.num_examples == 256 * len(data) and ev.compile_count() == 1
+    totals[k] = result.totals["loss"]
+  assert totals[1] == totals[2] == totals[3]
+
+
+def test_eval_k1_compiles_the_same_loop_body_as_k2():
+  state, eval_step, data = _half_precision_eval(jnp.float16, "per_device")
+  bodies = []
+  for k in (1, 2):
+    ev = Evaluator(eval_step, iterations_per_loop=k, step_style="per_device",
+                   global_batch_size=256)
+    chunk = {"batch": jax.tree.map(lambda x, k=k: np.stack([x] * k), data[0]),
+             "mask": np.ones((k, 256), bool)}
+    bodies.append(_while_body(ev.lower(state, chunk).compile().as_text()))
+  assert len(bodies[0]) > 30  # the eval step is in there
+  assert bodies[0] == bodies[1]

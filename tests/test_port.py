@@ -17,7 +17,8 @@ import pytest
 
 import loopkit
 
-tf = pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.tf
+tf = pytest.importorskip("tensorflow")  # collection imports this module even where deselected
 HERE = Path(__file__).parent
 
 

@@ -7,7 +7,8 @@ import toy
 import loopkit
 from loopkit.sources import steps_per_epoch_of
 
-tf = pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.tf
+tf = pytest.importorskip("tensorflow")  # collection imports this module even where deselected
 
 
 def _arrays(n):

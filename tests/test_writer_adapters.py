@@ -11,7 +11,8 @@ import toy
 import loopkit
 from loopkit import writers as writers_lib
 
-tf = pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.tf
+tf = pytest.importorskip("tensorflow")  # collection imports this module even where deselected
 
 
 def read_events(logdir):

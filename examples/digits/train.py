@@ -181,7 +181,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   graphdef, state = create_train_state(config, create_model(config), tx)
 
   writer = loopkit.JsonlWriter(metrics_path)
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  # An Auto axis (GSPMD propagation): with jax 0.12's Explicit default axis type the
+  # cross-entropy gather over the data-sharded batch fails (ShardingTypeError: "Use
+  # `.at[...].set(out_sharding=)`", measured on jax 0.12.0.1).
+  mesh = loopkit.data_parallel_mesh("data")
   evaluator = loopkit.evaluation.Evaluator(
       make_eval_step(graphdef), iterations_per_loop=config.eval_iterations_per_loop, mesh=mesh,
       global_batch_size=config.eval_batch_size)

@@ -189,6 +189,7 @@ def _digits_builder(data_dir):
   return digits_tfds.ensure_prepared(data_dir)
 
 
+@pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
 def test_digits_tfds_splits(digits_dir):
   import tensorflow_datasets as tfds
   builder = tfds.builder("sklearn_digits", data_dir=digits_dir)  # the imagenet2012 code path
@@ -199,6 +200,7 @@ def test_digits_tfds_splits(digits_dir):
       {0: 36, 1: 36, 2: 35, 3: 37, 4: 36, 5: 37, 6: 36, 7: 36, 8: 35, 9: 36})
 
 
+@pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
 def test_train_batches_deterministic_resumable_and_reshuffled(digits_dir):
   builder = _digits_builder(digits_dir)
   p = input_pipeline.Preprocessing(image_size=16, random_resized_crop=True, flip=True)
@@ -222,6 +224,7 @@ def test_train_batches_deterministic_resumable_and_reshuffled(digits_dir):
   assert not np.array_equal(first[0]["label"], first[2]["label"])  # epochs differ
 
 
+@pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
 def test_eval_batches_per_process_shards_are_exact(digits_dir):
   builder = _digits_builder(digits_dir)
   p = input_pipeline.Preprocessing(image_size=8, crop_fraction=1.0)
@@ -258,6 +261,7 @@ def smoke_run(tmp_path_factory):
   return workdir, train.train_and_evaluate(smoke_config.get_config(), workdir)
 
 
+@pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
 def test_smoke_two_loops_on_mock_imagenet(smoke_run):
   workdir, r = smoke_run
   assert r["step"] == 4 and r["ledger"]["step"] == 4
@@ -278,6 +282,7 @@ def test_smoke_two_loops_on_mock_imagenet(smoke_run):
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
 
 
+@pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
 def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
   workdir, first = smoke_run
   config = smoke_config.get_config()
@@ -296,6 +301,7 @@ def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
                 if s.isdigit())[-1] == 6
 
 
+@pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
 def test_cpu_config_runs_a_few_steps_on_digits(tmp_path, digits_dir):
   config = cpu_config.get_config()
   config.data_dir = digits_dir
