@@ -132,17 +132,11 @@ assert_bitwise = toy.assert_bitwise
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("kind", ["counted", "iterator_state"])
-def test_sigint_while_a_chunk_forms_stops_within_a_batch(kind, prefetch, request):
+def test_sigint_while_a_chunk_forms_stops_within_a_batch(kind, prefetch):
   """K=12; SIGINT as batch 14 starts (the 3rd of steps 13-24): stop at 12 in one batch time.
 
   Before: the loop formed batches 14..23 first (10 x 0.4 s = 4 s), then stopped.
   """
-  if prefetch and jax.__version_info__ >= (0, 11):
-    # Known: with jax 0.12.0.1 (Python 3.12) the producer thread reads one batch more (16, not
-    # 15) before the SIGINT handler sets the interrupt event, every run; jax 0.10.2 on the same
-    # Python 3.12 gives 15 (measured 2026-12-01). Not yet understood: kept visible as an xfail.
-    request.applymarker(pytest.mark.xfail(reason="jax >= 0.11: one more batch is read before "
-                                          "the interrupt is seen (prefetch thread)", strict=False))
   src = SOURCES[kind](signal_at=14)
   ends = Ends()
   loop = make_loop([ends], prefetch=prefetch)
