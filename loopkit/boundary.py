@@ -54,4 +54,4 @@ def agree(local: Sequence[bool]) -> list[bool]:
     return []
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   gathered = np.asarray(multihost_utils.process_allgather(flags))  # [processes, n]
-  return [bool(x) for x in gathered.reshape(-1, flags.size).any(axis=0)]
+  return [bool(x) for x in np.asarray(gathered.reshape(-1, flags.size).any(axis=0))]

@@ -41,7 +41,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -359,11 +359,20 @@ def _default_state_fn(state: Any) -> Any:
   return state.train_state if isinstance(state, DeviceDataState) else state
 
 
+class SupportsEvaluate(Protocol):
+  """What :class:`EvalHook` calls: :class:`Evaluator`, or any object with this method
+  (:meth:`loopkit.nnx.NnxEvaluator.hook` passes one)."""
+
+  def evaluate(self, state: Any, batches: Iterable, *,
+               num_batches: int | None = None) -> EvalResult: ...
+
+
 class EvalHook(Hook):
   """Runs an :class:`Evaluator` from a ``TrainLoop`` when its trigger fires.
 
   Args:
-    evaluator: the evaluator (compiled once, reused at every firing).
+    evaluator: the evaluator (compiled once, reused at every firing), or any
+      object with its ``evaluate(state, batches, *, num_batches=None)`` method.
     batches: a re-iterable (list, Grain ``DataLoader``, ``TfDataSource``) or a
       zero-argument callable returning a fresh iterable of eval batches.
     num_batches: passed to :meth:`Evaluator.evaluate` (multi-host).
@@ -392,7 +401,7 @@ class EvalHook(Hook):
   needs_state = True
   time_bucket = "eval"  # goodput: evaluation time, not generic hook time
 
-  def __init__(self, evaluator: Evaluator, batches: Iterable | Callable[[], Iterable], *,
+  def __init__(self, evaluator: SupportsEvaluate, batches: Iterable | Callable[[], Iterable], *,
                num_batches: int | None = None, writer: Any = None, prefix: str = "eval",
                state_fn: Callable[[Any], Any] | None = None, **trigger):
     super().__init__(**trigger)

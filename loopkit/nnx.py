@@ -292,7 +292,7 @@ class NnxEvaluator:
     self._parts = _additive(metrics, "NnxEvaluator")
     self._zero = jax.tree.map(jnp.zeros_like, nnx.to_pure_dict(nnx.state(metrics)))
     self._graphdef = None
-    self._eval_clone = None
+    self._eval_clone: Any = None
     self._evaluator: Evaluator | None = None
     self._kwargs = evaluator_kwargs
 
@@ -368,7 +368,7 @@ class NnxEvaluator:
     evaluator = self
 
     class _Adapter:
-      def evaluate(self, state, batches, num_batches=None):
+      def evaluate(self, state, batches, *, num_batches=None):
         values = evaluator.evaluate(batches, state=state, num_batches=num_batches, eval_mode=True)
         last = evaluator.last
         return EvalResult({k: float(v) for k, v in values.items()}, last.totals,

@@ -144,7 +144,7 @@ class TimeBasedK:
         if step > s0 and now > t0:
           self._measure(step - s0, now - t0)
       self._mark = (now, step)
-    if self.capped and not self._warned_cap:
+    if self.capped and not self._warned_cap and self.secs_per_step is not None:
       self._warned_cap = True
       log.warning("time-based iterations_per_loop: a %g s call wants %d steps (%.3g ms per "
                   "step + %.3g ms per call) but max_iterations_per_loop=%d caps it, so calls "

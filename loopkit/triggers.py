@@ -28,7 +28,7 @@ def _whole_steps(name: str, value: Any) -> int:
     return int(value)
   if not float(value).is_integer():
     raise ValueError(f"{name} must be a whole number of steps, got {value!r}")
-  return int(value)
+  return int(float(value))
 
 
 @dataclasses.dataclass
