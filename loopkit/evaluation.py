@@ -53,6 +53,7 @@ from loopkit.compat import lowering_count
 from loopkit.device_data import DeviceDataState
 from loopkit.feeding import ChunkFeeder
 from loopkit.hooks import Hook, LoopInfo
+from loopkit.ledger import Bucket
 from loopkit.program import MIN_SLOTS, build_program, resolve_mesh, run_slots
 from loopkit.writers import as_writer
 
@@ -399,7 +400,7 @@ class EvalHook(Hook):
   """
 
   needs_state = True
-  time_bucket = "eval"  # goodput: evaluation time, not generic hook time
+  time_bucket = Bucket.EVAL  # goodput: evaluation time, not generic hook time
 
   def __init__(self, evaluator: SupportsEvaluate, batches: Iterable | Callable[[], Iterable], *,
                num_batches: int | None = None, writer: Any = None, prefix: str = "eval",
