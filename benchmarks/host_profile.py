@@ -12,13 +12,13 @@ function of the real path, wrapped by a timer for the measurement only
   list of numpy batches here), checking each against the first, stacking ``[K, B, ...]``;
 - ``place``: ``_Placer`` (the host-to-device transfer of the chunk's leaves);
 - ``handoff``: the rest of ``ChunkFeeder.next`` (the queue; with prefetch, waiting for it);
-- ``agree``: ``TrainLoop._agree`` (the boundary agreement; no communication on 1 process);
+- ``agree``: ``Run.agree`` (the boundary agreement; no communication on 1 process);
 - ``dispatch``: ``MultiStepProgram.__call__`` (the jitted call, asynchronous);
-- ``finish``: ``TrainLoop._finish``: the one-late fetch (with no hooks, of the step
+- ``finish``: ``Run.boundary``: the one-late fetch (with no hooks, of the step
   counter only), the step check, ``LoopInfo`` and the hooks (none in this workload);
 - ``ledger``: ``Ledger.advance`` and ``Ledger.add_time``;
 - ``loop``: what is left of the main thread's CPU time per call (the loop body itself,
-  the ``_Pending`` record, triggers, the timers' own overhead of about 1 us per phase);
+  the ``Boundary`` record, triggers, the timers' own overhead of about 1 us per phase);
   the phases are timed per call, not per batch, so the timers cost the same at every K.
 
 Phases are CPU time of the thread that runs them (``time.thread_time``), so a wait
@@ -66,7 +66,7 @@ import numpy as np  # noqa: E402
 
 import loopkit  # noqa: E402
 from benchmarks import systems as sy, workloads as wl  # noqa: E402
-from loopkit import feeding, ledger as ledger_lib, loop as loop_lib, program as program_lib  # noqa: E402
+from loopkit import feeding, ledger as ledger_lib, program as program_lib, run as run_lib  # noqa: E402
 
 PHASES = ("form", "place", "handoff", "agree", "dispatch", "finish",
           "ledger", "loop")
@@ -107,9 +107,9 @@ class Phases:
     self.patch(feeding.ChunkFeeder, "next", "handoff")
     self.patch(feeding.ChunkFeeder, "_form", "form")
     self.patch(feeding._Placer, "__call__", "place")
-    self.patch(loop_lib.TrainLoop, "_agree", "agree")
+    self.patch(run_lib.Run, "agree", "agree")
     self.patch(program_lib.MultiStepProgram, "__call__", "dispatch")
-    self.patch(loop_lib.TrainLoop, "_finish", "finish")
+    self.patch(run_lib.Run, "boundary", "finish")
     self.patch(ledger_lib.Ledger, "advance", "ledger")
     self.patch(ledger_lib.Ledger, "add_time", "ledger")
 
