@@ -6,10 +6,10 @@ results that do not depend on K.
 
 from loopkit import aot, conv_layout, goodput, metrics
 from loopkit.accumulation import accumulate
+from loopkit.checks import BatchLayoutWarning
 from loopkit.context import LedgerAdjustment, Restore, RunContext
 from loopkit.device_data import DeviceDataset, DeviceDataState
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate, per_example
-from loopkit.feeding import BatchLayoutWarning
 from loopkit.goodput import GoodputHook, GoodputSummary
 from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
 from loopkit.ledger import Bucket, Ledger

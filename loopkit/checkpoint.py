@@ -65,7 +65,7 @@ may write a directory.
 source's position after the last *consumed* chunk, never a prefetched one
 (case C25). It is an int (a counted skip for plain iterables, or the next step
 for ``batch_at(step)`` sources) or the iterator's own ``get_state()`` (Grain);
-see :func:`loopkit.feeding.open_source`. States must be JSON-serialisable or
+see :func:`loopkit.sources.open_source`. States must be JSON-serialisable or
 ``bytes``. On several processes each process's position is gathered and saved.
 
 **Retention.** ``max_to_keep`` keeps the newest N; ``keep_best`` additionally

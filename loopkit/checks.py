@@ -7,6 +7,7 @@ Pure host functions; thread-safe.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -108,3 +109,86 @@ def tree_mismatch(expected: Any, got: Any, *, what: str,
       if e_sh is not None and g_sh is not None and not e_sh.is_equivalent_to(g_sh, len(e_shape)):
         return f"{what}: leaf {name} has sharding {g_sh}, expected {e_sh}"
   return None
+
+
+class BatchLayoutWarning(UserWarning):
+  """Batches look like ``jax.pmap`` input ``[devices, B / devices, ...]`` (case C40)."""
+
+
+def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
+  """Warns when a chunk's batches look like pmap-layout input (case C40).
+
+  loopkit takes *global* batches ``[B, ...]`` and splits B over the data axis
+  itself, for both step styles. A user coming from ``jax.pmap`` may pass
+  ``[D, B / D, ...]`` (D = devices): each device then trains on a
+  ``[1, B / D, ...]`` slice with a wrong leading axis, silently. The sign: the
+  batch axis equals the data-parallel size, and every leaf (two or more; with a
+  single leaf ``[D, b]`` is as likely D examples of b features) has a second
+  axis of one common size, labels included (a global batch's labels are
+  ``[B]``).
+
+  Args:
+    batches: a chunk's pytree of ``[K, B, ...]`` arrays (global shapes).
+    data_parallel_size: D.
+
+  Returns:
+    Whether it warned.
+  """
+  shapes = [np.shape(x) for x in jax.tree.leaves(batches)]
+  if data_parallel_size < 2 or len(shapes) < 2 or any(len(s) < 3 for s in shapes):
+    return False
+  if any(s[1] != data_parallel_size for s in shapes) or len({s[2] for s in shapes}) != 1:
+    return False
+  shown = ", ".join(str(s[1:]) for s in shapes[:3])
+  warnings.warn(
+      f"every batch leaf has shape [{data_parallel_size}, {shapes[0][2]}, ...] ({shown}"
+      f"{' ...' if len(shapes) > 3 else ''}), with the batch axis equal to the "
+      f"data-parallel size {data_parallel_size}: this looks like jax.pmap input "
+      f"[devices, B / devices, ...]. loopkit takes global batches [B, ...] and splits B "
+      f"over the devices itself, for step_style='per_device' too; pass "
+      f"x.reshape((-1,) + x.shape[2:]) for every leaf (if a global batch of "
+      f"{data_parallel_size} examples is meant, ignore this warning)",
+      BatchLayoutWarning, stacklevel=3)
+  return True
+
+
+# -- what changed between two calls of the compiled program (a recompile) ----------------
+
+
+class RecompileWarning(UserWarning):
+  """The train program compiled again in a run; the message names the leaf that changed."""
+
+
+def call_signature(state: Any, batches: Any, num_steps: Any) -> list[tuple[str, tuple]]:
+  """Per leaf of a program call: ``(name, (shape, dtype, weak_type, sharding))``.
+
+  Only metadata is read, so donated (deleted) arrays are fine.
+  """
+  out = []
+  for what, tree in (("state", state), ("batch", batches), ("num_steps", num_steps)):
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      out.append((f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}",
+                  (np.shape(x), leaf_dtype(x), bool(getattr(x, "weak_type", False)),
+                   getattr(x, "sharding", None))))
+  return out
+
+
+def _describe(sig: tuple) -> str:
+  shape, dtype, weak, sharding = sig
+  return f"shape {shape} dtype {dtype}{' (weak-typed)' if weak else ''} sharding {sharding}"
+
+
+def signature_change(first: list[tuple[str, tuple]], now: list[tuple[str, tuple]]) -> str:
+  """Says which leaf's shape, dtype, weak type or sharding differs between two signatures."""
+  if [name for name, _ in first] != [name for name, _ in now]:
+    return ("the tree structure of the state or the batch changed: first call "
+            f"{[n for n, _ in first]}, this call {[n for n, _ in now]}")
+  changed = []
+  for (name, a), (_, b) in zip(first, now):
+    same_sharding = (a[3] is None or b[3] is None or a[3] == b[3]
+                     or a[3].is_equivalent_to(b[3], len(a[0])))
+    if a[:3] != b[:3] or not same_sharding:
+      changed.append(f"{name} has {_describe(b)}, the first call had {_describe(a)}")
+  if not changed:
+    return "no leaf's shape, dtype, weak type or sharding changed (a retrace of the step?)"
+  return "; ".join(changed)

@@ -49,7 +49,7 @@ class Restore:
     ledger: the :class:`~loopkit.ledger.Ledger` at the state's step (its
       ``steps_per_epoch`` is replaced by the loop's).
     data_position: the source position to continue from (see
-      :func:`loopkit.feeding.open_source`), or None for the source's start.
+      :func:`loopkit.sources.open_source`), or None for the source's start.
     hook_states: ``{hook name: state}`` to hand to the hooks'
       ``restore_checkpoint_state`` (names from
       :func:`loopkit.hook_state.hook_names`; keys of checkpoints written before

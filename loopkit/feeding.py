@@ -35,10 +35,8 @@ import logging
 import math
 import operator
 import queue
-import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -47,16 +45,20 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from loopkit import compat
+from loopkit.checks import BatchLayoutWarning, warn_if_pmap_layout
 from loopkit.program import check_global_batch_size, is_cpu_mesh, tree_mismatch
+from loopkit.sources import open_source
 
 log = logging.getLogger("loopkit")
+
+# Moved to loopkit.checks / loopkit.sources; kept importable from here.
+_REEXPORTED = (BatchLayoutWarning, warn_if_pmap_layout, open_source)
 
 _DONE = object()
 _POLL_SECS = 0.05  # how often a waiting ``next`` looks at the interrupt event
 _ALIGN_BYTES = 64  # chunk leaves this aligned are aliased by XLA:CPU, not copied
 _ALIGN_MIN_BYTES = 1 << 16  # below this a copy costs less than aligning
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
-_POOL_SIZE = 8  # reused chunk buffers kept per leaf shape and dtype (see ChunkFeeder._empty_leaf)
 CLOSE_TIMEOUT_SECS = 5.0
 """Default seconds ``ChunkFeeder.close`` (and interpreter exit) wait for a producer
 thread to leave the source's ``next``."""
@@ -92,47 +94,6 @@ def _join_stranded_at_exit() -> None:
 atexit.register(_join_stranded_at_exit)
 
 
-class BatchLayoutWarning(UserWarning):
-  """Batches look like ``jax.pmap`` input ``[devices, B / devices, ...]`` (case C40)."""
-
-
-def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
-  """Warns when a chunk's batches look like pmap-layout input (case C40).
-
-  loopkit takes *global* batches ``[B, ...]`` and splits B over the data axis
-  itself, for both step styles. A user coming from ``jax.pmap`` may pass
-  ``[D, B / D, ...]`` (D = devices): each device then trains on a
-  ``[1, B / D, ...]`` slice with a wrong leading axis, silently. The sign: the
-  batch axis equals the data-parallel size, and every leaf (two or more; with a
-  single leaf ``[D, b]`` is as likely D examples of b features) has a second
-  axis of one common size, labels included (a global batch's labels are
-  ``[B]``).
-
-  Args:
-    batches: a chunk's pytree of ``[K, B, ...]`` arrays (global shapes).
-    data_parallel_size: D.
-
-  Returns:
-    Whether it warned.
-  """
-  shapes = [np.shape(x) for x in jax.tree.leaves(batches)]
-  if data_parallel_size < 2 or len(shapes) < 2 or any(len(s) < 3 for s in shapes):
-    return False
-  if any(s[1] != data_parallel_size for s in shapes) or len({s[2] for s in shapes}) != 1:
-    return False
-  shown = ", ".join(str(s[1:]) for s in shapes[:3])
-  warnings.warn(
-      f"every batch leaf has shape [{data_parallel_size}, {shapes[0][2]}, ...] ({shown}"
-      f"{' ...' if len(shapes) > 3 else ''}), with the batch axis equal to the "
-      f"data-parallel size {data_parallel_size}: this looks like jax.pmap input "
-      f"[devices, B / devices, ...]. loopkit takes global batches [B, ...] and splits B "
-      f"over the devices itself, for step_style='per_device' too; pass "
-      f"x.reshape((-1,) + x.shape[2:]) for every leaf (if a global batch of "
-      f"{data_parallel_size} examples is meant, ignore this warning)",
-      BatchLayoutWarning, stacklevel=3)
-  return True
-
-
 @dataclasses.dataclass
 class Chunk:
   """One call's input.
@@ -158,68 +119,6 @@ class Chunk:
   exhausted: bool
   global_batch_size: int
   interrupted: bool = False
-
-
-def open_source(batches: Any, position: Any, step: int) -> tuple[Iterator, int]:
-  """Opens a batch source at a saved position.
-
-  Args:
-    batches: an iterable of batches; an iterator with ``get_state``/``set_state``
-      (Grain); or a step-indexed source with ``batch_at(step) -> batch``.
-    position: None (start as given), a batch count (int), or an iterator state.
-    step: the global step training resumes at (used for ``batch_at``).
-
-  Returns:
-    (iterator positioned at the next unconsumed batch, start count).
-
-  Stateless iterables are positioned by a *counted skip*: ``position`` batches
-  are drawn and dropped, which is exact when the iterable restarts from its
-  first batch (documented cost: reading the skipped batches once).
-  """
-  if hasattr(batches, "batch_at"):
-    return _StepIndexed(batches, step), step
-  it = iter(batches)
-  if position is None:
-    return it, 0
-  if isinstance(position, (int, np.integer)):
-    for i in range(int(position)):
-      try:
-        next(it)
-      except StopIteration:
-        raise ValueError(f"cannot resume the data at position {position}: the source has "
-                         f"only {i} batches") from None
-    return it, int(position)
-  set_state = getattr(it, "set_state", None)
-  if set_state is None:
-    raise ValueError(f"the saved data position is an iterator state ({type(position).__name__}) "
-                     "but the source has no set_state")
-  set_state(position)
-  return it, 0
-
-
-class _StepIndexed:
-  """Iterator over ``source.batch_at(step)``; its state is the next step."""
-
-  def __init__(self, source: Any, step: int):
-    self._source = source
-    self._step = step
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    try:
-      batch = self._source.batch_at(self._step)
-    except IndexError:  # a finite step-indexed source: past its last step
-      raise StopIteration from None
-    self._step += 1
-    return batch
-
-  def get_state(self) -> int:
-    return self._step
-
-  def __repr__(self) -> str:
-    return f"{self._source!r} (batch_at, next step {self._step})"
 
 
 class _Placer:
@@ -333,7 +232,6 @@ class ChunkFeeder:
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
     self._align = is_cpu_mesh(batch_sharding.mesh)
-    self._pool: dict[tuple, list[np.ndarray]] = {}  # chunk leaf buffers (see _empty_leaf)
     self._list_defs: dict[int, Any] = {}  # n -> structure of n first batches (_check_chunk)
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
@@ -432,49 +330,21 @@ class ChunkFeeder:
     return [list(col) for col in zip(*[self._check(b, step + i) for i, b in enumerate(got)])]
 
   def _empty_leaf(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised chunk leaf ``[K, B, ...]``, in a reused buffer when one is free.
+    """An uninitialised chunk leaf ``[K, B, ...]``, a fresh buffer for every chunk.
 
     On CPU devices a large one (>= ``_ALIGN_MIN_BYTES``) is 64-byte aligned, so
     placing it aliases the buffer instead of copying it (XLA:CPU aliases only
-    aligned host buffers). Buffers are kept in a pool per ``(shape, dtype)`` and
-    reused once free: a fresh buffer of a large chunk is fresh pages, and faulting
-    them in cost more than the copy itself (measured in
-    ``benchmarks/host_profile.py``, see ``benchmarks/README.md``). A buffer is free
-    when no array refers to it: JAX holds a reference to a host array it aliases
-    or is still copying from (until the device buffer is freed, or the transfer
-    ends; jaxlib lets go of it lazily, at a later collection), and every view of
-    the buffer refers to it, so its reference count tells; a buffer JAX or anyone
-    else still holds is never written again.
-    At most ``_POOL_SIZE`` buffers per key are kept (prefetch + two calls in
-    flight + the one being formed fit); beyond that a chunk gets a fresh one.
+    aligned host buffers; the feeder never writes a placed leaf again). Buffers
+    are not reused: a pool that rewrote a buffer once its reference count said
+    it was free corrupted batches (labels of a TFDS source differed at steps 6-8
+    in 2 of 12 runs of ``tests/test_sources.py``, 0 of 8 without the pool).
     """
-    key = (shape, dtype)
-    bucket = self._pool.get(key)
-    if bucket is None:
-      bucket = self._pool[key] = []
-    for base in bucket:
-      # 3 references: the bucket, the loop variable and getrefcount's argument.
-      if sys.getrefcount(base) == 3:
-        break
-    else:
-      base = self._new_buffer(shape, dtype)
-      if len(bucket) < _POOL_SIZE:
-        bucket.append(base)
-    return base if base.shape == shape else self._leaf_view(base, shape, dtype)
-
-  def _new_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A new buffer for a leaf: the array itself, or its aligned ``uint8`` base (CPU)."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if not self._align or nbytes < _ALIGN_MIN_BYTES:
       return np.empty(shape, dtype)
-    return np.empty(nbytes + _ALIGN_BYTES, np.uint8)
-
-  @staticmethod
-  def _leaf_view(base: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """The 64-byte aligned ``[K, B, ...]`` view of an aligned buffer's base."""
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    offset = -base.__array_interface__["data"][0] % _ALIGN_BYTES
-    return base[offset:offset + nbytes].view(dtype).reshape(shape)
+    buf = np.empty(nbytes + _ALIGN_BYTES, np.uint8)
+    offset = -buf.__array_interface__["data"][0] % _ALIGN_BYTES
+    return buf[offset:offset + nbytes].view(dtype).reshape(shape)
 
   def _form(self, n: int) -> Chunk | None:
     """Forms a chunk of ``n`` batches; None when halted (nothing placed or counted)."""

@@ -58,54 +58,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from loopkit import conv_layout, metrics as metrics_lib
 from loopkit.checks import (
-  check_data_axis,
+  RecompileWarning as RecompileWarning,
+  call_signature,
   check_global_batch_size as check_global_batch_size,
   check_iterations_per_loop as check_iterations_per_loop,
   check_step_style as check_step_style,
-  leaf_dtype,
+  signature_change,
   tree_mismatch as tree_mismatch,
 )
 from loopkit.compat import lowering_count as lowering_count
+from loopkit.mesh import (
+  data_parallel_mesh as data_parallel_mesh,
+  is_cpu_mesh as is_cpu_mesh,
+  resolve_mesh as resolve_mesh,
+)
 
 StepStyle = Literal["global", "per_device"]
 
 # The fewest chunk slots the loop body is compiled for (see the module docstring).
 MIN_SLOTS = 2
-
-
-def data_parallel_mesh(data_axis: str = "data", devices: Any = None) -> Mesh:
-  """A 1-D mesh over ``devices`` (default: all devices) with one ``Auto`` axis.
-
-  ``Auto`` (GSPMD propagation, as in the Flax examples) rather than jax's newer
-  default ``Explicit`` axis type, so global-style steps written for ``jit``
-  (gathers, scatters, reductions over the batch) work without ``reshard``.
-  """
-  devices = jax.devices() if devices is None else list(devices)
-  return jax.make_mesh((len(devices),), (data_axis,), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def is_cpu_mesh(mesh: Any) -> bool:
-  """Whether ``mesh`` (a concrete ``Mesh``) is on CPU devices (XLA:CPU)."""
-  return mesh.devices.flat[0].platform == "cpu"
-
-
-def resolve_mesh(mesh: Mesh | None, data_axis: str) -> tuple[Mesh, int]:
-  """The mesh to run on and its data-parallel size.
-
-  Args:
-    mesh: a mesh, or None for :func:`data_parallel_mesh` over all devices.
-    data_axis: the mesh axis the batch is split over.
-
-  Returns:
-    ``(mesh, data_parallel_size)``: the size of ``data_axis``.
-
-  Raises:
-    ValueError: ``data_axis`` is not an axis of ``mesh``.
-  """
-  mesh = mesh if mesh is not None else data_parallel_mesh(data_axis)
-  check_data_axis(mesh, data_axis)
-  return mesh, mesh.shape[data_axis]
 
 
 def pad_slots(chunk: Any) -> Any:
@@ -183,10 +154,6 @@ def build_program(loop: Callable, *, mesh: Mesh, data_axis: str, style: StepStyl
   return jax.jit(fn, **jit_kwargs)
 
 
-class RecompileWarning(UserWarning):
-  """The train program compiled again in a run; the message names the leaf that changed."""
-
-
 def strong_typed(tree: Any) -> Any:
   """``tree`` with its weak-typed leaves made strong, same dtype and placement.
 
@@ -210,41 +177,6 @@ def strong_typed(tree: Any) -> Any:
       return jax.lax.convert_element_type(x, x.dtype)
     return x
   return jax.tree.map(strong, tree)
-
-
-def call_signature(state: Any, batches: Any, num_steps: Any) -> list[tuple[str, tuple]]:
-  """Per leaf of a program call: ``(name, (shape, dtype, weak_type, sharding))``.
-
-  Only metadata is read, so donated (deleted) arrays are fine.
-  """
-  out = []
-  for what, tree in (("state", state), ("batch", batches), ("num_steps", num_steps)):
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      out.append((f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}",
-                  (np.shape(x), leaf_dtype(x), bool(getattr(x, "weak_type", False)),
-                   getattr(x, "sharding", None))))
-  return out
-
-
-def _describe(sig: tuple) -> str:
-  shape, dtype, weak, sharding = sig
-  return f"shape {shape} dtype {dtype}{' (weak-typed)' if weak else ''} sharding {sharding}"
-
-
-def signature_change(first: list[tuple[str, tuple]], now: list[tuple[str, tuple]]) -> str:
-  """Says which leaf's shape, dtype, weak type or sharding differs between two signatures."""
-  if [name for name, _ in first] != [name for name, _ in now]:
-    return ("the tree structure of the state or the batch changed: first call "
-            f"{[n for n, _ in first]}, this call {[n for n, _ in now]}")
-  changed = []
-  for (name, a), (_, b) in zip(first, now):
-    same_sharding = (a[3] is None or b[3] is None or a[3] == b[3]
-                     or a[3].is_equivalent_to(b[3], len(a[0])))
-    if a[:3] != b[:3] or not same_sharding:
-      changed.append(f"{name} has {_describe(b)}, the first call had {_describe(a)}")
-  if not changed:
-    return "no leaf's shape, dtype, weak type or sharding changed (a retrace of the step?)"
-  return "; ".join(changed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,14 +31,16 @@ import numpy as np
 
 from loopkit import metrics as metrics_lib
 from loopkit.boundary import agree
+from loopkit.checks import warn_if_pmap_layout
 from loopkit.context import LedgerAdjustment, Restore, RunContext
-from loopkit.feeding import Chunk, ChunkFeeder, open_source, warn_if_pmap_layout
+from loopkit.feeding import Chunk, ChunkFeeder
 from loopkit.hook_state import collect_hook_states, give_hook_states, hook_names
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Bucket, Ledger, LedgerView, epoch_of
 from loopkit.planner import plan_calls
 from loopkit.preemption import PreemptionWatcher
 from loopkit.program import is_cpu_mesh, tree_mismatch
+from loopkit.sources import open_source
 
 if TYPE_CHECKING:
   from loopkit.loop import TrainLoop

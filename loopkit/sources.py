@@ -3,7 +3,7 @@
 Every source yields *batches*: pytrees of numpy arrays with a leading batch
 axis (the global batch on one process, the process-local part on multi-host).
 How each kind is resumed at a saved position (see
-:func:`loopkit.feeding.open_source`):
+:func:`loopkit.sources.open_source`):
 
 ========================================  ==========================================
 source                                    saved position / resume
@@ -420,3 +420,68 @@ def steps_per_epoch_of(source: Any) -> int:
   if n < 1:
     raise ValueError(f"steps_per_epoch='auto': the {what} has {n} batches")
   return int(n)
+
+
+# -- opening a source at a saved position (used by the feeder) ---------------------------
+
+
+def open_source(batches: Any, position: Any, step: int) -> tuple[Iterator, int]:
+  """Opens a batch source at a saved position.
+
+  Args:
+    batches: an iterable of batches; an iterator with ``get_state``/``set_state``
+      (Grain); or a step-indexed source with ``batch_at(step) -> batch``.
+    position: None (start as given), a batch count (int), or an iterator state.
+    step: the global step training resumes at (used for ``batch_at``).
+
+  Returns:
+    (iterator positioned at the next unconsumed batch, start count).
+
+  Stateless iterables are positioned by a *counted skip*: ``position`` batches
+  are drawn and dropped, which is exact when the iterable restarts from its
+  first batch (documented cost: reading the skipped batches once).
+  """
+  if hasattr(batches, "batch_at"):
+    return _StepIndexed(batches, step), step
+  it = iter(batches)
+  if position is None:
+    return it, 0
+  if isinstance(position, (int, np.integer)):
+    for i in range(int(position)):
+      try:
+        next(it)
+      except StopIteration:
+        raise ValueError(f"cannot resume the data at position {position}: the source has "
+                         f"only {i} batches") from None
+    return it, int(position)
+  set_state = getattr(it, "set_state", None)
+  if set_state is None:
+    raise ValueError(f"the saved data position is an iterator state ({type(position).__name__}) "
+                     "but the source has no set_state")
+  set_state(position)
+  return it, 0
+
+
+class _StepIndexed:
+  """Iterator over ``source.batch_at(step)``; its state is the next step."""
+
+  def __init__(self, source: Any, step: int):
+    self._source = source
+    self._step = step
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    try:
+      batch = self._source.batch_at(self._step)
+    except IndexError:  # a finite step-indexed source: past its last step
+      raise StopIteration from None
+    self._step += 1
+    return batch
+
+  def get_state(self) -> int:
+    return self._step
+
+  def __repr__(self) -> str:
+    return f"{self._source!r} (batch_at, next step {self._step})"
