@@ -1,10 +1,12 @@
 """What does compiling K = 1 for two chunk slots cost (loopkit/program.py, case C38)?
 
-At K = 1 the program pads the chunk ``[1, B, ...]`` with one zero slot on the
-device (a copy of one batch per call) and keeps a 2-slot metric trace, so the
-loop body compiles exactly as at K = 2. This script times K = 1 calls of
-:class:`loopkit.MultiStepProgram` with ``MIN_SLOTS = 2`` (the shipped program)
-and ``MIN_SLOTS = 1`` (the old one, no padding), interleaved over ``--repeats``
+At K = 1 the loop body is compiled for two chunk slots, so it is exactly the K = 2
+body. The feeder gives a K = 1 chunk its zero second slot on the host (``[2, B, ...]``,
+what ``TrainLoop`` runs); a ``[1, B, ...]`` chunk given to the program directly is
+padded on the device (a copy of one batch per call). This script times K = 1 calls of
+:class:`loopkit.MultiStepProgram` three ways: ``MIN_SLOTS = 1`` (the old program, no
+padding), ``MIN_SLOTS = 2`` with ``[1, B, ...]`` chunks (device padding) and with
+``[2, B, ...]`` chunks (host padding, the shipped path), interleaved over ``--repeats``
 rounds, best round kept, on the ``mlp`` (dispatch-bound) and ``cnn``
 (compute-bound) workloads of ``benchmarks/workloads.py``, global style, all
 devices. Chunks are placed before timing, so the time is dispatch + device.
@@ -28,16 +30,23 @@ from benchmarks import workloads
 from loopkit import program as program_lib
 
 
-def time_k1(name: str, min_slots: int, num_steps: int) -> float:
-  """Steps per second of ``num_steps`` K = 1 calls (after one compiling call)."""
+def time_k1(name: str, min_slots: int, num_steps: int, chunk_slots: int = 1) -> float:
+  """Steps per second of ``num_steps`` K = 1 calls (after one compiling call).
+
+  ``chunk_slots`` slots per placed chunk: 1, or 2 with a zero second slot (the feeder's).
+  """
   program_lib.MIN_SLOTS = min_slots
   w = workloads.get(name, num_steps)
   program = loopkit.MultiStepProgram(workloads.make_train_step(w), iterations_per_loop=1,
                                      mesh=loopkit.data_parallel_mesh())
   state = program.place_state(workloads.init_state(w))
   data = workloads.make_data(w, num_steps)
-  chunks = [jax.device_put({"x": data["x"][i:i + 1], "y": data["y"][i:i + 1]},
-                           program.batch_sharding) for i in range(num_steps)]
+
+  def chunk(i):
+    return {k: np.concatenate([v[i:i + 1], np.zeros_like(v[:chunk_slots - 1])])
+            for k, v in (("x", data["x"]), ("y", data["y"]))}
+
+  chunks = [jax.device_put(chunk(i), program.batch_sharding) for i in range(num_steps)]
   one = jax.device_put(np.int32(1), program.replicated)
   state, _ = program(state, chunks[0], one)
   jax.block_until_ready(state)
@@ -55,12 +64,15 @@ def main() -> None:
   parser.add_argument("--cnn-steps", type=int, default=200)
   args = parser.parse_args()
   for name, steps in (("mlp", args.mlp_steps), ("cnn", args.cnn_steps)):
-    best = {1: 0.0, 2: 0.0}
+    ways = {"unpadded": (1, 1), "device pad": (2, 1), "host pad": (2, 2)}
+    best = dict.fromkeys(ways, 0.0)
     for _ in range(args.repeats):
-      for slots in (1, 2):
-        best[slots] = max(best[slots], time_k1(name, slots, steps))
-    print(f"{name} K=1: {best[1]:.0f} steps/s unpadded (MIN_SLOTS=1), {best[2]:.0f} steps/s "
-          f"padded (MIN_SLOTS=2), ratio {best[2] / best[1]:.3f}", flush=True)
+      for way, (min_slots, chunk_slots) in ways.items():
+        best[way] = max(best[way], time_k1(name, min_slots, steps, chunk_slots))
+    program_lib.MIN_SLOTS = 2
+    base = best["unpadded"]
+    print(f"{name} K=1 steps/s: " + ", ".join(
+        f"{way} {v:.0f} ({v / base:.3f})" for way, v in best.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from loopkit.evaluation import Evaluator
-from loopkit.program import MultiStepProgram, check_global_batch_size
+from loopkit.program import MIN_SLOTS, MultiStepProgram, check_global_batch_size
 from loopkit.topology import (  # re-exported: loopkit.aot.CHIPS, ...)
   CHIPS,
   Chip,
@@ -70,7 +70,7 @@ class ProgramReport:
 
   Attributes:
     name: ``"train"`` or ``"eval"``.
-    iterations_per_loop: K, slots of the chunk ``[K, B, ...]``.
+    iterations_per_loop: K; the chunk is ``[max(K, 2), B, ...]`` (K = 1 has one zero slot).
     global_batch_size: B (examples per step over all devices).
     per_device_batch: B / data-parallel size.
     argument_bytes: the state, the chunk and the step count.
@@ -236,7 +236,10 @@ def _batch_size(batch: Any, what: str) -> int:
 
 
 def _chunk(batch: Any, k: int) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((k,) + tuple(np.shape(x)), x.dtype), batch)
+  """The chunk spec a run feeds: ``max(K, MIN_SLOTS)`` slots (K = 1: a zero slot, feeding.py)."""
+  slots = max(k, MIN_SLOTS)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((slots,) + tuple(np.shape(x)), x.dtype),
+                      batch)
 
 
 def _nbytes(tree: Any, devices: int) -> int:
@@ -386,7 +389,7 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
                    data_axis=evaluator.data_axis, step_style=evaluator.step_style,
                    global_batch_size=be, prefetch=evaluator.prefetch)
     echunk = {"batch": _chunk(eval_batch, ev.k),
-              "mask": jax.ShapeDtypeStruct((ev.k, be), np.bool_)}
+              "mask": jax.ShapeDtypeStruct((max(ev.k, MIN_SLOTS), be), np.bool_)}
     # eval_step sees the train state as the loop placed it (EvalHook), unless told otherwise.
     estate = (_onto(eval_state, mesh) if eval_state is not None else jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -1,13 +1,14 @@
 """Feeding device calls: stack batches into chunks ``[K, B, ...]`` and prefetch them.
 
-A source yields batches: pytrees of numpy arrays with a leading batch axis
-(the global batch on one process, the process-local part on multi-host). For
-each planned call of ``n`` steps the feeder takes ``n`` batches, stacks them to
-``[n, B, ...]``, pads to ``[K, B, ...]`` with zeros (padding slots are never
-computed on, see :mod:`loopkit.program`) and places the chunk on the mesh with
-``jax.make_array_from_process_local_data`` (batch axis sharded on the data
-axis). A background thread does this ``prefetch`` chunks ahead, so the host
-prepares and transfers the next chunk while the current call runs.
+A source yields batches: pytrees of numpy arrays with a leading batch axis (the global
+batch on one process, the process-local part on multi-host). For each planned call of
+``n`` steps the feeder takes ``n`` batches, stacks them to ``[n, B, ...]``, pads to
+``[max(K, MIN_SLOTS), B, ...]`` with zeros (padding slots are never computed on; K = 1
+chunks carry one zero slot so the program runs the K = 2 loop body without padding on
+the device, see :mod:`loopkit.program`) and places the chunk on the mesh with
+``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis). A
+background thread does this ``prefetch`` chunks ahead, so the host prepares and
+transfers the next chunk while the current call runs.
 
 Each chunk records the source position *after* its last batch; the loop saves
 the position of the last consumed chunk, never the prefetched one (case C25).
@@ -46,7 +47,7 @@ from jax.sharding import NamedSharding
 
 from loopkit import compat
 from loopkit.checks import BatchLayoutWarning, warn_if_pmap_layout
-from loopkit.program import check_global_batch_size, is_cpu_mesh, tree_mismatch
+from loopkit.program import MIN_SLOTS, check_global_batch_size, is_cpu_mesh, tree_mismatch
 from loopkit.sources import open_source
 
 log = logging.getLogger("loopkit")
@@ -99,7 +100,8 @@ class Chunk:
   """One call's input.
 
   Attributes:
-    batches: pytree of ``jax.Array`` ``[K, B, ...]`` on the mesh.
+    batches: pytree of ``jax.Array`` ``[max(K, MIN_SLOTS), B, ...]`` on the mesh (slots
+      after ``length`` are zeros).
     num_steps: int32 scalar ``jax.Array`` (replicated): real batches in the chunk.
     length: the same as a Python int.
     position: source position after the chunk's last batch (batches consumed
@@ -187,7 +189,9 @@ class ChunkFeeder:
   Args:
     source: iterable of batches (pytrees of numpy arrays, leading axis B_local).
     plan: iterator of call lengths (from :func:`loopkit.planner.plan_calls`).
-    iterations_per_loop: K, slots per chunk.
+    iterations_per_loop: K; a chunk has ``max(K, MIN_SLOTS)`` slots (K = 1 chunks
+      carry one zero slot: the program's loop body then never meets a size-1 slot axis,
+      :mod:`loopkit.program`, case C38, and the program pads nothing on the device).
     batch_sharding: sharding of a chunk leaf ``[K, B, ...]``.
     replicated: sharding for the run-length scalar.
     data_parallel_size: number of shards of the batch axis; B must divide by it.
@@ -221,7 +225,7 @@ class ChunkFeeder:
     name = repr(self._it)
     self._source_name = name if len(name) <= 200 else name[:197] + "..."
     self._plan = plan
-    self._k = iterations_per_loop
+    self._k = max(iterations_per_loop, MIN_SLOTS)  # slots per chunk
     self._batch_sharding = batch_sharding
     self._replicated = replicated
     self._dp = data_parallel_size

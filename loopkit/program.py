@@ -22,22 +22,23 @@ Two step styles:
     ``lax.pmean(grads, "data")``; the program is
     ``jit(shard_map(fori_loop(step)))`` with the state replicated.
 
-The step compiles alike for every K. A chunk of K = 1 has a size-1 slot axis,
-and XLA folds a dynamic slice of a size-1 axis into a plain reshape: the batch
-becomes loop-invariant, while-loop invariant code motion hoists the step's
-batch-only work out of the loop (one-hot labels, the input's f32 conversion,
-the batch statistics of a BatchNorm on the input) and the body left behind is
-fused differently, which in float16/bfloat16 changes results in the last bits
-(issue 13, case C38: a Flax ResNet-18 at K = 1 differed from K = 2, 3, 4, 13
-and ``jax.pmap``, which agree bitwise). So the body is compiled for at least
-``MIN_SLOTS = 2`` slots: at K = 1 the program appends one zero slot to the
-chunk on the device (a copy of one batch per call) and keeps a 2-slot metric
-trace, returning its first slot. The K = 1 loop body is then the K = 2 body,
-instruction for instruction (``tests/test_k_invariance.py`` compares the
-optimized HLO). ``lax.optimization_barrier`` around the step was not used: it
-stops the hoisting but XLA:CPU expands barriers before fusion, so the slot
-slice still fused differently at K = 1, and it cost a dispatch-bound step
-about 30% at K = 100 (``benchmarks/k1_slot_cost.py`` has the padding's cost).
+The step compiles alike for every K. A chunk of K = 1 has a size-1 slot axis, and XLA
+folds a dynamic slice of a size-1 axis into a plain reshape: the batch becomes
+loop-invariant, while-loop invariant code motion hoists the step's batch-only work out
+of the loop (one-hot labels, the input's f32 conversion, the batch statistics of a
+BatchNorm on the input) and the body left behind is fused differently, which in
+float16/bfloat16 changes results in the last bits (issue 13, case C38: a Flax ResNet-18
+at K = 1 differed from K = 2, 3, 4, 13 and ``jax.pmap``, which agree bitwise). So the
+body is compiled for at least ``MIN_SLOTS = 2`` slots: the feeder forms K = 1 chunks
+with one zero slot on the host (``[2, B, ...]``; the slot is never run), the program
+keeps a 2-slot metric trace and returns its first slot, and a ``[1, B, ...]`` chunk
+given to the program directly is padded on the device (:func:`pad_slots`, a copy of one
+batch per call). The K = 1 loop body is then the K = 2 body, instruction for instruction
+(``tests/test_k_invariance.py`` compares the optimized HLO).
+``lax.optimization_barrier`` around the step was not used: it stops the hoisting but
+XLA:CPU expands barriers before fusion, so the slot slice still fused differently at
+K = 1, and it cost a dispatch-bound step about 30% at K = 100
+(``benchmarks/k1_slot_cost.py`` has the padding's cost).
 
 The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.

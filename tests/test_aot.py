@@ -91,6 +91,8 @@ def test_flops_are_one_step_per_device_for_every_k(style):
     loop = loopkit.TrainLoop(step, iterations_per_loop=k, step_style=style)
     r = aot.compile_for(loop, _state(), _batch(64), topology="v5e:2x2")
     assert r.train.trace_count == 1 and loop.program.compile_count() == 0
+    # the chunk a run feeds: K = 1 has a zero second slot (feeding.py), [max(K, 2), B/D, ...]
+    assert r.train.chunk_bytes == max(k, 2) * (64 // 4) * (N * 2 + M * 4)  # x bf16, y f32
     flops.append(r.train.flops_per_step)
   matmuls = 2 * (2 * (64 // 4) * N * M)
   assert abs(flops[0] - flops[1]) < 100  # only the reductions of the [K] metric traces differ

@@ -67,10 +67,17 @@ def make_loop(hooks=(), prefetch=2) -> loopkit.TrainLoop:
 
 class SlowBatches:
   """Re-iterable batches 0..N-1 (a counted position); batches >= ``slow_from`` take
-  ``secs`` each; SIGINT to this process when batch ``signal_at`` starts."""
+  ``secs`` each; SIGINT to this process when batch ``signal_at`` starts.
 
-  def __init__(self, slow_from=K, secs=BATCH_SECS, signal_at=None):
+  ``handled``: a callable that is true once the signal was handled (the loop's
+  preemption flag); the batch in flight then lasts until it is (at most 10 s),
+  so the batch count does not depend on how late a loaded machine runs the
+  main thread's handler (a batch of 0.4 s was not always enough under load).
+  """
+
+  def __init__(self, slow_from=K, secs=BATCH_SECS, signal_at=None, handled=None):
     self.slow_from, self.secs, self.signal_at = slow_from, secs, signal_at
+    self.handled = handled
     self.pulled = 0
     self.signal_time = None
 
@@ -83,6 +90,9 @@ class SlowBatches:
     if i == self.signal_at:
       self.signal_time = time.monotonic()
       os.kill(os.getpid(), signal.SIGINT)
+      deadline = time.monotonic() + 10.0
+      while self.handled is not None and not self.handled() and time.monotonic() < deadline:
+        time.sleep(0.01)
     if i >= self.slow_from:
       time.sleep(self.secs)
     self.pulled = i + 1
@@ -137,9 +147,9 @@ def test_sigint_while_a_chunk_forms_stops_within_a_batch(kind, prefetch):
 
   Before: the loop formed batches 14..23 first (10 x 0.4 s = 4 s), then stopped.
   """
-  src = SOURCES[kind](signal_at=14)
   ends = Ends()
   loop = make_loop([ends], prefetch=prefetch)
+  src = SOURCES[kind](signal_at=14, handled=lambda: loop.preemption.requested)
   state = loop.run(init_state(), src, num_steps=N)
   elapsed = time.monotonic() - src.signal_time
   print(f"{kind} prefetch={prefetch}: run returned {elapsed:.2f} s after SIGINT")
