@@ -177,9 +177,15 @@ def profile_bare_jit(steps: int, repeats: int) -> dict:
 
 
 def profile_program(k: int, calls: int, repeats: int) -> dict:
-  """loopkit's program alone, back to back on one placed chunk (two calls in flight)."""
+  """loopkit's program alone, back to back on one placed chunk (two calls in flight).
+
+  The chunk is the one a run feeds: ``[max(K, 2), B, ...]`` (K = 1: a zero second slot).
+  """
   w = wl.get("mlp", calls * k)
   data = wl.make_data(w, k)
+  if k < program_lib.MIN_SLOTS:  # as loopkit/feeding.py forms it
+    data = {name: np.concatenate([v, np.zeros((program_lib.MIN_SLOTS - k,) + v.shape[1:], v.dtype)])
+            for name, v in data.items()}
   program = loopkit.MultiStepProgram(wl.make_train_step(w), iterations_per_loop=k,
                                      mesh=sy.data_mesh())
   chunk = jax.device_put(data, program.batch_sharding)
