@@ -8,7 +8,9 @@ chunks carry one zero slot so the program runs the K = 2 loop body without paddi
 the device, see :mod:`loopkit.program`) and places the chunk on the mesh with
 ``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis). A
 background thread does this ``prefetch`` chunks ahead, so the host prepares and
-transfers the next chunk while the current call runs.
+transfers the next chunk while the current call runs. A step-indexed source with
+``chunk_at(step, n)`` (:class:`loopkit.ArraySource`) gives the ``n`` batches already
+stacked, in one call: no Python object per batch, one copy into the chunk.
 
 Each chunk records the source position *after* its last batch; the loop saves
 the position of the last consumed chunk, never the prefetched one (case C25).
@@ -233,10 +235,13 @@ class ChunkFeeder:
     self._first_step = first_step
     self._step = first_step
     self._spec = None
+    self._spec_def: Any = None  # the first batch's structure (set by _check)
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
     self._align = is_cpu_mesh(batch_sharding.mesh)
     self._list_defs: dict[int, Any] = {}  # n -> structure of n first batches (_check_chunk)
+    # A step-indexed source with chunk_at (loopkit.ArraySource): a chunk in one call.
+    self._takes_chunks = bool(getattr(self._it, "takes_chunks", False))
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
     self._thread = None
@@ -333,6 +338,30 @@ class ChunkFeeder:
         pass
     return [list(col) for col in zip(*[self._check(b, step + i) for i, b in enumerate(got)])]
 
+  def _check_stacked(self, stacked: Any, count: int, step: int) -> list[np.ndarray]:
+    """Checks ``count`` stacked batches (leaves ``[count, B, ...]``) against the first batch.
+
+    Returns:
+      The leaves, in the first batch's flattening order.
+
+    Raises:
+      ValueError: naming the first batch of the chunk and the leaf that differs.
+    """
+    if self._spec is None:
+      self._check(jax.tree.map(lambda x: x[0], stacked), step)
+    try:
+      leaves = self._spec_def.flatten_up_to(stacked)
+      if all(isinstance(x, np.ndarray) and x.shape == (count,) + shape and x.dtype == dtype
+             for x, (shape, dtype) in zip(leaves, self._leaf_specs)):
+        return leaves
+    except (ValueError, TypeError):
+      pass
+    first = jax.tree.map(lambda x: np.asarray(x)[0], stacked)
+    problem = tree_mismatch(self._spec, first, what=(
+        f"chunk_at({step}, {count}) returned batches that differ from the first batch"))
+    raise ValueError(problem or f"chunk_at({step}, {count}) must return leaves [{count}, B, ...] "
+                     "with the first batch's shapes and dtypes")
+
   def _empty_leaf(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised chunk leaf ``[K, B, ...]``, a fresh buffer for every chunk.
 
@@ -360,31 +389,45 @@ class ChunkFeeder:
     stopped = self._stop.is_set
     interrupted = self._interrupt.is_set if self._interrupt is not None else bool
     it = self._it
-    for _ in range(n):
+    cols: list
+    if self._takes_chunks:  # a source with chunk_at: the n batches stacked in one call
       if stopped() or interrupted():
         return None
-      try:
-        got.append(next(it))
-      except StopIteration:
-        exhausted = True
-        break
-    if stopped() or interrupted():  # checked before any JAX call (see the module docstring)
-      return None
-    cols = self._check_chunk(got, self._step) if got else []
-    self._step += len(got)
+      stacked, count = it.take(n)  # type: ignore[attr-defined]
+      exhausted = count < n
+      if stopped() or interrupted():
+        return None
+      cols = self._check_stacked(stacked, count, self._step) if count else []
+    else:
+      for _ in range(n):
+        if stopped() or interrupted():
+          return None
+        try:
+          got.append(next(it))
+        except StopIteration:
+          exhausted = True
+          break
+      if stopped() or interrupted():  # checked before any JAX call (see the module docstring)
+        return None
+      count = len(got)
+      cols = self._check_chunk(got, self._step) if got else []
+    self._step += count
     position = self._position()
-    if not got:
+    if not count:
       return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0))
 
     def stack(xs, spec):
       # [n * B, ...] by concatenation into [K, B, ...]: half the cost of np.stack
-      # for many small batches (every leaf has a leading batch axis).
+      # for many small batches (every leaf has a leading batch axis); a stacked
+      # leaf [n, B, ...] (chunk_at) is one copy.
       shape, dtype = spec
-      n = len(xs)
       arr = self._empty_leaf((self._k,) + shape, dtype)
-      np.concatenate(xs, out=arr[:n].reshape((n * shape[0],) + shape[1:]))
-      if n < self._k:  # a short call: zero padding slots
-        arr[n:] = 0
+      if isinstance(xs, np.ndarray):
+        arr[:count] = xs
+      else:
+        np.concatenate(xs, out=arr[:count].reshape((count * shape[0],) + shape[1:]))
+      if count < self._k:  # a short call: zero padding slots
+        arr[count:] = 0
       return arr
 
     arrays = [stack(xs, spec) for xs, spec in zip(cols, self._leaf_specs)]
@@ -399,12 +442,12 @@ class ChunkFeeder:
     # global sharding runs a cross-process equality check (a collective); from
     # this thread it would interleave with the main thread's collectives (e.g.
     # the preemption all-gather) in a different order on each process.
-    num = self._nums.get(len(got))
+    num = self._nums.get(count)
     if num is None:  # one placed scalar per distinct length (never donated, so reusable)
-      n_scalar = np.int32(len(got))
-      num = self._nums[len(got)] = jax.make_array_from_callback((), self._replicated,
-                                                                lambda _: n_scalar)
-    return Chunk(batches, num, len(got), position, exhausted, self.global_batch_size)
+      n_scalar = np.int32(count)
+      num = self._nums[count] = jax.make_array_from_callback((), self._replicated,
+                                                             lambda _: n_scalar)
+    return Chunk(batches, num, count, position, exhausted, self.global_batch_size)
 
   def _produce(self) -> None:
     try:

@@ -316,6 +316,35 @@ class ArraySource:
     idx = self.indices_at(step)
     return jax.tree.map(lambda x: np.asarray(x)[idx], self.arrays)
 
+  def chunk_at(self, step: int, num_steps: int) -> Any:
+    """Batches ``step .. step + num_steps - 1`` stacked: leaves ``[n, B / P, ...]``.
+
+    Equal to stacking ``batch_at`` of each step (across epoch ends too), but one
+    gather per leaf instead of one per step: the feeder forms a chunk from it
+    without a Python object per batch (``loopkit.feeding.ChunkFeeder``). ``n`` is
+    ``num_steps``, or fewer where ``num_epochs`` ends first (0 past the end).
+
+    Raises:
+      IndexError: ``step < 0``.
+    """
+    if step < 0:
+      raise IndexError(f"step {step} is outside the source")
+    end = step + num_steps
+    if self.num_epochs is not None:
+      end = max(step, min(end, self.num_epochs * self.steps_per_epoch))
+    b, lo = self.global_batch_size, self._index * self.local_batch_size
+    parts = []
+    s = step
+    while s < end:  # one slice of an epoch's permutation per epoch touched (usually one)
+      epoch, in_epoch = divmod(s, self.steps_per_epoch)
+      count = min(end - s, self.steps_per_epoch - in_epoch)
+      perm = self.epoch_permutation(epoch)[in_epoch * b:(in_epoch + count) * b]
+      parts.append(perm.reshape(count, b)[:, lo:lo + self.local_batch_size])
+      s += count
+    idx = (np.concatenate(parts) if len(parts) > 1 else parts[0] if parts
+           else np.zeros((0, self.local_batch_size), np.int64))
+    return jax.tree.map(lambda x: np.asarray(x)[idx], self.arrays)
+
 
 class TfDataSource:
   """A ``tf.data.Dataset`` (e.g. from ``tfds.load``) as a resumable numpy source.
@@ -482,6 +511,21 @@ class _StepIndexed:
 
   def get_state(self) -> int:
     return self._step
+
+  @property
+  def takes_chunks(self) -> bool:
+    """Whether :meth:`take` is available (the source has ``chunk_at(step, n)``)."""
+    return callable(getattr(self._source, "chunk_at", None))
+
+  def take(self, n: int) -> tuple[Any, int]:
+    """The next ``n`` batches stacked (``source.chunk_at``): ``(leaves [m, B, ...], m)``.
+
+    ``m < n`` where the source ends first; the state advances by ``m``.
+    """
+    chunk = self._source.chunk_at(self._step, n)
+    m = int(np.shape(jax.tree.leaves(chunk)[0])[0])
+    self._step += m
+    return chunk, m
 
   def __repr__(self) -> str:
     return f"{self._source!r} (batch_at, next step {self._step})"

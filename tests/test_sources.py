@@ -265,3 +265,71 @@ def test_c27_tfds_split_for_process(tmp_path):
   assert [len(g) for g in got] == [3, 3, 2, 2]
   union = sorted(itertools.chain(*got))
   assert union == list(range(20, 30)) and len(set(union)) == 10
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_array_source_chunk_at_equals_stacked_batch_at(shuffle):
+  """chunk_at (one gather per leaf, used by the feeder) == stacking batch_at, step by step:
+  within an epoch, across one and several epoch ends, on each process of 3, and at the end."""
+  data = {"x": np.arange(26, dtype=np.int32), "y": np.arange(52, dtype=np.float32).reshape(26, 2)}
+  for p in range(3):
+    src = ArraySource(data, 6, seed=7, shuffle=shuffle, num_epochs=4, process_index=p,
+                      process_count=3)  # 4 steps per epoch, 16 steps in all
+    for step, n in ((0, 1), (1, 2), (0, 4), (3, 2), (2, 7), (1, 14), (13, 3), (12, 10)):
+      got = src.chunk_at(step, n)
+      m = min(n, 16 - step)
+      for name in data:
+        want = np.stack([src.batch_at(s)[name] for s in range(step, step + m)])
+        assert got[name].dtype == data[name].dtype
+        np.testing.assert_array_equal(got[name], want, err_msg=f"{name} {step} {n} {p}")
+    assert src.chunk_at(16, 3)["y"].shape == (0, 2, 2)  # past the last epoch: no batch
+  with pytest.raises(IndexError):
+    src.chunk_at(-1, 2)
+
+
+def test_array_source_runs_bitwise_as_its_batches_one_by_one():
+  """The feeder's chunk path (ArraySource.chunk_at) against the per-batch path (the same
+  source behind batch_at only): the same batches at every step for K = 1, 3, 7, calls cut at
+  epoch ends and the source's end (exhausted mid-chunk), the same positions and ledgers."""
+
+  class BatchAtOnly:
+    def __init__(self, src):
+      self.src = src
+
+    def batch_at(self, step):
+      return self.src.batch_at(step)
+
+  def record(state, batch):
+    x = jax.sharding.reshard(batch["x"], REPL2)
+    return ({"step": state["step"] + 1, "seen": state["seen"].at[state["step"]].set(x)},
+            {"x": jnp.mean(x.astype(jnp.float32))})
+
+  data = {"x": np.arange(23, dtype=np.int32)}  # 5 steps per epoch of batch 4, 3 epochs: 15
+  for k in (1, 3, 7):
+    runs = []
+    for make in (lambda s: s, BatchAtOnly):
+      src = make(ArraySource(data, 4, seed=3, num_epochs=3))
+      loop = loopkit.TrainLoop(record, iterations_per_loop=k, steps_per_epoch=5, mesh=MESH2)
+      with pytest.warns(loopkit.DataExhaustedWarning):
+        out = loop.run({"step": jnp.zeros((), jnp.int32),
+                        "seen": jnp.full((20, 4), -1, jnp.int32)}, src, num_steps=20)
+      runs.append((np.asarray(out["seen"]), loop.data_position, loop.ledger.step,
+                   loop.ledger.loop_index, loop.status))
+    (seen, *rest), (seen_ref, *rest_ref) = runs
+    np.testing.assert_array_equal(seen, seen_ref, err_msg=f"K={k}")
+    assert rest == rest_ref == [15, 15, rest_ref[2], "data_exhausted"], (k, rest, rest_ref)
+    assert (seen[15:] == -1).all() and sorted(seen[:5].ravel()) != list(range(20))
+
+
+def test_chunk_at_that_returns_other_shapes_is_named():
+  class Bad:
+    def batch_at(self, step):
+      return {"x": np.zeros((2,), np.int32)}
+
+    def chunk_at(self, step, n):  # float32 from step 2 on: the first chunk's batches are int32
+      return {"x": np.zeros((n, 2), np.int32 if step < 2 else np.float32)}
+
+  loop = loopkit.TrainLoop(lambda s, b: ({"step": s["step"] + 1}, {}), iterations_per_loop=2,
+                           mesh=MESH2)
+  with pytest.raises(ValueError, match=r"chunk_at\(2, 2\).*\['x'\].*int32"):
+    loop.run({"step": jnp.zeros((), jnp.int32)}, Bad(), num_steps=4)
