@@ -119,14 +119,30 @@ class Phases:
     self._undo.clear()
 
 
-def profile_loop(k: int, steps: int, repeats: int, prefetch: int = 0) -> dict:
-  """Best-of-``repeats`` per-phase microseconds per call of one ``TrainLoop.run``."""
+def profile_loop(k: int, steps: int, repeats: int, prefetch: int = 0,
+                 source: str = "list") -> dict:
+  """Best-of-``repeats`` per-phase microseconds per call of one ``TrainLoop.run``.
+
+  ``source``: ``"list"``, an iterator over a list of numpy batches (a Python object per
+  batch, as from most input pipelines), or ``"array"``, ``loopkit.ArraySource`` over the
+  same batches in order (``shuffle=False``), which the feeder reads a chunk at a time
+  (``chunk_at``).
+  """
   w = wl.get("mlp", steps)
   data = wl.make_data(w)
   batches = wl.batch_list(data)
+  if source == "array":
+    flat = {name: v.reshape((-1,) + v.shape[2:]) for name, v in data.items()}  # [S * B, ...]
+
+    def make_source(n):
+      return loopkit.ArraySource(jax.tree.map(lambda v: v[:n * wl.BATCH], flat), wl.BATCH,
+                                 shuffle=False)
+  else:
+    def make_source(n):
+      return iter(batches[:n])
   loop = loopkit.TrainLoop(wl.make_train_step(w), iterations_per_loop=k, mesh=sy.data_mesh(),
                            prefetch=prefetch)
-  jax.block_until_ready(loop.run(wl.init_state(w), iter(batches[:k + max(1, k // 2)]),
+  jax.block_until_ready(loop.run(wl.init_state(w), make_source(k + max(1, k // 2)),
                                  num_steps=k + max(1, k // 2)))
   calls = -(-steps // k)
   best = None
@@ -138,7 +154,7 @@ def profile_loop(k: int, steps: int, repeats: int, prefetch: int = 0) -> dict:
       before = loop.ledger  # replaced by a new ledger when the run starts from step 0
       waited = before.seconds.get("device_wait", 0.0) if before is not None else 0.0
       c0, m0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
-      state = loop.run(state, iter(batches), num_steps=steps)
+      state = loop.run(state, make_source(steps), num_steps=steps)
       jax.block_until_ready(state)
       wall, cpu = time.perf_counter() - t0, time.process_time() - c0
       main_cpu = time.thread_time() - m0
@@ -236,18 +252,20 @@ def memcpy_gb_s(nbytes: int = 832_000, repeats: int = 200) -> float:
   return nbytes / best / 1e9
 
 
-def profile_rows(repeats: int, ks=(1, 100), prefetches=(0, 2),
-                 steps: int | None = None) -> list[tuple[str, dict]]:
+def profile_rows(repeats: int, ks=(1, 100), prefetches=(0, 2), steps: int | None = None,
+                 sources=("list", "array")) -> list[tuple[str, dict]]:
   """Every row of the profile table at this process's device count (see module docstring)."""
   steps = steps or (2000 if jax.device_count() == 1 else 400)
   step_bytes = wl.BATCH * (64 * 4 + 4)  # the MLP batch: x float32 [B, 64], y int32 [B]
   rows = []
   for k in ks:
     s = max(steps, 2 * k) if k == 1 else max(steps * 5, 2 * k)
-    for pf in prefetches:
-      row = profile_loop(k, s, repeats, pf)
-      row["chunk_bytes"] = k * step_bytes
-      rows.append((f"loopkit K={k} prefetch={pf}", row))
+    for source in sources:
+      for pf in prefetches:
+        row = profile_loop(k, s, repeats, pf, source)
+        row["chunk_bytes"] = k * step_bytes
+        rows.append((f"loopkit K={k} prefetch={pf}" + (" ArraySource" if source == "array"
+                                                        else ""), row))
     rows.append((f"program only K={k}", profile_program(k, max(10, s // k), repeats)))
   rows.append(("bare jit (per step)", profile_bare_jit(steps, repeats)))
   return rows
@@ -261,10 +279,12 @@ def main() -> None:
   p.add_argument("--steps", type=int, help="steps per run at K = 1 (default 2000 on 1 device, "
                  "400 on 8; 5x that at larger K)")
   p.add_argument("--prefetch", type=int, nargs="+", default=[0, 2])
+  p.add_argument("--sources", nargs="+", default=["list", "array"], choices=["list", "array"],
+                 help="list: an iterator of numpy batches; array: loopkit.ArraySource")
   args = p.parse_args()
   with open("/proc/loadavg") as f:
     load0 = " ".join(f.read().split()[:3])
-  rows = profile_rows(args.repeats, args.ks, args.prefetch, args.steps)
+  rows = profile_rows(args.repeats, args.ks, args.prefetch, args.steps, args.sources)
   with open("/proc/loadavg") as f:
     load1 = " ".join(f.read().split()[:3])
   print(f"{jax.device_count()} device(s), jax {jax.__version__}, load average {load0} -> "

@@ -393,12 +393,13 @@ class ChunkFeeder:
     if self._takes_chunks:  # a source with chunk_at: the n batches stacked in one call
       if stopped() or interrupted():
         return None
-      stacked, count = it.take(n)  # type: ignore[attr-defined]
+      stacked, count, fresh = it.take(n)  # type: ignore[attr-defined]
       exhausted = count < n
       if stopped() or interrupted():
         return None
       cols = self._check_stacked(stacked, count, self._step) if count else []
     else:
+      fresh = False
       for _ in range(n):
         if stopped() or interrupted():
           return None
@@ -421,6 +422,8 @@ class ChunkFeeder:
       # for many small batches (every leaf has a leading batch axis); a stacked
       # leaf [n, B, ...] (chunk_at) is one copy.
       shape, dtype = spec
+      if fresh and count == self._k and xs.flags.c_contiguous:
+        return xs  # a new array the source keeps no reference to: the chunk leaf itself
       arr = self._empty_leaf((self._k,) + shape, dtype)
       if isinstance(xs, np.ndarray):
         arr[:count] = xs

@@ -517,15 +517,18 @@ class _StepIndexed:
     """Whether :meth:`take` is available (the source has ``chunk_at(step, n)``)."""
     return callable(getattr(self._source, "chunk_at", None))
 
-  def take(self, n: int) -> tuple[Any, int]:
-    """The next ``n`` batches stacked (``source.chunk_at``): ``(leaves [m, B, ...], m)``.
+  def take(self, n: int) -> tuple[Any, int, bool]:
+    """The next ``n`` batches stacked (``source.chunk_at``): ``(leaves [m, B, ...], m, fresh)``.
 
-    ``m < n`` where the source ends first; the state advances by ``m``.
+    ``m < n`` where the source ends first; the state advances by ``m``. ``fresh``: the
+    leaves are new arrays that nothing else refers to or writes (an :class:`ArraySource`'s
+    gathers), so the feeder may place them as they are; a user's ``chunk_at`` may return
+    its own buffers, which the feeder copies.
     """
     chunk = self._source.chunk_at(self._step, n)
     m = int(np.shape(jax.tree.leaves(chunk)[0])[0])
     self._step += m
-    return chunk, m
+    return chunk, m, type(self._source).chunk_at is ArraySource.chunk_at
 
   def __repr__(self) -> str:
     return f"{self._source!r} (batch_at, next step {self._step})"
