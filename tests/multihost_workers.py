@@ -452,16 +452,21 @@ def resume_slow(directory: str, num_steps: int = SLOW_STEPS) -> dict:
 
 
 def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
-                     slow_secs: float = 0.15) -> dict:
+                     slow_secs: float = 0.15, cache_dir: str | None = None) -> dict:
   """Case C30: ``every_secs`` hooks on processes whose clocks and speeds differ.
 
   Per repeat: K = 2, 24 steps; process 0 spends ``slow_secs`` in a hook every 6
   steps; a ``CallbackHook(every_secs=0.3)`` and a ``CheckpointHook(every_secs=0.3)``
   (its own directory per repeat). Returns, per repeat, the steps each fired at
   (on this process), and the measured cost of one boundary agreement.
+  ``cache_dir``: JAX's persistent compilation cache; every repeat's new TrainLoop
+  compiles the same programs, which process 0 then loads from it (process 1's keys
+  differ, see :func:`resnet_example`).
   """
   from loopkit.boundary import agree
 
+  if cache_dir is not None:
+    _use_compilation_cache(cache_dir)
   out: dict = {"callback": [], "saved": [], "status": []}
   for r in range(repeats):
     fired: list[int] = []
@@ -492,6 +497,13 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
 
 
 # -- the ResNet example: preemption and resume on 2 processes ---------------------------------
+
+
+def _use_compilation_cache(cache_dir: str) -> None:
+  """JAX's persistent compilation cache in ``cache_dir``, for every program (also tiny ones)."""
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def tiny_resnet_config(data_dir: str, num_steps: int, checkpoint_every_steps: int = 4):
@@ -582,9 +594,7 @@ def resnet_example(workdir: str, data_dir: str, num_steps: int, *,
 
   jax.config.update("jax_default_prng_impl", "unsafe_rbg")
   if cache_dir is not None:
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _use_compilation_cache(cache_dir)
   hooks = [] if wait_at_step is None else [WaitForPreemption(wait_at_step, marker_dir)]
   config = tiny_resnet_config(data_dir, num_steps, checkpoint_every_steps)
   r = train.train_and_evaluate(config, workdir, extra_hooks=hooks)

@@ -257,7 +257,9 @@ def test_c30_wall_clock_hooks_fire_at_the_same_steps_on_every_process(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   t0 = time.monotonic()
   p0, p1 = testing.run_processes(workers.wall_clock_hooks, num_processes=2,
-                                 devices_per_process=4, args=(str(tmp_path),), timeout_s=420)
+                                 devices_per_process=4, args=(str(tmp_path / "ckpt"),),
+                                 kwargs={"cache_dir": str(tmp_path / "jax_cache")},
+                                 timeout_s=420)
   print(f"C30, 2 x 4, 20 repeats: {time.monotonic() - t0:.1f} s; one agreement costs "
         f"{p0['agree_secs'] * 1e6:.0f} us (process 0), {p1['agree_secs'] * 1e6:.0f} us "
         "(process 1) on 2 processes")
