@@ -459,14 +459,14 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
   steps; a ``CallbackHook(every_secs=0.3)`` and a ``CheckpointHook(every_secs=0.3)``
   (its own directory per repeat). Returns, per repeat, the steps each fired at
   (on this process), and the measured cost of one boundary agreement.
-  ``cache_dir``: JAX's persistent compilation cache; every repeat's new TrainLoop
-  compiles the same programs, which process 0 then loads from it (process 1's keys
-  differ, see :func:`resnet_example`).
+  ``cache_dir``: JAX's persistent compilation cache (:func:`use_compilation_cache`):
+  every repeat's new TrainLoop compiles the same programs, loaded from it from the
+  second repeat on.
   """
   from loopkit.boundary import agree
 
   if cache_dir is not None:
-    _use_compilation_cache(cache_dir)
+    use_compilation_cache(cache_dir)
   out: dict = {"callback": [], "saved": [], "status": []}
   for r in range(repeats):
     fired: list[int] = []
@@ -499,11 +499,42 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
 # -- the ResNet example: preemption and resume on 2 processes ---------------------------------
 
 
-def _use_compilation_cache(cache_dir: str) -> None:
-  """JAX's persistent compilation cache in ``cache_dir``, for every program (also tiny ones)."""
+def use_compilation_cache(cache_dir: str) -> None:
+  """JAX's persistent compilation cache in ``cache_dir``, for every program, on every process.
+
+  JAX writes entries from process 0 only (``jax._src.compiler._cache_write``), and on CPU
+  a process's cache keys hash its own devices, so process 1 never finds process 0's
+  entries: process 1 would compile every program anew in every run. Here every process
+  other than 0 writes its own entries (its keys, so no two processes write one file),
+  through JAX's ``compilation_cache.put_executable_and_time``; where JAX's private
+  ``_cache_write`` has another form, process 1 just compiles (slower, same results).
+  """
   jax.config.update("jax_compilation_cache_dir", cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  if jax.process_index() == 0:
+    return
+  import inspect
+
+  from jax._src import compilation_cache, compiler
+
+  original = getattr(compiler, "_cache_write", None)
+  names = ("cache_key", "compile_time_secs", "module_name", "backend", "executable")
+  if original is None or getattr(original, "writes_every_process", False) or tuple(
+      inspect.signature(original).parameters)[:5] != names:
+    return
+  signature = inspect.signature(original)
+
+  def cache_write(*args, **kwargs):
+    a = signature.bind(*args, **kwargs).arguments
+    if a.get("host_callbacks"):  # as JAX: not cacheable
+      return None
+    return compilation_cache.put_executable_and_time(
+        a["cache_key"], a["module_name"], a["executable"], a["backend"],
+        int(a["compile_time_secs"]))
+
+  cache_write.writes_every_process = True  # type: ignore[attr-defined]
+  compiler._cache_write = cache_write
 
 
 def tiny_resnet_config(data_dir: str, num_steps: int, checkpoint_every_steps: int = 4):
@@ -573,9 +604,8 @@ def resnet_example(workdir: str, data_dir: str, num_steps: int, *,
   behaviour). With ``wait_at_step``, waits there for a SIGTERM
   (:class:`WaitForPreemption`). ``cache_dir``: JAX's persistent compilation
   cache, as ``main.py`` keeps it (there in ``workdir/jax_cache``), here for
-  every program (also the small initialisation ones). JAX writes it from
-  process 0 only, and on CPU process 1's cache keys differ (they hash the
-  process's device topology), so only process 0 loads from it.
+  every program (also the small initialisation ones), written and read by
+  both processes (:func:`use_compilation_cache`).
 
   The initial weights are drawn with JAX's ``unsafe_rbg`` PRNG instead of the
   default threefry: the model's eager initialisation (36 small programs) took
@@ -594,7 +624,7 @@ def resnet_example(workdir: str, data_dir: str, num_steps: int, *,
 
   jax.config.update("jax_default_prng_impl", "unsafe_rbg")
   if cache_dir is not None:
-    _use_compilation_cache(cache_dir)
+    use_compilation_cache(cache_dir)
   hooks = [] if wait_at_step is None else [WaitForPreemption(wait_at_step, marker_dir)]
   config = tiny_resnet_config(data_dir, num_steps, checkpoint_every_steps)
   r = train.train_and_evaluate(config, workdir, extra_hooks=hooks)
