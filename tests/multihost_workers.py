@@ -387,7 +387,8 @@ def _slow_summary(loop: loopkit.TrainLoop, state, stats: dict) -> dict:
 
 
 def train_slow_until_sigterm(directory: str, marker_dir: str, secs: float = 0.3,
-                             mark_at: int = SLOW_K + 2, num_steps: int = SLOW_STEPS) -> dict:
+                             mark_at: int = SLOW_K + 2, num_steps: int = SLOW_STEPS,
+                             cache_dir: str | None = None) -> dict:
   """Trains K = 8 from :func:`slow_shard` (``secs`` per batch after the first chunk).
 
   The second chunk (batches 8-15) is read only after the first call (which
@@ -395,10 +396,13 @@ def train_slow_until_sigterm(directory: str, marker_dir: str, secs: float = 0.3,
   forms. The test sends SIGTERM once ``marker_dir/reading_<p>`` exists, i.e.
   while batch ``mark_at`` of that chunk is being read. The checkpoint hook's
   cadence (1000) is never reached: it saves only at the preemption's boundary.
-  Times are ``time.time()`` (comparable with the test process's clock).
+  Times are ``time.time()`` (comparable with the test process's clock). ``cache_dir``:
+  a persistent compilation cache (:func:`use_compilation_cache`) for :func:`resume_slow`.
   """
   from loopkit.checkpoint import CheckpointHook
 
+  if cache_dir is not None:
+    use_compilation_cache(cache_dir)
   stats = {"pulled": 0}
   clock = StopClock()
   first_call_done = threading.Event()
@@ -419,14 +423,18 @@ def train_slow_until_sigterm(directory: str, marker_dir: str, secs: float = 0.3,
   return out
 
 
-def resume_slow(directory: str, num_steps: int = SLOW_STEPS) -> dict:
+def resume_slow(directory: str, num_steps: int = SLOW_STEPS,
+                cache_dir: str | None = None) -> dict:
   """Resumes :func:`train_slow_until_sigterm`'s checkpoint to ``num_steps`` (fast source),
   then trains the same steps uninterrupted from the start (``reference``).
 
   ``restored`` is what the latest checkpoint held before the resume (as numpy).
+  ``cache_dir``: the compilation cache :func:`train_slow_until_sigterm` filled.
   """
   from loopkit.checkpoint import CheckpointHook
 
+  if cache_dir is not None:
+    use_compilation_cache(cache_dir)
   probe = CheckpointHook(directory)
   like = loopkit.TrainLoop(seen_step, iterations_per_loop=1).program.place_state(
       seen_init_state(num_steps))
