@@ -387,7 +387,8 @@ def _slow_summary(loop: loopkit.TrainLoop, state, stats: dict) -> dict:
 
 
 def train_slow_until_sigterm(directory: str, marker_dir: str, secs: float = 0.3,
-                             mark_at: int = SLOW_K + 2, num_steps: int = SLOW_STEPS) -> dict:
+                             mark_at: int = SLOW_K + 2, num_steps: int = SLOW_STEPS,
+                             cache_dir: str | None = None) -> dict:
   """Trains K = 8 from :func:`slow_shard` (``secs`` per batch after the first chunk).
 
   The second chunk (batches 8-15) is read only after the first call (which
@@ -395,10 +396,13 @@ def train_slow_until_sigterm(directory: str, marker_dir: str, secs: float = 0.3,
   forms. The test sends SIGTERM once ``marker_dir/reading_<p>`` exists, i.e.
   while batch ``mark_at`` of that chunk is being read. The checkpoint hook's
   cadence (1000) is never reached: it saves only at the preemption's boundary.
-  Times are ``time.time()`` (comparable with the test process's clock).
+  Times are ``time.time()`` (comparable with the test process's clock). ``cache_dir``:
+  a persistent compilation cache (:func:`use_compilation_cache`) for :func:`resume_slow`.
   """
   from loopkit.checkpoint import CheckpointHook
 
+  if cache_dir is not None:
+    use_compilation_cache(cache_dir)
   stats = {"pulled": 0}
   clock = StopClock()
   first_call_done = threading.Event()
@@ -419,14 +423,18 @@ def train_slow_until_sigterm(directory: str, marker_dir: str, secs: float = 0.3,
   return out
 
 
-def resume_slow(directory: str, num_steps: int = SLOW_STEPS) -> dict:
+def resume_slow(directory: str, num_steps: int = SLOW_STEPS,
+                cache_dir: str | None = None) -> dict:
   """Resumes :func:`train_slow_until_sigterm`'s checkpoint to ``num_steps`` (fast source),
   then trains the same steps uninterrupted from the start (``reference``).
 
   ``restored`` is what the latest checkpoint held before the resume (as numpy).
+  ``cache_dir``: the compilation cache :func:`train_slow_until_sigterm` filled.
   """
   from loopkit.checkpoint import CheckpointHook
 
+  if cache_dir is not None:
+    use_compilation_cache(cache_dir)
   probe = CheckpointHook(directory)
   like = loopkit.TrainLoop(seen_step, iterations_per_loop=1).program.place_state(
       seen_init_state(num_steps))
@@ -452,16 +460,21 @@ def resume_slow(directory: str, num_steps: int = SLOW_STEPS) -> dict:
 
 
 def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
-                     slow_secs: float = 0.15) -> dict:
+                     slow_secs: float = 0.15, cache_dir: str | None = None) -> dict:
   """Case C30: ``every_secs`` hooks on processes whose clocks and speeds differ.
 
   Per repeat: K = 2, 24 steps; process 0 spends ``slow_secs`` in a hook every 6
   steps; a ``CallbackHook(every_secs=0.3)`` and a ``CheckpointHook(every_secs=0.3)``
   (its own directory per repeat). Returns, per repeat, the steps each fired at
   (on this process), and the measured cost of one boundary agreement.
+  ``cache_dir``: JAX's persistent compilation cache (:func:`use_compilation_cache`):
+  every repeat's new TrainLoop compiles the same programs, loaded from it from the
+  second repeat on.
   """
   from loopkit.boundary import agree
 
+  if cache_dir is not None:
+    use_compilation_cache(cache_dir)
   out: dict = {"callback": [], "saved": [], "status": []}
   for r in range(repeats):
     fired: list[int] = []
@@ -492,6 +505,44 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
 
 
 # -- the ResNet example: preemption and resume on 2 processes ---------------------------------
+
+
+def use_compilation_cache(cache_dir: str) -> None:
+  """JAX's persistent compilation cache in ``cache_dir``, for every program, on every process.
+
+  JAX writes entries from process 0 only (``jax._src.compiler._cache_write``), and on CPU
+  a process's cache keys hash its own devices, so process 1 never finds process 0's
+  entries: process 1 would compile every program anew in every run. Here every process
+  other than 0 writes its own entries (its keys, so no two processes write one file),
+  through JAX's ``compilation_cache.put_executable_and_time``; where JAX's private
+  ``_cache_write`` has another form, process 1 just compiles (slower, same results).
+  """
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  if jax.process_index() == 0:
+    return
+  import inspect
+
+  from jax._src import compilation_cache, compiler
+
+  original = getattr(compiler, "_cache_write", None)
+  names = ("cache_key", "compile_time_secs", "module_name", "backend", "executable")
+  if original is None or getattr(original, "writes_every_process", False) or tuple(
+      inspect.signature(original).parameters)[:5] != names:
+    return
+  signature = inspect.signature(original)
+
+  def cache_write(*args, **kwargs):
+    a = signature.bind(*args, **kwargs).arguments
+    if a.get("host_callbacks"):  # as JAX: not cacheable
+      return None
+    return compilation_cache.put_executable_and_time(
+        a["cache_key"], a["module_name"], a["executable"], a["backend"],
+        int(a["compile_time_secs"]))
+
+  cache_write.writes_every_process = True  # type: ignore[attr-defined]
+  compiler._cache_write = cache_write
 
 
 def tiny_resnet_config(data_dir: str, num_steps: int, checkpoint_every_steps: int = 4):
@@ -561,9 +612,8 @@ def resnet_example(workdir: str, data_dir: str, num_steps: int, *,
   behaviour). With ``wait_at_step``, waits there for a SIGTERM
   (:class:`WaitForPreemption`). ``cache_dir``: JAX's persistent compilation
   cache, as ``main.py`` keeps it (there in ``workdir/jax_cache``), here for
-  every program (also the small initialisation ones). JAX writes it from
-  process 0 only, and on CPU process 1's cache keys differ (they hash the
-  process's device topology), so only process 0 loads from it.
+  every program (also the small initialisation ones), written and read by
+  both processes (:func:`use_compilation_cache`).
 
   The initial weights are drawn with JAX's ``unsafe_rbg`` PRNG instead of the
   default threefry: the model's eager initialisation (36 small programs) took
@@ -582,9 +632,7 @@ def resnet_example(workdir: str, data_dir: str, num_steps: int, *,
 
   jax.config.update("jax_default_prng_impl", "unsafe_rbg")
   if cache_dir is not None:
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    use_compilation_cache(cache_dir)
   hooks = [] if wait_at_step is None else [WaitForPreemption(wait_at_step, marker_dir)]
   config = tiny_resnet_config(data_dir, num_steps, checkpoint_every_steps)
   r = train.train_and_evaluate(config, workdir, extra_hooks=hooks)

@@ -257,7 +257,9 @@ def test_c30_wall_clock_hooks_fire_at_the_same_steps_on_every_process(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   t0 = time.monotonic()
   p0, p1 = testing.run_processes(workers.wall_clock_hooks, num_processes=2,
-                                 devices_per_process=4, args=(str(tmp_path),), timeout_s=420)
+                                 devices_per_process=4, args=(str(tmp_path / "ckpt"),),
+                                 kwargs={"cache_dir": str(tmp_path / "jax_cache")},
+                                 timeout_s=420)
   print(f"C30, 2 x 4, 20 repeats: {time.monotonic() - t0:.1f} s; one agreement costs "
         f"{p0['agree_secs'] * 1e6:.0f} us (process 0), {p1['agree_secs'] * 1e6:.0f} us "
         "(process 1) on 2 processes")
@@ -542,12 +544,13 @@ def test_preemption_while_a_slow_chunk_forms_on_two_processes(tmp_path, signalle
   2 x 4 run reaches bitwise the state of an uninterrupted 2 x 4 run, having
   consumed every batch exactly once, in order.
   """
-  ckpt, marker = tmp_path / "ckpt", tmp_path / "marker"
+  ckpt, marker, cache = tmp_path / "ckpt", tmp_path / "marker", str(tmp_path / "jax_cache")
   marker.mkdir()
   t0 = time.monotonic()
   with testing.ProcessGroup(workers.train_slow_until_sigterm, num_processes=2,
                             devices_per_process=4, args=(str(ckpt), str(marker)),
-                            kwargs={"secs": SLOW_SECS, "mark_at": MARK_AT}) as group:
+                            kwargs={"secs": SLOW_SECS, "mark_at": MARK_AT,
+                                    "cache_dir": cache}) as group:
     while (marks := _read_markers(marker, (0, 1))) is None:  # both read the 2nd chunk
       assert all(c is None for c in group.poll()), group.check(group.wait(1))
       assert time.monotonic() - t0 < 120, f"the processes never reached batch {MARK_AT}"
@@ -603,7 +606,8 @@ def test_preemption_while_a_slow_chunk_forms_on_two_processes(tmp_path, signalle
 
   t1 = time.monotonic()
   q0, q1 = testing.run_processes(workers.resume_slow, num_processes=2, devices_per_process=4,
-                                 args=(str(ckpt),), timeout_s=180)
+                                 args=(str(ckpt),), kwargs={"cache_dir": cache},
+                                 timeout_s=180)
   print(f"2 x 4 resume + uninterrupted reference: {time.monotonic() - t1:.1f} s")
   for r, before in ((q0, p0), (q1, p1)):
     assert r["restored"]["step"] == r["restored_step"] == 8

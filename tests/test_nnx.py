@@ -146,9 +146,16 @@ def test_structure_change_is_named():
 WORKER = Path(__file__).parent / "_nnx_worker.py"
 
 
-def _worker(*args, check=True):
+def _worker(*args, check=True, cache_dir=None):
+  """Runs tests/_nnx_worker.py; ``cache_dir``: JAX's persistent compilation cache, shared by
+  the workers of one test (the resumed worker loads the killed one's programs; the
+  executables, so the results, are the same)."""
   env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
   env.pop("XLA_FLAGS", None)
+  if cache_dir is not None:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   out = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
                        env=env, timeout=600)
   if check:
@@ -157,11 +164,11 @@ def _worker(*args, check=True):
 
 
 def test_kill_and_resume_in_a_fresh_process_is_bitwise(tmp_path, reference):
-  ckpt = tmp_path / "ckpt"
+  ckpt, cache = tmp_path / "ckpt", tmp_path / "jax_cache"
   killed = _worker("--out", str(tmp_path / "a"), "--dir", str(ckpt), "--kill-at", "6",
-                   check=False)
+                   check=False, cache_dir=cache)
   assert killed.returncode == -9, killed.stderr[-3000:]
-  _worker("--out", str(tmp_path / "b"), "--dir", str(ckpt))
+  _worker("--out", str(tmp_path / "b"), "--dir", str(ckpt), cache_dir=cache)
   info = json.loads((tmp_path / "b.json").read_text())
   assert info == {"status": "completed", "step": 12, "optimizer_step": 12, "restored_step": 6}
   # Against Flax's own uninterrupted nnx.jit loop (this process, 1 device as in the workers).
