@@ -50,13 +50,25 @@ def test_family_parameter_counts_match_torchvision(depth, count):
   assert models.param_count(_abstract(depth)) == count
 
 
-# Real (initialised) small models, built once: eager NNX initialisation compiles one small
-# program per parameter shape, which costs seconds per model on this CPU.
+def _fast_rngs():
+  """Init RNGs for the small real models of the model tests.
+
+  Eager NNX initialisation compiles one sampler per parameter shape: with threefry keys
+  (``nnx.Rngs(0)``) that took 40-60 s for these two models on 2 loaded cores, with "unsafe_rbg"
+  keys (one RngBitGenerator op per sampler) about 3x less. The tests that use them check the
+  BatchNorm scale inits (constants), shapes, dtypes and how the batch statistics move, none of
+  which depends on the key implementation. (The optimizer test and the runs below use threefry,
+  as the example does; they share their samplers' compiles in this process.)
+  """
+  return nnx.Rngs(jax.random.key(0, impl="unsafe_rbg"))
+
+
+# Real (initialised) small models, built once.
 @pytest.fixture(scope="module")
 def small_models():
-  return {(50, jnp.float32): models.ResNet(50, num_classes=7, num_filters=4, rngs=nnx.Rngs(0)),
+  return {(50, jnp.float32): models.ResNet(50, num_classes=7, num_filters=4, rngs=_fast_rngs()),
           (18, jnp.bfloat16): models.ResNet(18, num_classes=7, num_filters=4,
-                                            dtype=jnp.bfloat16, rngs=nnx.Rngs(0))}
+                                            dtype=jnp.bfloat16, rngs=_fast_rngs())}
 
 
 def test_resnet50_v1_5_stride_in_3x3_and_zero_init_last_bn(small_models):
@@ -255,8 +267,30 @@ def _metrics_rows(workdir):
     return [json.loads(line) for line in f]
 
 
+_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache for this module's runs (as main.py sets one up).
+
+  The resume test's run loads the train and eval programs that ``smoke_run`` compiled
+  instead of compiling them again; its ``compile_secs`` is then the cache load (still > 0).
+  The previous settings come back after the module.
+  """
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  old = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  cc.reset_cache()
+  yield
+  for name, value in old.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, compilation_cache):
   workdir = str(tmp_path_factory.mktemp("smoke"))
   return workdir, train.train_and_evaluate(smoke_config.get_config(), workdir)
 
