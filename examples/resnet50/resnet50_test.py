@@ -50,25 +50,13 @@ def test_family_parameter_counts_match_torchvision(depth, count):
   assert models.param_count(_abstract(depth)) == count
 
 
-def _fast_rngs():
-  """Init RNGs for the small real models of the model tests.
-
-  Eager NNX initialisation compiles one sampler per parameter shape: with threefry keys
-  (``nnx.Rngs(0)``) that took 40-60 s for these two models on 2 loaded cores, with "unsafe_rbg"
-  keys (one RngBitGenerator op per sampler) about 3x less. The tests that use them check the
-  BatchNorm scale inits (constants), shapes, dtypes and how the batch statistics move, none of
-  which depends on the key implementation. (The optimizer test and the runs below use threefry,
-  as the example does; they share their samplers' compiles in this process.)
-  """
-  return nnx.Rngs(jax.random.key(0, impl="unsafe_rbg"))
-
-
-# Real (initialised) small models, built once.
+# Real (initialised) small models, built once: eager NNX initialisation compiles one small
+# program per parameter shape, which costs seconds per model on this CPU.
 @pytest.fixture(scope="module")
 def small_models():
-  return {(50, jnp.float32): models.ResNet(50, num_classes=7, num_filters=4, rngs=_fast_rngs()),
+  return {(50, jnp.float32): models.ResNet(50, num_classes=7, num_filters=4, rngs=nnx.Rngs(0)),
           (18, jnp.bfloat16): models.ResNet(18, num_classes=7, num_filters=4,
-                                            dtype=jnp.bfloat16, rngs=_fast_rngs())}
+                                            dtype=jnp.bfloat16, rngs=nnx.Rngs(0))}
 
 
 def test_resnet50_v1_5_stride_in_3x3_and_zero_init_last_bn(small_models):
