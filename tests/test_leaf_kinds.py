@@ -37,10 +37,16 @@ KINDS = ("typed_key", "bool", "int8", "uint32", "int64", "bfloat16", "zero_d", "
          "nnx")
 
 
-def _launch(phase, d, out, k, x64):
+def _launch(phase, d, out, k, x64, cache):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the worker sets its own device count
   env["JAX_ENABLE_X64"] = "1" if x64 else "0"
+  # One persistent compilation cache for the fixture's workers: the resume worker's two runs
+  # load the program its save worker compiled (compiling was ~60% of a resume worker's time).
+  # Tracing still happens in every run, so trace_count is still checked.
+  env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
   err = open(str(out) + f".{phase}.err", "w")  # noqa: SIM115  (closed by the caller)
   proc = subprocess.Popen([sys.executable, str(WORKER), "--phase", phase, "--dir", str(d),
                            "--out", str(out), "--k", str(k)],
@@ -59,13 +65,14 @@ def runs(tmp_path_factory):
   configs = [(k, x64) for k in KS for x64 in (False, True)]
   paths = {c: (root / f"k{c[0]}_x64{int(c[1])}", root / f"k{c[0]}_x64{int(c[1])}.json")
            for c in configs}
-  saves = {c: _launch("save", *paths[c], c[0], c[1]) for c in configs}
+  cache = root / "jax_cache"
+  saves = {c: _launch("save", *paths[c], c[0], c[1], cache) for c in configs}
   for c, (proc, err) in saves.items():
     stdout, _ = proc.communicate(timeout=300)
     err.close()
     assert proc.returncode == -signal.SIGKILL, (c, proc.returncode, _tail(err.name))
     assert stdout.strip() == "KILLING at 4 saved [4]", (c, stdout)
-  resumes = {c: _launch("resume", *paths[c], c[0], c[1]) for c in configs}
+  resumes = {c: _launch("resume", *paths[c], c[0], c[1], cache) for c in configs}
   out = {}
   for c, (proc, err) in resumes.items():
     proc.communicate(timeout=300)

@@ -255,8 +255,30 @@ def _metrics_rows(workdir):
     return [json.loads(line) for line in f]
 
 
+_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache for this module's runs (as main.py sets one up).
+
+  The resume test's run loads the train and eval programs that ``smoke_run`` compiled
+  instead of compiling them again; its ``compile_secs`` is then the cache load (still > 0).
+  The previous settings come back after the module.
+  """
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  old = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  cc.reset_cache()
+  yield
+  for name, value in old.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, compilation_cache):
   workdir = str(tmp_path_factory.mktemp("smoke"))
   return workdir, train.train_and_evaluate(smoke_config.get_config(), workdir)
 
