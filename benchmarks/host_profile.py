@@ -10,7 +10,7 @@ function of the real path, wrapped by a timer for the measurement only
 
 - ``form``: ``ChunkFeeder._form`` but the placement: pulling K batches from the source (a
   list of numpy batches here), checking each against the first, stacking ``[K, B, ...]``;
-- ``place``: ``_Placer`` (the host-to-device transfer of the chunk's leaves);
+- ``place``: ``loopkit.placement.Placer`` (the host-to-device transfer of the chunk's leaves);
 - ``handoff``: the rest of ``ChunkFeeder.next`` (the queue; with prefetch, waiting for it);
 - ``agree``: ``Run.agree`` (the boundary agreement; no communication on 1 process);
 - ``dispatch``: ``MultiStepProgram.__call__`` (the jitted call, asynchronous);
