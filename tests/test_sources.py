@@ -289,8 +289,10 @@ def test_array_source_chunk_at_equals_stacked_batch_at(shuffle):
 
 def test_array_source_runs_bitwise_as_its_batches_one_by_one():
   """The feeder's chunk path (ArraySource.chunk_at) against the per-batch path (the same
-  source behind batch_at only): the same batches at every step for K = 1, 3, 7, calls cut at
-  epoch ends and the source's end (exhausted mid-chunk), the same positions and ledgers."""
+  source behind batch_at only): the same batches at every step for K = 1, 3, 7, with calls cut
+  at epoch ends (steps_per_epoch given: the source ends between calls) and without (K = 7: calls
+  of 7, 7, then 1 of 6 planned: the source ends inside a chunk); the same positions, call
+  counts and ledgers."""
 
   class BatchAtOnly:
     def __init__(self, src):
@@ -305,11 +307,11 @@ def test_array_source_runs_bitwise_as_its_batches_one_by_one():
             {"x": jnp.mean(x.astype(jnp.float32))})
 
   data = {"x": np.arange(23, dtype=np.int32)}  # 5 steps per epoch of batch 4, 3 epochs: 15
-  for k in (1, 3, 7):
+  for k, spe in ((1, 5), (3, 5), (7, 5), (3, None), (7, None)):
     runs = []
     for make in (lambda s: s, BatchAtOnly):
       src = make(ArraySource(data, 4, seed=3, num_epochs=3))
-      loop = loopkit.TrainLoop(record, iterations_per_loop=k, steps_per_epoch=5, mesh=MESH2)
+      loop = loopkit.TrainLoop(record, iterations_per_loop=k, steps_per_epoch=spe, mesh=MESH2)
       with pytest.warns(loopkit.DataExhaustedWarning):
         out = loop.run({"step": jnp.zeros((), jnp.int32),
                         "seen": jnp.full((20, 4), -1, jnp.int32)}, src, num_steps=20)
@@ -317,7 +319,8 @@ def test_array_source_runs_bitwise_as_its_batches_one_by_one():
                    loop.ledger.loop_index, loop.status))
     (seen, *rest), (seen_ref, *rest_ref) = runs
     np.testing.assert_array_equal(seen, seen_ref, err_msg=f"K={k}")
-    assert rest == rest_ref == [15, 15, rest_ref[2], "data_exhausted"], (k, rest, rest_ref)
+    calls = {(7, None): 3, (3, None): 5}.get((k, spe), rest_ref[2])  # 15 = 7 + 7 + 1, 5 x 3
+    assert rest == rest_ref == [15, 15, calls, "data_exhausted"], (k, spe, rest, rest_ref)
     assert (seen[15:] == -1).all() and sorted(seen[:5].ravel()) != list(range(20))
 
 
