@@ -132,11 +132,8 @@ def profile_loop(k: int, steps: int, repeats: int, prefetch: int = 0,
   data = wl.make_data(w)
   batches = wl.batch_list(data)
   if source == "array":
-    flat = {name: v.reshape((-1,) + v.shape[2:]) for name, v in data.items()}  # [S * B, ...]
-
     def make_source(n):
-      return loopkit.ArraySource(jax.tree.map(lambda v: v[:n * wl.BATCH], flat), wl.BATCH,
-                                 shuffle=False)
+      return wl.array_source({name: v[:n] for name, v in data.items()})
   else:
     def make_source(n):
       return iter(batches[:n])
@@ -199,9 +196,7 @@ def profile_program(k: int, calls: int, repeats: int) -> dict:
   """
   w = wl.get("mlp", calls * k)
   data = wl.make_data(w, k)
-  if k < program_lib.MIN_SLOTS:  # as loopkit/feeding.py forms it
-    data = {name: np.concatenate([v, np.zeros((program_lib.MIN_SLOTS - k,) + v.shape[1:], v.dtype)])
-            for name, v in data.items()}
+  data = wl.pad_slots(data, program_lib.MIN_SLOTS)  # as loopkit/feeding.py forms it
   program = loopkit.MultiStepProgram(wl.make_train_step(w), iterations_per_loop=k,
                                      mesh=sy.data_mesh())
   chunk = jax.device_put(data, program.batch_sharding)

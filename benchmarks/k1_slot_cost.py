@@ -42,11 +42,9 @@ def time_k1(name: str, min_slots: int, num_steps: int, chunk_slots: int = 1) -> 
   state = program.place_state(workloads.init_state(w))
   data = workloads.make_data(w, num_steps)
 
-  def chunk(i):
-    return {k: np.concatenate([v[i:i + 1], np.zeros_like(v[:chunk_slots - 1])])
-            for k, v in (("x", data["x"]), ("y", data["y"]))}
-
-  chunks = [jax.device_put(chunk(i), program.batch_sharding) for i in range(num_steps)]
+  chunks = [jax.device_put(workloads.pad_slots({k: v[i:i + 1] for k, v in data.items()},
+                                                chunk_slots), program.batch_sharding)
+            for i in range(num_steps)]
   one = jax.device_put(np.int32(1), program.replicated)
   state, _ = program(state, chunks[0], one)
   jax.block_until_ready(state)

@@ -192,11 +192,7 @@ class Loopkit(System):
     self.k = self.steps_per_call = k
     self.w = w
     self.batches = wl.batch_list(data)
-    self.array_source = None
-    if source == "array":
-      self.array_source = loopkit.ArraySource(
-          {name: v.reshape((-1,) + v.shape[2:]) for name, v in data.items()}, wl.BATCH,
-          shuffle=False)
+    self.array_source = wl.array_source(data) if source == "array" else None
     step = wl.make_train_step(w, axis_name="data" if style == "per_device" else None)
     self.loop = loopkit.TrainLoop(step, iterations_per_loop=k, mesh=data_mesh(),
                                   step_style=style, prefetch=prefetch)

@@ -103,6 +103,22 @@ def batch_list(data: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
   return [{"x": data["x"][i], "y": data["y"][i]} for i in range(data["x"].shape[0])]
 
 
+def array_source(data: dict[str, np.ndarray]) -> Any:
+  """The data as a ``loopkit.ArraySource`` serving the same S batches in the same order
+  (``shuffle=False``): leaves ``[S * B, ...]``, global batch B."""
+  import loopkit  # noqa: PLC0415  (the workloads themselves do not need loopkit)
+
+  return loopkit.ArraySource({name: v.reshape((-1,) + v.shape[2:]) for name, v in data.items()},
+                             BATCH, shuffle=False)
+
+
+def pad_slots(chunk: dict[str, np.ndarray], slots: int) -> dict[str, np.ndarray]:
+  """A chunk ``[n, B, ...]`` with zero slots appended up to ``slots``, as loopkit's feeder
+  forms a K = 1 chunk (``[2, B, ...]``, ``loopkit.program.MIN_SLOTS``)."""
+  return {name: np.concatenate([v, np.zeros((max(0, slots - len(v)),) + v.shape[1:], v.dtype)])
+          for name, v in chunk.items()}
+
+
 def tx() -> optax.GradientTransformation:
   """The optimizer every system uses: plain SGD, learning rate 0.01."""
   return optax.sgd(LEARNING_RATE)
