@@ -29,6 +29,7 @@ import pytest
 
 from loopkit.checkpoint import CheckpointHook
 from loopkit.ledger import Ledger
+from tests.toy import compilation_cache_env
 
 WORKER = Path(__file__).parent / "_leaf_worker.py"
 ROOT = Path(__file__).parent.parent
@@ -44,9 +45,7 @@ def _launch(phase, d, out, k, x64, cache):
   # One persistent compilation cache for the fixture's workers: the resume worker's two runs
   # load the program its save worker compiled (compiling was ~60% of a resume worker's time).
   # Tracing still happens in every run, so trace_count is still checked.
-  env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+  env.update(compilation_cache_env(cache))
   err = open(str(out) + f".{phase}.err", "w")  # noqa: SIM115  (closed by the caller)
   proc = subprocess.Popen([sys.executable, str(WORKER), "--phase", phase, "--dir", str(d),
                            "--out", str(out), "--k", str(k)],

@@ -17,6 +17,7 @@ from nnx_models import arrays, batches, make
 
 import loopkit
 import loopkit.nnx
+from tests import toy
 
 STEPS = 12
 DATA = batches(STEPS)
@@ -153,9 +154,7 @@ def _worker(*args, check=True, cache_dir=None):
   env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
   env.pop("XLA_FLAGS", None)
   if cache_dir is not None:
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.update(toy.compilation_cache_env(cache_dir))
   out = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
                        env=env, timeout=600)
   if check:

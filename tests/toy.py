@@ -106,3 +106,13 @@ def assert_bitwise(a, b):
     x, y = np.asarray(x), np.asarray(y)
     assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
     assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+
+
+def compilation_cache_env(cache_dir) -> dict:
+  """Environment variables for a worker process: JAX's persistent compilation cache in
+  ``cache_dir`` for every program (no minimum compile time or entry size), so the worker
+  processes of one test load each other's compiled programs (the same executables, so the
+  same results) instead of compiling them again."""
+  return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
