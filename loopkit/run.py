@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from loopkit import metrics as metrics_lib
-from loopkit.boundary import agree
+from loopkit.boundary import agree_with_reason
 from loopkit.checks import warn_if_pmap_layout
 from loopkit.context import LedgerAdjustment, Restore, RunContext
 from loopkit.feeding import Chunk, ChunkFeeder
@@ -425,21 +425,24 @@ class Run:
     """Takes every host-local decision of one boundary, agreed across processes.
 
     Once before each dispatch: this process's preemption flag, a requested stop
-    and each ``every_secs`` clock go into one :func:`loopkit.boundary.agree`. A
-    time mark read here counts for the call about to be dispatched.
+    (its reason) and each ``every_secs`` clock go into one
+    :func:`loopkit.boundary.agree_with_reason`. A time mark read here counts for
+    the call about to be dispatched.
 
     Returns:
-      ``(stop, time_due)``: the stop reason (``"preempted"``, the requested
-      one, or ``"stopped"`` when another process requested a stop) or None to
-      go on; and ``{hook index: bool}`` for the hooks with ``every_secs``.
+      ``(stop, time_due)``: the stop reason, the same on every process (a
+      requested one: the lowest-index requesting process's reason,
+      :func:`loopkit.boundary.agree_with_reason`; else ``"preempted"``) or
+      None to go on; and ``{hook index: bool}`` for the hooks with ``every_secs``.
     """
     loop = self.loop
     timed = [i for i, h in enumerate(self.hooks) if h.trigger.every_secs is not None]
-    agreed = agree([loop.preemption.requested, loop._stop_reason is not None]
-                   + [self.hooks[i].trigger.time_due() for i in timed])
-    time_due = dict(zip(timed, agreed[2:]))
-    if agreed[1]:
-      return loop._stop_reason or "stopped", time_due
+    agreed, reason = agree_with_reason(
+        [loop.preemption.requested] + [self.hooks[i].trigger.time_due() for i in timed],
+        loop._stop_reason)
+    time_due = dict(zip(timed, agreed[1:]))
+    if reason is not None:
+      return reason, time_due
     return ("preempted" if agreed[0] else None), time_due
 
   def firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[int]:
