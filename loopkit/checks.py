@@ -171,6 +171,33 @@ def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int
   raise ValueError(msg)
 
 
+def partial_batch_hint(first: Any, batch: Any) -> str:
+  """A hint for a batch that differs from the first one only by fewer rows (item 8 of issue 24).
+
+  A dataset batched without dropping its remainder ends with a partial batch
+  (``N % B`` rows); training needs every step's batch at ``[B, ...]``.
+
+  Args:
+    first: the first batch (or its ``jax.ShapeDtypeStruct`` pytree).
+    batch: the batch that differs.
+
+  Returns:
+    The hint (starting ``"; "``), or ``""`` when ``batch`` is not such a batch.
+  """
+  try:
+    pairs = [(np.shape(a), np.shape(b)) for a, b in
+             zip(jax.tree.leaves(first), jax.tree.structure(first).flatten_up_to(batch))]
+  except (ValueError, TypeError):
+    return ""
+  rows = {b[0] if b else None for _, b in pairs}
+  if (len(rows) != 1 or not all(a and b and a[1:] == b[1:] and b[0] < a[0] for a, b in pairs)):
+    return ""
+  return (f"; a batch of {rows.pop()} rows after full ones is a dataset's partial last batch: "
+          "drop it (tf.data's .batch(B, drop_remainder=True), drop_remainder=True in Grain's "
+          "Batch, drop_last=True in a torch DataLoader). Training needs every batch at "
+          "[B, ...]; loopkit.Evaluator pads partial batches")
+
+
 class BatchLayoutWarning(UserWarning):
   """Batches look like ``jax.pmap`` input ``[devices, B / devices, ...]`` (case C40)."""
 

@@ -46,7 +46,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from loopkit.checks import BatchLayoutWarning, check_batch_layout, warn_if_pmap_layout
+from loopkit.checks import (
+  BatchLayoutWarning,
+  check_batch_layout,
+  partial_batch_hint,
+  warn_if_pmap_layout,
+)
 from loopkit.placement import Placer as _Placer, empty_host_buffer
 from loopkit.program import MIN_SLOTS, check_global_batch_size, is_cpu_mesh, tree_mismatch
 from loopkit.sources import open_source
@@ -245,7 +250,7 @@ class ChunkFeeder:
     problem = tree_mismatch(self._spec, jax.tree.map(np.asarray, batch),
                             what=f"batch for step {step + 1} differs from the first batch")
     if problem:
-      raise ValueError(problem)
+      raise ValueError(problem + partial_batch_hint(self._spec, batch))
     return jax.tree.leaves(batch)
 
   def _check_chunk(self, got: list, step: int) -> list[list]:

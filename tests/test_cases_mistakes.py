@@ -1,6 +1,8 @@
-"""Cases C49 and C52 from shared/cases/CASES.md: a batch layout the loop can know is wrong is
-refused before any step, and the ledger's run-start fields do not depend on how the loop was
-built or on an earlier run."""
+"""Cases C49 and C52 from shared/cases/CASES.md and item 8 of issue 24: a batch layout the loop
+can know is wrong is refused before any step; the ledger's run-start fields do not depend on how
+the loop was built or on an earlier run; a partial batch's error says what fixes it."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -144,3 +146,42 @@ def test_c52_run_start_fields_do_not_depend_on_the_constructor_or_an_earlier_run
   assert got[:3] == (step0, index0, seen0)
   if spe is None or in_epoch < spe:  # the first call ends in the epoch that step0 is in
     assert got[3:] == (epoch, in_epoch), got
+
+
+# -- issue 24 item 8: a partial last batch ---------------------------------------------------
+
+PARTIAL = r"; a batch of 5 rows after full ones is a dataset's partial last batch: drop it " \
+          r"\(tf\.data's \.batch\(B, drop_remainder=True\)"
+
+
+@pytest.mark.parametrize("last,hint", [
+    (lambda b: {k: v[:5] for k, v in b.items()}, True),  # N % B rows
+    (lambda b: {"x": b["x"][:5], "y": b["y"]}, False),  # ragged: not a partial batch
+    (lambda b: {"x": b["x"][:, :3], "y": b["y"]}, False),  # another feature size
+    (lambda b: {k: np.concatenate([v, v]) for k, v in b.items()}, False),  # larger
+])
+def test_a_partial_last_train_batch_is_named_with_drop_remainder(last, hint):
+  batches = toy.batches(4)
+  batches[3] = last(batches[3])
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2)
+  with pytest.raises(ValueError, match=r"batch for step 4 differs from the first batch") as e:
+    loop.run(toy.init_state(), batches, num_steps=4)
+  assert bool(re.search(PARTIAL, str(e.value))) == hint, str(e.value)
+
+
+def test_a_partial_first_eval_batch_says_global_batch_size():
+  def eval_step(state, batch):
+    return {"x": jnp.sum(batch["x"], axis=-1)}
+
+  full = toy.batches(2)
+  batches = [{k: v[:5] for k, v in full[0].items()}, full[1]]
+  mesh = loopkit.data_parallel_mesh(devices=jax.devices()[:1])
+  with pytest.raises(ValueError, match=r"an eval batch has 16 examples on this process, more "
+                     r"than the static batch of 5 \(global batch 5\); the static batch was taken "
+                     r"from the first eval batch: .*give the Evaluator global_batch_size="):
+    loopkit.Evaluator(eval_step, mesh=mesh).evaluate({}, batches)
+  with pytest.raises(ValueError, match=r"more than the static batch of 8 \(global batch 8\)$"):
+    loopkit.Evaluator(eval_step, mesh=mesh, global_batch_size=8).evaluate({}, full)
+  # A partial last batch is padded: every example counted once, no drop_remainder needed.
+  r = loopkit.Evaluator(eval_step, mesh=mesh).evaluate({}, batches[::-1])
+  assert r.num_examples == 21
