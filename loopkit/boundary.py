@@ -16,10 +16,18 @@ as in JAX's preemption sync and Orbax's). The loop calls it once per device
 call, before it dispatches the next one, with every host-local decision of
 the boundary in one vector (see :class:`loopkit.loop.TrainLoop`).
 
+A requested stop also carries its reason (``loop.request_stop("diverged")``):
+:func:`agree_with_reason` adds it to the same vector, and the run stops on every
+process with the same status, the reason of the lowest-index process that gave
+one (process 1 alone asking gives every process process 1's reason; processes 0
+and 1 both asking, process 0's).
+
 Cost: on one process no communication (the local vector is the answer). On
 several processes one ``multihost_utils.process_allgather`` of a few int32s,
 which blocks until every process reaches the boundary (measured on this
-2-core CPU machine in ``tests/test_boundary_agreement.py``; see docs/multihost.md).
+2-core CPU machine in ``tests/test_boundary_agreement.py``; see docs/multihost.md). At the
+one boundary where a stop was requested, a second ``process_allgather`` carries the
+reason's bytes.
 
 Multi-host-safe by construction: every process must call :func:`agree` at the
 same boundaries with vectors of the same length. Thread-safety: call from the
@@ -33,7 +41,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-__all__ = ["agree"]
+__all__ = ["agree", "agree_with_reason"]
 
 
 def agree(local: Sequence[bool]) -> list[bool]:
@@ -47,11 +55,37 @@ def agree(local: Sequence[bool]) -> list[bool]:
     A list of bools of the same length, identical on every process: True where
     at least one process answered True.
   """
-  if jax.process_count() == 1:
-    return [bool(x) for x in local]
-  flags = np.asarray([bool(x) for x in local], np.int32)
-  if flags.size == 0:
+  if len(local) == 0:
     return []
+  return agree_with_reason(local, None)[0]
+
+
+def agree_with_reason(local: Sequence[bool], reason: str | None) -> tuple[list[bool], str | None]:
+  """:func:`agree` of ``local``, plus one reason agreed across processes.
+
+  Args:
+    local: this process's answers, as for :func:`agree`.
+    reason: this process's reason (e.g. of a requested stop), or None.
+
+  Returns:
+    ``(agreed, reason)``, identical on every process: ``agree(local)`` and
+    the reason of the lowest-index process that gave one (None if none did).
+    One ``process_allgather`` of ``len(local) + 2`` int32s; a second one, of
+    the reasons' UTF-8 bytes, only when some process gave a reason.
+  """
+  if jax.process_count() == 1:
+    return [bool(x) for x in local], reason
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  gathered = np.asarray(multihost_utils.process_allgather(flags))  # [processes, n]
-  return [bool(x) for x in np.asarray(gathered.reshape(-1, flags.size).any(axis=0))]
+  data = b"" if reason is None else reason.encode("utf-8")
+  flags = np.asarray([bool(x) for x in local] + [reason is not None, len(data)], np.int32)
+  gathered = np.asarray(multihost_utils.process_allgather(flags)).reshape(-1, flags.size)
+  agreed = [bool(x) for x in gathered[:, :-2].any(axis=0)]
+  gave = np.flatnonzero(gathered[:, -2])
+  if gave.size == 0:
+    return agreed, None
+  width = max(int(gathered[:, -1].max()), 1)  # the same on every process
+  mine = np.zeros(width, np.int32)
+  mine[:len(data)] = np.frombuffer(data, np.uint8)
+  texts = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, width)
+  first = int(gave[0])
+  return agreed, bytes(texts[first, :gathered[first, -1]].astype(np.uint8)).decode("utf-8")

@@ -111,6 +111,93 @@ def tree_mismatch(expected: Any, got: Any, *, what: str,
   return None
 
 
+def _device_axis_leaf(x: Any) -> bool:
+  """A ``jax.Array`` whose leading axis is a device axis: one row per device.
+
+  What ``flax.jax_utils.prefetch_to_device`` (and ``jax.device_put_sharded``)
+  make of a pmap-layout batch ``[devices, B / devices, ...]``.
+  """
+  sharding = getattr(x, "sharding", None)
+  if not isinstance(x, jax.Array) or sharding is None or x.ndim < 1:
+    return False
+  devices = len(sharding.device_set)
+  return devices > 1 and x.shape[0] == devices and sharding.shard_shape(x.shape)[0] == 1
+
+
+def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int = 1) -> None:
+  """Checks a batch against the loop's ``global_batch_size`` (case C49).
+
+  Given ``global_batch_size=B``, every leaf of a batch must be ``[B / P, ...]``
+  (P processes, each feeding its part). A batch in ``jax.pmap``'s layout
+  ``[devices, B / devices, ...]``, or already placed on the devices by
+  ``flax.jax_utils.prefetch_to_device``, would otherwise train on a wrong
+  leading axis, silently.
+
+  Args:
+    batch: one batch, a pytree of arrays (the process-local part).
+    global_batch_size: B, as given to the loop.
+    process_count: P.
+
+  Raises:
+    ValueError: naming every leaf (path and shape) whose leading axis is not
+      ``B / P``; for pmap layout saying how to reshape, and for device arrays
+      with a leading device axis naming ``prefetch_to_device``.
+  """
+  local = global_batch_size // process_count
+  wrong = [(jax.tree_util.keystr(path) or "<root>", x)
+           for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+           if np.ndim(x) == 0 or np.shape(x)[0] != local]
+  if not wrong:
+    return
+  shown = ", ".join(f"{name} has shape {np.shape(x)}" for name, x in wrong[:5])
+  more = f" (and {len(wrong) - 5} more leaves)" if len(wrong) > 5 else ""
+  per = f"{local} per process, " if process_count > 1 else ""
+  msg = (f"batch leaf {shown}{more}, but the loop's global_batch_size={global_batch_size} "
+         f"needs a leading batch axis of {per}[{local}, ...]")
+  if any(_device_axis_leaf(x) for _, x in wrong):
+    raise ValueError(
+        f"{msg}: the batch is already on the devices with a leading device axis, as "
+        "flax.jax_utils.prefetch_to_device (or jax.device_put_sharded) makes it for jax.pmap. "
+        "Pass numpy batches [B, ...] (drop prefetch_to_device and the reshape to "
+        "[devices, B / devices, ...]): loopkit places them on the devices itself and "
+        "prefetches (TrainLoop(prefetch=...))")
+  _, x = wrong[0]
+  shape = np.shape(x)
+  if len(shape) >= 2 and shape[0] * shape[1] == local:
+    raise ValueError(
+        f"{msg}: this is jax.pmap's layout [devices, B / devices, ...]; loopkit takes global "
+        "batches [B, ...] and splits B over the devices itself, for step_style='per_device' "
+        "too: pass x.reshape((-1,) + x.shape[2:]) for every leaf")
+  raise ValueError(msg)
+
+
+def partial_batch_hint(first: Any, batch: Any) -> str:
+  """A hint for a batch that differs from the first one only by fewer rows (item 8 of issue 24).
+
+  A dataset batched without dropping its remainder ends with a partial batch
+  (``N % B`` rows); training needs every step's batch at ``[B, ...]``.
+
+  Args:
+    first: the first batch (or its ``jax.ShapeDtypeStruct`` pytree).
+    batch: the batch that differs.
+
+  Returns:
+    The hint (starting ``"; "``), or ``""`` when ``batch`` is not such a batch.
+  """
+  try:
+    pairs = [(np.shape(a), np.shape(b)) for a, b in
+             zip(jax.tree.leaves(first), jax.tree.structure(first).flatten_up_to(batch))]
+  except (ValueError, TypeError):
+    return ""
+  rows = {b[0] if b else None for _, b in pairs}
+  if (len(rows) != 1 or not all(a and b and a[1:] == b[1:] and b[0] < a[0] for a, b in pairs)):
+    return ""
+  return (f"; a batch of {rows.pop()} rows after full ones is a dataset's partial last batch: "
+          "drop it (tf.data's .batch(B, drop_remainder=True), drop_remainder=True in Grain's "
+          "Batch, drop_last=True in a torch DataLoader). Training needs every batch at "
+          "[B, ...]; loopkit.Evaluator pads partial batches")
+
+
 class BatchLayoutWarning(UserWarning):
   """Batches look like ``jax.pmap`` input ``[devices, B / devices, ...]`` (case C40)."""
 
@@ -146,8 +233,10 @@ def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
       f"data-parallel size {data_parallel_size}: this looks like jax.pmap input "
       f"[devices, B / devices, ...]. loopkit takes global batches [B, ...] and splits B "
       f"over the devices itself, for step_style='per_device' too; pass "
-      f"x.reshape((-1,) + x.shape[2:]) for every leaf (if a global batch of "
-      f"{data_parallel_size} examples is meant, ignore this warning)",
+      f"x.reshape((-1,) + x.shape[2:]) for every leaf, and numpy batches rather than the "
+      f"output of flax.jax_utils.prefetch_to_device (if a global batch of "
+      f"{data_parallel_size} examples is meant, pass global_batch_size="
+      f"{data_parallel_size} to the loop, or ignore this warning)",
       BatchLayoutWarning, stacklevel=3)
   return True
 

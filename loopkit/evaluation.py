@@ -123,6 +123,7 @@ class Evaluator:
     self.trace_count = 0
     self.global_batch_size: int | None = None
     self._template: Any = None  # one padded example row per leaf, for empty batches
+    self._batch_from_first = False  # B was taken from a first batch, not given
     if global_batch_size is not None:
       self._set_batch_size(global_batch_size)
     self._batch_sharding = NamedSharding(self.mesh, P(None, data_axis))
@@ -181,8 +182,12 @@ class Evaluator:
         raise ValueError(f"eval batch leaf {jax.tree_util.keystr(path)} has shape "
                          f"{np.shape(x)}; every leaf needs the same leading batch dimension")
     if b > local:
+      hint = ("; the static batch was taken from the first eval batch: if that was a partial "
+              "one, give the Evaluator global_batch_size= (the full batch; every batch up to "
+              "it is padded, so no drop_remainder is needed)" if self._batch_from_first else "")
       raise ValueError(f"an eval batch has {b} examples on this process, more than the "
-                       f"static batch of {local} (global batch {self.global_batch_size})")
+                       f"static batch of {local} (global batch {self.global_batch_size})"
+                       + hint)
 
     def pad(x):
       x = np.asarray(x)
@@ -248,6 +253,7 @@ class Evaluator:
       b = np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count()
       dp = self.data_parallel_size
       self._set_batch_size(max(dp, -(-b // dp) * dp))
+      self._batch_from_first = True
       it = itertools.chain([first], it)
     feeder = ChunkFeeder(self._padded(it, num_batches), itertools.repeat(self.k),
                          iterations_per_loop=self.k, batch_sharding=self._batch_sharding,

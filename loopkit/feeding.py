@@ -46,7 +46,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from loopkit.checks import BatchLayoutWarning, warn_if_pmap_layout
+from loopkit.checks import (
+  BatchLayoutWarning,
+  check_batch_layout,
+  partial_batch_hint,
+  warn_if_pmap_layout,
+)
 from loopkit.placement import Placer as _Placer, empty_host_buffer
 from loopkit.program import MIN_SLOTS, check_global_batch_size, is_cpu_mesh, tree_mismatch
 from loopkit.sources import open_source
@@ -144,11 +149,14 @@ class ChunkFeeder:
     interrupt: an event (e.g. :attr:`loopkit.preemption.PreemptionWatcher.event`)
       at which the chunk being formed is abandoned (see the module docstring);
       the event must stay set once set.
+    global_batch_size: B as the loop was told it (None: the first batch's); every
+      leaf of the first batch must then be ``[B / processes, ...]``
+      (:func:`loopkit.checks.check_batch_layout`, case C49).
 
   Thread-safety: ``next``/``close`` from one consumer thread only.
   Raises (from ``next``): ValueError for a batch whose structure, shapes or
   dtypes differ from the first one (naming the leaf and step), or whose global
-  batch does not divide by the data-parallel size; any exception raised by the
+  batch does not divide by the data-parallel size or is not ``global_batch_size``; any exception raised by the
   source, re-raised in the consumer thread.
   """
 
@@ -156,7 +164,8 @@ class ChunkFeeder:
                batch_sharding: NamedSharding, replicated: NamedSharding,
                data_parallel_size: int, prefetch: int = 2, start_position: int = 0,
                first_step: int = 0, close_timeout_secs: float | None = None,
-               interrupt: threading.Event | None = None):
+               interrupt: threading.Event | None = None,
+               global_batch_size: int | None = None):
     self._close_timeout_secs = (CLOSE_TIMEOUT_SECS if close_timeout_secs is None
                                 else close_timeout_secs)
     self._interrupt = interrupt
@@ -168,6 +177,7 @@ class ChunkFeeder:
     self._batch_sharding = batch_sharding
     self._replicated = replicated
     self._dp = data_parallel_size
+    self._expected_batch = global_batch_size
     self._start_position = start_position
     self._first_step = first_step
     self._step = first_step
@@ -204,6 +214,8 @@ class ChunkFeeder:
       leaves = jax.tree.leaves(batch)
       if not leaves:
         raise ValueError("a batch must have at least one array leaf")
+      if self._expected_batch is not None:
+        check_batch_layout(batch, self._expected_batch, process_count=jax.process_count())
       b_local = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
       for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if np.ndim(x) == 0 or np.shape(x)[0] != b_local:
@@ -238,7 +250,7 @@ class ChunkFeeder:
     problem = tree_mismatch(self._spec, jax.tree.map(np.asarray, batch),
                             what=f"batch for step {step + 1} differs from the first batch")
     if problem:
-      raise ValueError(problem)
+      raise ValueError(problem + partial_batch_hint(self._spec, batch))
     return jax.tree.leaves(batch)
 
   def _check_chunk(self, got: list, step: int) -> list[list]:

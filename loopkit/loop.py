@@ -111,7 +111,12 @@ class TrainLoop:
       ``"auto"``: the length of the source given to each ``run`` (one epoch;
       :func:`loopkit.sources.steps_per_epoch_of`: ``len``, tf.data
       cardinality, ``ArraySource.steps_per_epoch``).
-    global_batch_size: if given, checked now against the data-parallel size.
+    global_batch_size: if given, checked now against the data-parallel size, and
+      at ``run`` against the first batch: every leaf must be ``[B, ...]``
+      (``[B / processes, ...]`` on multi-host), else a ValueError names the leaf
+      and its shape (pmap layout ``[devices, B / devices, ...]``,
+      ``prefetch_to_device`` output) before any step. Without it the batch size
+      is the first batch's, and a pmap-looking layout only warns.
     prefetch: chunks prepared ahead by a background thread (0 = none).
     step_of: returns the state's step counter (default ``state.step``).
     preemption_signals: signals that stop the run at the next boundary with
@@ -268,9 +273,13 @@ class TrainLoop:
     step0 = int(jax.device_get(counter))
     if step0 >= target:
       log.warning("nothing to run: the state is at step %d and num_steps is %d", step0, target)
-    ledger = prior if prior is not None and prior.step == step0 else Ledger(step=step0)
+    fresh = prior is None or prior.step != step0
+    ledger = Ledger(step=step0) if fresh else prior
     ledger.steps_per_epoch = self.steps_per_epoch
     run.set_ledger(ledger)
+    # examples_seen = step0 x B at the first chunk (case C52), also when the last run of
+    # this loop ended before its first chunk
+    run.examples_unknown = step0 > 0 and (fresh or self._run.examples_unknown)
     self.status = None
     self._stop_reason = None
     self._run = run

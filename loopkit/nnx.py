@@ -30,7 +30,9 @@ batch)`` (batch means into an ``nnx.MultiMetric``) over a whole eval set with
 :class:`loopkit.Evaluator`'s padding and masking: every example is evaluated
 as its own batch of one (``jax.vmap``), its metric increments are summed with
 padded rows masked out, and ``metrics.compute()`` then gives the exact
-per-example mean (cases C15, C18).
+per-example mean (cases C15, C18). It evaluates in inference mode (the
+structure of ``model.eval()``, from a clone; the user's model keeps its mode,
+case C48) unless told ``eval_mode=False``.
 
 Per-device style (``step_style="per_device"``): the step sees its device's
 slice of the batch; it averages gradients itself (``jax.lax.pmean(grads,
@@ -258,6 +260,30 @@ class NnxTrainLoop:
     return self.loop.program
 
 
+def _refuse_training_mode(model: Any) -> None:
+  """Raises for a module that per-example evaluation in training mode gets wrong (case C48).
+
+  Each example is evaluated as a batch of one: a BatchNorm with
+  ``use_running_average=False`` normalises it by its own statistics, and a
+  Dropout in training mode without ``rngs`` meets Flax's "no rngs" error in
+  the eval step, which passes none.
+  """
+  for path, module in nnx.iter_modules(model):
+    name = "/".join(map(str, path)) or "<model>"
+    if getattr(module, "use_running_average", None) is False:
+      why = f"{name} ({type(module).__name__}) normalises with batch statistics"
+    elif (isinstance(module, nnx.Dropout) and module.deterministic is False and module.rate > 0
+          and module.rngs is None):
+      why = f"{name} (Dropout) is in training mode and has no rngs"
+    else:
+      continue
+    raise ValueError(
+        f"NnxEvaluator.evaluate(eval_mode=False) with the model in training mode: {why}, "
+        "which evaluation one example at a time would get wrong; call model.eval() first, "
+        "or evaluate with eval_mode=True (the default: a clone in inference mode, the "
+        "model keeps its mode)")
+
+
 class NnxEvaluator:
   """Evaluates an NNX model with an in-place eval step, exactly over all examples.
 
@@ -267,8 +293,10 @@ class NnxEvaluator:
 
   Args:
     eval_step: ``(model, metrics, batch) -> None``: updates ``metrics`` (an
-      ``nnx.MultiMetric``) with batch means, as in Flax's examples. The model
-      is used as it is (call ``model.eval()`` first for inference mode).
+      ``nnx.MultiMetric``) with batch means, as in Flax's examples. It gets the
+      model in inference mode (the structure of ``model.eval()``, from a clone:
+      the user's model keeps its mode) unless :meth:`evaluate` is given
+      ``eval_mode=False``.
     model: the ``nnx.Module``.
     metrics: the ``nnx.MultiMetric``; after :meth:`evaluate` it holds the
       totals over the whole set (``metrics.compute()`` = the result).
@@ -281,8 +309,8 @@ class NnxEvaluator:
 
   Every example runs as a batch of one (``jax.vmap``), so the step must not
   mix examples (BatchNorm in training mode would); padding rows are masked out.
-  Compiles once per model structure (``model.eval()`` / ``model.train()``
-  change it). Not thread-safe.
+  Compiles once per model structure (inference mode, or with
+  ``eval_mode=False`` the model's own). Not thread-safe.
   """
 
   def __init__(self, eval_step: Callable, model: Any, metrics: Any, **evaluator_kwargs):
@@ -307,7 +335,7 @@ class NnxEvaluator:
     return jax.vmap(one)(batch)
 
   def evaluate(self, batches: Iterable, *, state: Any = None, num_batches: int | None = None,
-               eval_mode: bool = False) -> dict[str, Any]:
+               eval_mode: bool = True) -> dict[str, Any]:
     """Evaluates the model (or ``state``, a model state) on every example once.
 
     Args:
@@ -315,19 +343,34 @@ class NnxEvaluator:
       state: the model's pure state (e.g. ``s["model"]`` of an
         :class:`NnxTrainLoop` state); default: the model object's current values.
       num_batches: see :meth:`loopkit.Evaluator.evaluate` (multi-host).
-      eval_mode: evaluate with the structure of ``model.eval()`` (from a
-        clone; the user's model is not switched).
+      eval_mode: True (default, as Flax's examples call ``model.eval()``
+        before evaluating): inference mode, the structure of ``model.eval()``
+        taken from a clone, so the user's model keeps its mode (``train()``
+        or ``eval()``) and its values are what is evaluated. False: the model
+        in the mode it is in (e.g. Monte Carlo dropout from a Dropout with
+        its own ``rngs``).
 
     Returns:
       ``metrics.compute()`` of the user's MultiMetric, which now holds the
       totals over all real examples (its previous values are replaced).
+
+    Raises:
+      ValueError: with ``eval_mode=False``, a module in training mode that
+        one-example-at-a-time evaluation would make wrong or fail (a
+        BatchNorm using batch statistics, a Dropout without ``rngs``): the
+        message names the module's path, ``model.eval()`` and
+        ``eval_mode=True``.
     """
     model = self.model
     if eval_mode:
-      if self._eval_clone is None:
-        self._eval_clone = nnx.clone(self.model)
-        self._eval_clone.eval()
-      model = self._eval_clone
+      structure = nnx.graphdef(self.model)
+      if self._eval_clone is None or self._eval_clone[0] != structure:
+        clone = nnx.clone(self.model)
+        clone.eval()
+        self._eval_clone = (structure, clone)
+      model = self._eval_clone[1]
+    else:
+      _refuse_training_mode(self.model)
     graphdef, _ = _pure((model, self.metrics))
     if state is None:
       state = _pure((self.model, self.metrics))[1][0]

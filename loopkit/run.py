@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from loopkit import metrics as metrics_lib
-from loopkit.boundary import agree
+from loopkit.boundary import agree_with_reason
 from loopkit.checks import warn_if_pmap_layout
 from loopkit.context import LedgerAdjustment, Restore, RunContext
 from loopkit.feeding import Chunk, ChunkFeeder
@@ -127,6 +127,10 @@ class Run:
     self.data_position: Any = None
     self.last: Boundary | None = None  # the last boundary whose hooks ran
     self.state_spec: Any = None
+    # A ledger made from the state's step alone (no checkpoint, not the loop's last
+    # ledger): its examples_seen is taken at the first chunk, as step x the chunk's
+    # global batch, whatever the loop's constructor arguments or earlier runs (case C52).
+    self.examples_unknown = False
     self.replicas_checked_at: int | None = None
     self.copy_async = not is_cpu_mesh(loop.mesh)  # see _fetch
     self.t_mark = time.perf_counter()
@@ -208,7 +212,8 @@ class Run:
                          replicated=loop.program.replicated,
                          data_parallel_size=loop.data_parallel_size, prefetch=loop.prefetch,
                          start_position=start_position, first_step=step0,
-                         interrupt=loop.preemption.event)
+                         interrupt=loop.preemption.event,
+                         global_batch_size=loop._global_batch_size)
     return state, feeder
 
   def apply_restore(self, r: Restore, i: int) -> Any:
@@ -224,6 +229,7 @@ class Run:
     ledger = r.ledger.copy()
     ledger.steps_per_epoch = self.loop.steps_per_epoch
     self.set_ledger(ledger)
+    self.examples_unknown = False
     self.data_position = r.data_position
     unmatched = give_hook_states(r.hook_states, self.hooks, self.names, i)
     if unmatched:
@@ -259,11 +265,11 @@ class Run:
           break
         if not checked_layout and not chunk.interrupted:
           checked_layout = True
-          warn_if_pmap_layout(chunk.batches, loop.data_parallel_size)
-        if loop._global_batch_size is None and not chunk.interrupted:
-          loop._global_batch_size = chunk.global_batch_size
-          if self.ledger.examples_seen == 0:
-            self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
+          if loop._global_batch_size is None:  # if given, the feeder checked the batch (C49)
+            warn_if_pmap_layout(chunk.batches, loop.data_parallel_size)
+        if self.examples_unknown and not chunk.interrupted:
+          self.examples_unknown = False
+          self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
         stop, time_due = self.agree()  # one agreement per call, all processes alike
         if stop is not None:  # stop before dispatching: at_end hooks fire
           loop._stop_reason = stop  # with this boundary's state (see stop)
@@ -419,21 +425,24 @@ class Run:
     """Takes every host-local decision of one boundary, agreed across processes.
 
     Once before each dispatch: this process's preemption flag, a requested stop
-    and each ``every_secs`` clock go into one :func:`loopkit.boundary.agree`. A
-    time mark read here counts for the call about to be dispatched.
+    (its reason) and each ``every_secs`` clock go into one
+    :func:`loopkit.boundary.agree_with_reason`. A time mark read here counts for
+    the call about to be dispatched.
 
     Returns:
-      ``(stop, time_due)``: the stop reason (``"preempted"``, the requested
-      one, or ``"stopped"`` when another process requested a stop) or None to
-      go on; and ``{hook index: bool}`` for the hooks with ``every_secs``.
+      ``(stop, time_due)``: the stop reason, the same on every process (a
+      requested one: the lowest-index requesting process's reason,
+      :func:`loopkit.boundary.agree_with_reason`; else ``"preempted"``) or
+      None to go on; and ``{hook index: bool}`` for the hooks with ``every_secs``.
     """
     loop = self.loop
     timed = [i for i, h in enumerate(self.hooks) if h.trigger.every_secs is not None]
-    agreed = agree([loop.preemption.requested, loop._stop_reason is not None]
-                   + [self.hooks[i].trigger.time_due() for i in timed])
-    time_due = dict(zip(timed, agreed[2:]))
-    if agreed[1]:
-      return loop._stop_reason or "stopped", time_due
+    agreed, reason = agree_with_reason(
+        [loop.preemption.requested] + [self.hooks[i].trigger.time_due() for i in timed],
+        loop._stop_reason)
+    time_due = dict(zip(timed, agreed[1:]))
+    if reason is not None:
+      return reason, time_due
     return ("preempted" if agreed[0] else None), time_due
 
   def firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[int]:

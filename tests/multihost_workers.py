@@ -504,6 +504,30 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
   return out
 
 
+def stop_reasons(plans: list[dict[int, str]]) -> list[tuple]:
+  """Item 9: a stop requested on some processes reads the same on every process.
+
+  One loop (K = 2), one run of 8 steps per plan; a hook requests a stop at step 4 on the
+  processes of the plan, each with its own reason. Returns ``(status, ledger step)`` per run.
+  """
+  plan: dict[int, str] = {}
+
+  def ask(info, _):
+    reason = plan.get(jax.process_index())
+    if info.end_step == 4 and reason is not None:
+      loop.request_stop(reason)
+
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
+                           hooks=[loopkit.CallbackHook(ask, needs_state=False)])
+  out = []
+  for p in plans:
+    plan.clear()
+    plan.update(p)
+    loop.run(toy.init_state(), sources.ArraySource(dataset(), GLOBAL_BATCH), num_steps=8)
+    out.append((loop.status, loop.ledger.step))
+  return out
+
+
 # -- the ResNet example: preemption and resume on 2 processes ---------------------------------
 
 

@@ -274,6 +274,18 @@ def test_c30_wall_clock_hooks_fire_at_the_same_steps_on_every_process(tmp_path):
   assert agree([True, False]) == [True, False]  # one process: the local answer
 
 
+STOP_PLANS = [{0: "enough"}, {1: "diverged on 1"}, {1: "late", 0: "first"}, {}]
+
+
+def test_a_stop_reason_requested_on_one_process_reads_the_same_on_every_process():
+  """Item 9: process 0 alone, process 1 alone, both (process 0's reason wins), neither."""
+  p0, p1 = testing.run_processes(workers.stop_reasons, num_processes=2, devices_per_process=2,
+                                 args=(STOP_PLANS,), timeout_s=240)
+  want = [("enough", 6), ("diverged on 1", 6), ("first", 6), ("completed", 8)]
+  assert p0 == p1 == want
+  assert workers.stop_reasons(STOP_PLANS[:1]) == want[:1]  # one process: its own reason
+
+
 # -- checkpoints and preemption -------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import nnx_models
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import loopkit
 import loopkit.nnx
@@ -55,7 +56,6 @@ def test_nnx_multimetric_eval_step_is_exact(data, model_and_exact, devices):
                                            ("per_device", "8")])
 def test_batch_mean_eval_step_is_exact(data, model_and_exact, style, devices):
   model, _, exact = model_and_exact
-  from flax import nnx
   graphdef, state = nnx.split(model)
 
   def eval_step(state, batch):  # Flax's linen-style eval step: batch means
@@ -90,3 +90,80 @@ def test_nnx_eval_hook_in_a_train_loop(data):
   model.eval()  # the hook evaluated in inference mode without switching the user's model
   want = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model, eval_metrics).evaluate(data[2])
   assert hook.results[-1][1].metrics == {k: float(v) for k, v in want.items()}
+
+
+# -- C48: evaluation in train mode ----------------------------------------------------------
+
+
+class OwnRngs(nnx.Module):
+  """BatchNorm and a Dropout holding its own nnx.Rngs (or none): [b, 8, 8, 1] -> [b, 10]."""
+
+  def __init__(self, seed=0, dropout_rngs=True):
+    rngs = nnx.Rngs(seed)
+    self.linear1 = nnx.Linear(64, 16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, rngs=rngs if dropout_rngs else None)
+    self.linear2 = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x, rngs=None):
+    x = nnx.relu(self.bn(self.linear1(x.reshape(x.shape[0], -1))))
+    return self.linear2(self.dropout(x, rngs=rngs))
+
+
+def _modes(model):
+  return [(p, getattr(m, "use_running_average", None), getattr(m, "deterministic", None))
+          for p, m in nnx.iter_modules(model)]
+
+
+@pytest.mark.parametrize("make", ["own_rngs", "mnist_cnn"])
+def test_c48_evaluation_runs_in_eval_mode_and_leaves_the_model_in_train_mode(data, make):
+  model = OwnRngs() if make == "own_rngs" else nnx_models.make(seed=3)[0]
+  model(data[0][:16], nnx.Rngs(5))  # a train-mode forward pass: BatchNorm's running stats move
+  metrics = nnx_models.make()[2]
+  modes = _modes(model)
+  assert modes and all(m[1] in (False, None) and m[2] in (False, None) for m in modes)
+  got = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model, metrics,
+                                 iterations_per_loop=2).evaluate(data[2])
+  assert _modes(model) == modes  # the user's model keeps its mode
+  inference = nnx.clone(model)
+  inference.eval()
+  want = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, inference, nnx_models.make()[2],
+                                  iterations_per_loop=2).evaluate(data[2], eval_mode=False)
+  assert {k: np.asarray(v) for k, v in got.items()} == {k: np.asarray(v) for k, v in want.items()}
+  assert int(metrics.loss.count[...]) == N
+  x, y, _ = data  # and that is the model.eval() forward pass over the whole set
+  logits = np.asarray(inference(x, None))
+  assert float(metrics.accuracy.total[...]) == int(np.sum(logits.argmax(-1) == y))
+  np.testing.assert_allclose(float(got["loss"]), np.mean(np.asarray(
+      optax.softmax_cross_entropy_with_integer_labels(logits, y), np.float64)), rtol=1e-6)
+  assert abs(float(got["loss"]) - np.log(10)) > 1e-3  # not the train-mode constant ln 10
+  # A model switched to eval mode stays so, and gives the same numbers.
+  model.eval()
+  again = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model,
+                                   nnx_models.make()[2]).evaluate(data[2])
+  assert {k: np.asarray(v) for k, v in again.items()} == {k: np.asarray(v)
+                                                          for k, v in want.items()}
+  assert all(m[1] in (True, None) and m[2] in (True, None) for m in _modes(model))
+
+
+@pytest.mark.parametrize("make,named", [
+    ("own_rngs", r"bn \(BatchNorm\) normalises with batch statistics"),
+    ("mnist_cnn", r"batch_norm1 \(BatchNorm\) normalises with batch statistics"),
+    ("dropout_without_rngs", r"dropout \(Dropout\) is in training mode and has no rngs")])
+def test_c48_a_train_mode_evaluation_that_would_be_wrong_is_refused(data, make, named):
+  if make == "mnist_cnn":
+    model = nnx_models.make()[0]
+  else:
+    model = OwnRngs(dropout_rngs=make == "own_rngs")
+    if make == "dropout_without_rngs":
+      model.bn.use_running_average = True  # only the Dropout is in training mode
+  ev = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model, nnx_models.make()[2])
+  with pytest.raises(ValueError, match=named + r".*call model\.eval\(\) first, or evaluate "
+                     r"with eval_mode=True"):
+    ev.evaluate(data[2], eval_mode=False)
+  assert ev.compile_count() == 0
+  if make == "own_rngs":  # only BatchNorm in eval mode: Monte Carlo dropout is allowed
+    model.bn.use_running_average = True
+    got = ev.evaluate(data[2], eval_mode=False)
+    assert int(ev.metrics.loss.count[...]) == N and np.isfinite(float(got["loss"]))
+    assert model.dropout.deterministic is False
