@@ -177,12 +177,17 @@ class Hook:
     return None
 
   def on_run_error(self, ctx: RunContext, error: BaseException) -> None:
-    """Called once when ``run`` leaves by an exception after every ``on_run_start`` returned.
+    """Called once when ``run`` leaves by an exception, if this hook's ``on_run_start`` ran.
 
-    For cleanup that must finish before the error reaches the caller, e.g. waiting
-    for a background write (:class:`~loopkit.checkpoint.CheckpointHook` waits for
-    its in-flight save and releases its directory). ``on_run_end`` is not called
-    then. Exceptions raised here are logged, not raised: ``run`` raises ``error``.
+    Every hook whose ``on_run_start`` was called gets it, in hook order: all
+    of them for an error after the start; when an ``on_run_start`` raises,
+    the hooks before it and that hook itself (it may have half-opened
+    something), not the hooks after it, which never started. For cleanup that
+    must finish before the error reaches the caller, e.g. waiting for a
+    background write (:class:`~loopkit.checkpoint.CheckpointHook` waits for
+    its in-flight save and releases its directory). ``on_run_end`` is not
+    called then; the loop keeps the work done in ``loop.last_state``.
+    Exceptions raised here are logged, not raised: ``run`` raises ``error``.
 
     Args:
       ctx: the run's :class:`~loopkit.context.RunContext`.

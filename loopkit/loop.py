@@ -145,6 +145,10 @@ class TrainLoop:
     time_based_k: the :class:`~loopkit.planner.TimeBasedK`, or None.
     target_step: the global step the current ``run`` ends at.
 
+  A ``run`` that raises keeps the work done: :attr:`last_state` is then the
+  state at its last completed boundary, at step ``ledger.step`` (the state
+  given to ``run`` was donated).
+
   Not thread-safe. Multi-host: every process runs the same loop.
   """
 
@@ -244,7 +248,10 @@ class TrainLoop:
     Raises:
       ValueError: bad arguments, batch shape/dtype changes (naming the leaf),
         a step that changes the state's structure/shape/dtype, a step counter
-        that does not advance by one per step.
+        that does not advance by one per step. Whatever ``run`` raises (also a
+        hook's or the source's exception, a ``KeyboardInterrupt``), the work
+        done is kept: :attr:`last_state` is the state at the last completed
+        boundary, at step ``self.ledger.step``.
 
     Warns:
       DataExhaustedWarning: ``batches`` ran out; the run stops after the last
@@ -297,8 +304,38 @@ class TrainLoop:
 
   @property
   def data_position(self) -> Any:
-    """Source position after the last consumed chunk of the current (or last) run."""
+    """Source position after the last consumed chunk of the current (or last) run.
+
+    After ``run`` raised: the position after the last batch :attr:`last_state` has seen.
+    """
     return self._run.data_position if self._run is not None else None
+
+  @property
+  def last_state(self) -> Any:
+    """The state at the last completed boundary of the last run; None before any run.
+
+    After ``run`` returned: the state it returned. After ``run`` raised (a
+    batch of the wrong shape, a hook's or the source's exception, a
+    ``KeyboardInterrupt``), the state to continue from, since the state given
+    to ``run`` was donated: the output of the latest device call (or a hook's
+    replacement of it), whose step equals ``self.ledger.step``; no later call
+    consumed it, so its arrays are live (``loop.run(loop.last_state, ...)``
+    goes on). The run does not wait for that call when it raises: the arrays
+    are ready once it finishes. Exceptions:
+
+    * the device call itself failed (an XLA runtime error, e.g. out of
+      memory): the state is that call's output, or depends on it, and reading
+      it raises the call's error; there is no earlier state, each call's input
+      having been donated to it;
+    * ``run`` raised before it took the state (its arguments, or a state it
+      refuses): this property, :attr:`ledger` and :attr:`data_position` are
+      still the previous run's, and the state given is intact (not donated);
+    * None when the error deleted the state's buffers (a call that failed
+      while taking its donated input).
+
+    Read it, do not change it; it belongs to the run until the next ``run``.
+    """
+    return self._run.state if self._run is not None else None
 
   # -- internals -------------------------------------------------------------
 

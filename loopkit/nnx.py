@@ -15,7 +15,9 @@ them back (``nnx.merge``), calls the user's step and splits the mutated
 objects again. After :meth:`NnxTrainLoop.run` the user's objects hold the
 trained values (``nnx.update``). The state handed to the device is a copy of
 the objects' arrays, so the donation of the state never deletes an array the
-user's objects still hold, not even when ``run`` raises.
+user's objects hold. If ``run`` raises, the objects take the state of the last
+completed boundary (:attr:`loopkit.TrainLoop.last_state`): no work is lost,
+and ``optimizer.step`` equals ``ledger.step``.
 
 Arguments reach the step in the order of Flax's examples:
 ``train_step(model, optimizer, [metrics,] batch, *extra)`` (``extra``: e.g.
@@ -49,6 +51,7 @@ Requires ``flax`` (``pip install loopkit[nnx]``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -69,6 +72,8 @@ except ImportError as e:
 __all__ = ["NnxEvaluator", "NnxTrainLoop"]
 
 _NAMES = ("model", "optimizer", "metrics")
+
+log = logging.getLogger("loopkit")
 
 
 def _pure(objects: tuple) -> tuple[Any, dict]:
@@ -236,13 +241,43 @@ class NnxTrainLoop:
       arrays the user's objects now hold.
 
     Raises:
-      ValueError: see the class and :meth:`loopkit.TrainLoop.run`. If ``run``
-      raises, the objects keep the values they had before it.
+      ValueError: see the class and :meth:`loopkit.TrainLoop.run`. Whatever
+        ``run`` raises (also a hook's or the source's exception, a
+        ``KeyboardInterrupt``), the objects then hold the state of the last
+        completed boundary (:attr:`loopkit.TrainLoop.last_state`), at step
+        ``ledger.step``; the latest device call is waited for first. They keep
+        the values they had before ``run`` only if it raised before it took
+        their state (bad arguments), or if the device call itself failed (an
+        XLA runtime error: no later state is readable; logged).
     """
     state = _copy(self.state())
-    state = self.loop.run(state, batches, num_steps=num_steps, num_epochs=num_epochs)
+    before = self.loop.last_state
+    try:
+      state = self.loop.run(state, batches, num_steps=num_steps, num_epochs=num_epochs)
+    except BaseException:
+      self._keep_work(before)
+      raise
     self.update(state)
     return state
+
+  def _keep_work(self, before: Any) -> None:
+    """After ``run`` raised: the objects take the loop's last completed state (case C43).
+
+    Args:
+      before: ``loop.last_state`` before the run (still the same object if the
+        run raised before it took the state).
+    """
+    kept = self.loop.last_state
+    if kept is None or kept is before:
+      return
+    try:
+      jax.block_until_ready(kept)
+    except Exception as e:  # pylint: disable=broad-except  # the run's own error propagates
+      log.warning("NnxTrainLoop: the objects keep their values from before run: the state "
+                  "at step %d is not readable (%s: %s)", self.loop.ledger.step,
+                  type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+      return
+    self.update(kept)
 
   @property
   def ledger(self):

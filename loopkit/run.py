@@ -111,7 +111,12 @@ class Run:
     ledger: the run's :class:`~loopkit.ledger.Ledger` (written only here).
     ledger_view: its read-only view, for hooks.
     data_position: source position after the last consumed call.
+    state: the latest state (the output of the latest dispatched call, or a
+      hook's replacement), at the ledger's step; what ``TrainLoop.last_state``
+      hands back when ``run`` raises (:meth:`fail`).
     names: the hooks' stable names (:func:`loopkit.hook_state.hook_names`).
+    started: how many hooks' ``on_run_start`` were called (they get
+      ``on_run_error``).
   """
 
   def __init__(self, loop: TrainLoop, ledger: Ledger, target: int, num_epochs: int | None):
@@ -125,6 +130,9 @@ class Run:
     self.target = target
     self.num_epochs = num_epochs
     self.data_position: Any = None
+    self.state: Any = None
+    self.state_position: Any = None  # the source position after self.state's last batch
+    self.started = 0
     self.last: Boundary | None = None  # the last boundary whose hooks ran
     self.state_spec: Any = None
     # A ledger made from the state's step alone (no checkpoint, not the loop's last
@@ -172,6 +180,7 @@ class Run:
     """
     loop = self.loop
     for i, h in enumerate(self.hooks):
+      self.started = i + 1
       new = self.call_hook(i, h.on_run_start, self.contexts[i], state)
       if new is None:
         continue
@@ -185,6 +194,7 @@ class Run:
               f"{type(h).__name__}.on_run_start returned a state at step {step} but the "
               f"ledger is at step {self.ledger.step}: to restore, return "
               "loopkit.Restore(state, ledger, data_position)")
+        self.state = state
       step0 = self.ledger.step
     for i, h in enumerate(self.hooks):
       adjust = getattr(h, "adjust_ledger", None)
@@ -230,7 +240,7 @@ class Run:
     ledger.steps_per_epoch = self.loop.steps_per_epoch
     self.set_ledger(ledger)
     self.examples_unknown = False
-    self.data_position = r.data_position
+    self.state, self.data_position = state, r.data_position
     unmatched = give_hook_states(r.hook_states, self.hooks, self.names, i)
     if unmatched:
       log.warning("%s: the restored hook states %s match no hook of this loop (hooks: %s); "
@@ -245,9 +255,19 @@ class Run:
   # -- the run --------------------------------------------------------------
 
   def execute(self, state: Any, batches: Iterable, step0: int) -> Any:
-    """Runs to the target (or a stop); returns the final state."""
+    """Runs to the target (or a stop); returns the final state.
+
+    If it raises, :attr:`state` is the work kept and the hooks whose
+    ``on_run_start`` was called get ``on_run_error`` (:meth:`fail`).
+    """
     loop = self.loop
-    state, feeder = self.start(state, batches, step0)
+    self.state = state
+    try:
+      state, feeder = self.start(state, batches, step0)
+    except BaseException as error:
+      self.fail(error)
+      raise
+    self.state_position = self.data_position
     pending: Boundary | None = None  # the last dispatched call, not yet finished
     returning = False  # False while an exception propagates: close without waiting
     checked_layout = False
@@ -292,12 +312,9 @@ class Run:
         state = self.boundary(pending, state)
       state = self.stop(state)
       returning = True
-    except BaseException as error:  # invariant 5: no save left in flight (Hook.on_run_error)
-      for i, h in enumerate(self.hooks):
-        try:
-          getattr(h, "on_run_error", lambda ctx, e: None)(self.contexts[i], error)
-        except Exception:  # pylint: disable=broad-except  # the run's own error propagates
-          log.exception("%s.on_run_error failed", type(h).__name__)
+    except BaseException as error:
+      self.data_position = self.state_position  # the position of the state kept
+      self.fail(error)
       raise
     finally:
       loop.preemption.uninstall()
@@ -313,6 +330,7 @@ class Run:
     t0 = time.perf_counter()
     first_call = loop.program.compile_count() == 0
     state, out = loop.program(state, chunk.batches, chunk.num_steps)
+    self.state, self.state_position = state, chunk.position  # its input was donated
     ledger.add_time(Bucket.COMPILE if first_call else Bucket.DISPATCH, time.perf_counter() - t0)
     ledger.advance(chunk.length, chunk.global_batch_size)
     end = ledger.step
@@ -385,7 +403,7 @@ class Run:
       h = self.hooks[i]
       new = self.call_hook(i, h.after_call, info, state if h.needs_state else None)
       if new is not None and h.needs_state:
-        state = self.admit(new, i)
+        state = self.state = self.admit(new, i)
     return state
 
   def stop(self, state: Any) -> Any:
@@ -405,8 +423,34 @@ class Run:
       self.tick_total()  # seconds["total"] is current for each on_run_end (a summary)
       new = self.call_hook(i, h.on_run_end, self.contexts[i], state)
       if new is not None:
-        state = self.admit(new, i)
+        state = self.state = self.admit(new, i)
     return state
+
+  # -- errors ----------------------------------------------------------------
+
+  def fail(self, error: BaseException) -> None:
+    """When the run raises ``error``: keeps the work done, then ``on_run_error``.
+
+    Keeps :attr:`state` for ``TrainLoop.last_state`` (case C43): it is the state of the last completed boundary: the
+    output of the latest dispatched call (or a hook's replacement of it), at
+    the ledger's step, which no later call has consumed. It is not waited for
+    here (an interrupt is not held up by the device): it is ready once that
+    call finishes, and if the call itself failed, reading it raises the call's
+    error. A state whose buffers were deleted (a call that failed while taking
+    its donated input) is dropped: :attr:`state` becomes None.
+
+    Then calls ``on_run_error`` of every hook whose ``on_run_start`` was
+    called, the one that raised included (invariant 5: no save left in
+    flight); their own failures are logged, ``error`` propagates.
+    """
+    leaves = jax.tree.leaves(self.state)
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+      self.state = None
+    for i, h in enumerate(self.hooks[:self.started]):
+      try:
+        getattr(h, "on_run_error", lambda ctx, e: None)(self.contexts[i], error)
+      except Exception:  # pylint: disable=broad-except  # the run's own error propagates
+        log.exception("%s.on_run_error failed", type(h).__name__)
 
   # -- boundary helpers ----------------------------------------------------
 

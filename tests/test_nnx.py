@@ -109,16 +109,85 @@ def test_metrics_logged_per_call_are_exact_means():
   assert total == float(objs[2].accuracy.total[...])  # correct predictions, exactly
 
 
-def test_objects_keep_their_values_when_run_raises():
+@pytest.fixture(scope="module")
+def clean_arrays():
+  """The objects' arrays at steps 3, 5 and 10 of a run without error (K = 1, 8 devices)."""
+  objs = make()
+  loop = loopkit.nnx.NnxTrainLoop(nnx_models.train_step, *objs[:3], extra=(objs[3],),
+                                  iterations_per_loop=1)
+  out, done = {}, 0
+  for step in (3, 5, 10):
+    loop.run(DATA[done:step], num_steps=step)
+    out[step], done = arrays(objs), step
+  return out
+
+
+def assert_arrays_equal(got, want):
+  assert len(got) == len(want) == 21
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("k, kept", [(1, 5), (3, 3)])  # the chunk of step 6 is never dispatched
+def test_c43_objects_hold_the_last_completed_boundary_when_run_raises(clean_arrays, k, kept):
+  objs = make()
+  loop = loopkit.nnx.NnxTrainLoop(nnx_models.train_step, *objs[:3], extra=(objs[3],),
+                                  iterations_per_loop=k)
+  bad = list(DATA[:10])
+  bad[5] = {"image": DATA[5]["image"][:, :4], "label": DATA[5]["label"]}
+  with pytest.raises(ValueError, match=r"step 6 .*\['image'\] has shape \(16, 4, 8, 1\)"):
+    loop.run(bad, num_steps=10)
+  # Flax's own loop would keep these steps too: the objects hold step `kept`, as the ledger.
+  assert int(objs[1].step[...]) == loop.ledger.step == kept
+  assert_arrays_equal(arrays(objs), clean_arrays[kept])  # live arrays: not donated
+  loop.run(DATA[kept:10], num_steps=10)  # and they go on to the result of a run without error
+  assert_arrays_equal(arrays(objs), clean_arrays[10])
+  # A run refused before it takes the objects' state leaves them as they are.
+  objs[0].linear1.bias[...] = 7.0
+  with pytest.raises(ValueError, match="num_steps"):
+    loop.run(DATA, num_steps=-1)
+  np.testing.assert_array_equal(objs[0].linear1.bias[...], np.full(10, 7.0, np.float32))
+
+
+def test_c43_objects_keep_their_values_when_the_device_call_fails():
+  def fail(step):
+    if int(step) == 4:
+      raise RuntimeError("device failure at 4")
+
+  def step(model, optimizer, metrics, batch, rngs):
+    jax.debug.callback(fail, optimizer.step[...] + 1)
+    nnx_models.train_step(model, optimizer, metrics, batch, rngs)
+
+  objs = make()
+  before = arrays(objs)
+  loop = loopkit.nnx.NnxTrainLoop(step, *objs[:3], extra=(objs[3],), iterations_per_loop=1,
+                                  mesh=loopkit.data_parallel_mesh(devices=jax.devices()[:1]))
+  with pytest.raises(Exception, match="device failure at 4"):
+    loop.run(DATA, num_steps=6)
+  # The state of step 3 went into the failed call (donated): the objects keep their values
+  # (their own arrays, never donated) rather than take unreadable ones.
+  assert loop.ledger.step == 3 and loop.loop.last_state is None
+  assert_arrays_equal(arrays(objs), before)
+
+
+def test_c43_objects_keep_their_values_when_the_kept_state_is_unreadable(monkeypatch, caplog):
+  # Where a failed call surfaces late (asynchronous dispatch), the kept state is readable only as
+  # that call's error; the adapter then leaves the objects as they were and says so.
   objs = make()
   before = arrays(objs)
   loop = loopkit.nnx.NnxTrainLoop(nnx_models.train_step, *objs[:3], extra=(objs[3],),
-                                  iterations_per_loop=2)
-  bad = DATA[:3] + [{"image": DATA[0]["image"][:, :4], "label": DATA[0]["label"]}]
-  with pytest.raises(ValueError, match="image"):
-    loop.run(bad, num_steps=6)
-  for a, b in zip(arrays(objs), before):  # not deleted (donated) and not half-trained
-    np.testing.assert_array_equal(a, b)
+                                  iterations_per_loop=1,
+                                  mesh=loopkit.data_parallel_mesh(devices=jax.devices()[:1]))
+  bad = DATA[:2] + [{"image": DATA[2]["image"][:, :4], "label": DATA[2]["label"]}]
+
+  def unreadable(tree):
+    raise RuntimeError("INTERNAL: the call failed")
+
+  monkeypatch.setattr(loopkit.nnx.jax, "block_until_ready", unreadable)
+  with pytest.raises(ValueError, match="step 3"):
+    loop.run(bad, num_steps=4)
+  assert "the state at step 2 is not readable (RuntimeError: INTERNAL" in caplog.text
+  assert_arrays_equal(arrays(objs), before)
 
 
 def test_second_run_continues_and_sees_reset_metrics(reference):
