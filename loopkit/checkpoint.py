@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -99,7 +100,7 @@ from loopkit.checkpoint_files import (
   _COMMIT_FILE,
   _ITEMS,
   _drain_writers,
-  _remove_tmp_dirs,
+  _remove_failed_save,
   _tidy,
   _unfinished_write,
 )
@@ -115,6 +116,7 @@ from loopkit.checkpoint_items import (
   _storable,
   _tree_difference,
 )
+from loopkit.checkpoint_lock import DirectoryLock, claim, describe, holder_of, stale_reason
 from loopkit.context import Restore, RunContext
 from loopkit.hooks import Hook, LoopInfo
 from loopkit.ledger import Bucket, Ledger
@@ -126,7 +128,8 @@ __all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCh
 _REEXPORTED = (_tidy, _unfinished_write)
 
 class CheckpointError(RuntimeError):
-  """A checkpoint save failed (the message names the step and directory)."""
+  """A checkpoint save failed (the message names the step and directory), or the
+  directory cannot be used at run start (unwritable, or in use by another run)."""
 
 
 class CheckpointWarning(UserWarning):
@@ -164,7 +167,10 @@ class CheckpointHook(Hook):
 
   Args:
     directory: root directory (local path or any ``etils.epath`` path); created
-      if missing. One step directory per checkpoint, named by the step.
+      if missing. One step directory per checkpoint, named by the step. A
+      relative local path (or one starting with ``~``) is resolved here, at
+      construction, against the current working directory: ``self.directory``
+      is absolute (Orbax needs it so) and a later ``os.chdir`` does not move it.
     every_steps, every_epochs, at_steps, every_secs: when to save (see
       :class:`loopkit.triggers.Trigger`); the planner cuts device calls so step
       marks land exactly. The final step of a run, an early stop and a
@@ -182,7 +188,13 @@ class CheckpointHook(Hook):
     ValueError: ``max_to_keep`` or ``keep_best`` < 1, ``keep_best`` without
       ``best_metric``, or ``best_mode`` not in ``("min", "max")``.
 
+  At ``run`` start (:meth:`on_run_start`), before any step, the hook raises
+  :class:`CheckpointError` naming the directory if it is not writable (and
+  why), or if another live run holds its lock (naming that run's host, pid and
+  start time); see :mod:`loopkit.checkpoint_lock`.
+
   Attributes:
+    directory: the absolute checkpoint directory (an ``epath.Path``).
     restored_step: step restored by the last ``on_run_start`` (None if none).
     saved_steps: steps this hook saved, in order (this process's view).
   """
@@ -208,7 +220,11 @@ class CheckpointHook(Hook):
         raise ValueError("keep_best needs best_metric (the metric that ranks checkpoints)")
     if best_mode not in ("min", "max"):
       raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-    self.directory = epath.Path(directory)
+    path = epath.Path(directory)
+    if "://" not in str(path) and not path.is_absolute():  # case C45: resolved once, here
+      path = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    self.directory = path
+    self._lock = DirectoryLock(self.directory)
     self.max_to_keep = max_to_keep
     self.best_metric = best_metric
     self.best_mode = best_mode
@@ -245,7 +261,11 @@ class CheckpointHook(Hook):
         preservation_policy=ocp_managers.AnyPreservationPolicy(policies),
         best_fn=self._metric_of if self.best_metric else None,
         best_mode=self.best_mode, step_name_format=name_format,
-        cleanup_tmp_directories=False, create=True)
+        cleanup_tmp_directories=False, create=True,
+        # The step directory is made inside save(), so a directory that became unwritable
+        # fails there at once; made in the background, its failure is only seen after
+        # Orbax's 300 s signal time-outs (case C45).
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
 
   def _metric_of(self, metrics: dict[str, Any]) -> float:
     assert self.best_metric is not None  # only called with one
@@ -253,7 +273,7 @@ class CheckpointHook(Hook):
 
   def _open(self) -> ocp.CheckpointManager:
     if self._manager is None:
-      for message in _tidy(self.directory):
+      for message in _tidy(self.directory, remove=self._may_remove_unfinished()):
         if message not in self._warned:  # once per hook, not at every reopening
           self._warned.add(message)
           warnings.warn(message, CheckpointWarning, stacklevel=3)
@@ -262,6 +282,18 @@ class CheckpointHook(Hook):
       self._manager = ocp.CheckpointManager(self.directory, options=self._options(),
                                             item_handlers=handlers)
     return self._manager
+
+  def _may_remove_unfinished(self) -> bool:
+    """Whether unfinished saves are this hook's to remove: not while another live run
+    holds the directory's lock (they may be its saves in progress, case C46)."""
+    if self._lock.held or jax.process_index() != 0:
+      return True
+    holder = holder_of(self.directory)
+    if holder is None or stale_reason(holder, self._lock.stale_after_s) is not None:
+      return True
+    log.info("not removing unfinished saves in %s: it is in use by %s", self.directory,
+             describe(holder))
+    return False
 
   def close(self) -> None:
     """Waits for the last write (raising :class:`CheckpointError` if it failed)
@@ -311,9 +343,15 @@ class CheckpointHook(Hook):
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      _drain_writers(self._manager)
+      self._discard(step)
       raise CheckpointError(f"asynchronous save of step {step} to {self.directory} failed: "
                             f"{type(e).__name__}: {e}") from e
+
+  def _discard(self, step: int) -> None:
+    """After a failed save: waits for its writers, then removes its unfinished directory."""
+    assert self._manager is not None
+    _drain_writers(self._manager)
+    _remove_failed_save(self.directory, step)
 
   def _check_in_flight(self) -> None:
     """Raises a finished save's error without waiting for a running save."""
@@ -374,6 +412,7 @@ class CheckpointHook(Hook):
     try:
       manager.save(step, args=args, metrics=ranked, force=True)
     except Exception as e:  # pylint: disable=broad-except
+      self._discard(step)
       raise CheckpointError(f"saving step {step} to {self.directory} failed: "
                             f"{type(e).__name__}: {e}") from e
     self._in_flight = step
@@ -435,12 +474,16 @@ class CheckpointHook(Hook):
   # -- Hook protocol ---------------------------------------------------------
 
   def on_run_start(self, ctx: RunContext, state: Any) -> Restore | None:
-    """Opens the directory; returns the latest checkpoint, if any, as a Restore.
+    """Claims the directory, opens it; returns the latest checkpoint, if any, as a Restore.
 
     Returns:
       None (no checkpoint, or ``restore=False``) or a
       :class:`~loopkit.context.Restore` of the state, ledger, data position
       and other hooks' states, which the loop applies.
+
+    Raises:
+      CheckpointError: the directory is not writable, or another live run
+        holds it (on every process alike: see :func:`loopkit.checkpoint_lock.claim`).
     """
     self._ctx = ctx
     self.restored_step = None
@@ -449,6 +492,17 @@ class CheckpointHook(Hook):
         self.close()
       except CheckpointError as e:
         log.warning("%s", e)
+    problem = claim(self.directory, self._lock)
+    if problem is not None:
+      raise CheckpointError(problem)
+    log.info("checkpoints in %s", self.directory)
+    try:
+      return self._resume(state)
+    except BaseException:
+      self._lock.release()
+      raise
+
+  def _resume(self, state: Any) -> Restore | None:
     self._open()
     if not self.restore_on_start or self.latest_step() is None:
       return None
@@ -481,22 +535,27 @@ class CheckpointHook(Hook):
     return None
 
   def on_run_end(self, ctx: RunContext, state: Any) -> None:
-    """Waits for the last write; raises :class:`CheckpointError` if it failed."""
-    self.close()
+    """Waits for the last write (raises :class:`CheckpointError` if it failed); releases
+    the directory's lock."""
+    try:
+      self.close()
+    finally:
+      self._lock.release()
     return None
 
   def on_run_error(self, ctx: RunContext, error: BaseException) -> None:
     """The run ends by ``error``: lets the in-flight save commit, then releases the directory.
 
     If that save fails too, its failure is logged (``error`` is what ``run``
-    raises) and its unfinished directory is removed, so that a new hook on the
-    directory (in this process or another) resumes from the last committed step.
-    Involves no collective (other processes may not be raising).
+    raises) and its unfinished directory is removed (on several processes once
+    every process got there, or at the next run's start: see
+    :func:`loopkit.checkpoint_files._remove_failed_save`), so that a new hook on
+    the directory (in this process or another) resumes from the last committed
+    step. Then the directory's lock is released.
     """
-    step = self._in_flight
     try:
       self.close()
     except CheckpointError as e:
       log.warning("while the run raised %s: %s", type(error).__name__, e)
-      if step is not None and jax.process_index() == 0:
-        _remove_tmp_dirs(self.directory, step)
+    finally:
+      self._lock.release()

@@ -8,6 +8,7 @@ warnings, what it leaves alone (cases C21, C35, C41). Used by
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import time
@@ -44,14 +45,17 @@ def _drain_writers(manager: ocp.CheckpointManager, timeout_s: float = 60.0) -> N
   compat.wait_for_orbax_writers(manager, timeout_s)
 
 
+_RACING = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.EBUSY)  # a writer still adds files
+
+
 def _rmtree(p: epath.Path, attempts: int = 20) -> None:
   """Removes a directory, retrying while a stray writer still adds files."""
   for i in range(attempts):
     try:
       p.rmtree(missing_ok=True)
       return
-    except OSError:
-      if i == attempts - 1:
+    except OSError as e:
+      if i == attempts - 1 or e.errno not in _RACING:  # e.g. read-only: retrying cannot help
         raise
       time.sleep(0.05 * (i + 1))
 
@@ -81,13 +85,14 @@ def _unfinished_write(p: epath.Path) -> bool:
   return bool(names) and _COMMIT_FILE not in names and set(names) <= {_STEP_METADATA, *_ITEMS}
 
 
-def _tidy(directory: epath.Path) -> list[str]:
+def _tidy(directory: epath.Path, remove: bool = True) -> list[str]:
   """Removes this hook's unfinished saves; returns warnings about what loopkit does not read.
 
   Runs on process 0, then syncs the processes. Only :func:`_unfinished_write`
-  entries are deleted (case C21); digit-named folders that are not complete
-  checkpoints (C35) and other programs' checkpoints (C41) are left in place,
-  each kind named in one message.
+  entries are deleted (case C21), and only if ``remove`` (process 0's decision:
+  not while another live run holds the directory, C46); digit-named folders
+  that are not complete checkpoints (C35) and other programs' checkpoints (C41)
+  are left in place, each kind named in one message.
   """
   messages = []
   if jax.process_index() == 0 and directory.exists():
@@ -95,8 +100,9 @@ def _tidy(directory: epath.Path) -> list[str]:
     for p in sorted(directory.iterdir(), key=lambda q: q.name):
       name = p.name
       if _unfinished_write(p):
-        log.warning("removing unfinished checkpoint directory %s", p)
-        _rmtree(p)
+        if remove:
+          log.warning("removing unfinished checkpoint directory %s", p)
+          _rmtree(p)
       elif name.isdigit() and not (p / _COMMIT_FILE).exists():
         kept.append(name)
       elif _step_of_name(name) is None and _FOREIGN_CHECKPOINT.search(name):
@@ -116,6 +122,38 @@ def _tidy(directory: epath.Path) -> list[str]:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("loopkit_checkpoint_remove_unfinished")
   return messages
+
+
+_FAILED_SAVE_BARRIER_S = 60  # how long process 0 waits for the others before removing
+_removals = 0  # failed saves handled in this process (keeps barrier keys unique)
+
+
+def _remove_failed_save(directory: epath.Path, step: int,
+                        barrier_s: float = _FAILED_SAVE_BARRIER_S) -> None:
+  """Removes a failed save's unfinished directories, once no process writes into them.
+
+  Called on every process after it drained its own writers
+  (:func:`_drain_writers`). On several processes, process 0 first waits at a
+  barrier (Orbax's ``multihost.get_barrier_sync_fn``, ``barrier_s`` seconds)
+  for the others to get there; if one does not, the directories stay and the
+  next run's start (:func:`_tidy`, which syncs all processes) removes them.
+  """
+  global _removals
+  _removals += 1
+  if jax.process_count() > 1:
+    try:
+      ocp.multihost.get_barrier_sync_fn()(
+          key=f"loopkit_remove_failed_save_{step}_{_removals}", timeout_ms=int(barrier_s * 1000))
+    except Exception as e:  # pylint: disable=broad-except  # a time-out: leave the directories
+      log.warning("not removing the failed save of step %d in %s yet: not every process "
+                  "finished with it within %g s (%s: %s); the next run's start removes it",
+                  step, directory, barrier_s, type(e).__name__, e)
+      return
+  if jax.process_index() == 0:
+    try:
+      _remove_tmp_dirs(directory, step)
+    except OSError as e:  # the save's own error is the one to raise
+      log.warning("could not remove the failed save of step %d in %s: %s", step, directory, e)
 
 
 def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:

@@ -182,19 +182,23 @@ def _decode_position(d: dict[str, Any]) -> Any:
   raise ValueError(f"unknown data position kind {kind!r} in checkpoint")
 
 
-def _encode_positions(position: Any) -> dict[str, Any]:
-  """Every process's position (one entry per process, in process order)."""
-  mine = _encode_position(position)
+def _allgather_json(value: Any) -> list[Any]:
+  """Every process's JSON-serialisable ``value``, in process order (a collective)."""
   if jax.process_count() == 1:
-    return {"per_process": [mine]}
+    return [value]
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  raw = np.frombuffer(json.dumps(mine).encode(), np.uint8)
+  raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
   lengths = multihost_utils.process_allgather(np.asarray(raw.size, np.int32))
   padded = np.zeros(int(np.max(lengths)), np.uint8)
   padded[:raw.size] = raw
   rows = np.asarray(multihost_utils.process_allgather(padded))
-  return {"per_process": [json.loads(bytes(row[:n]).decode())
-                          for row, n in zip(rows, np.asarray(lengths), strict=True)]}
+  return [json.loads(bytes(row[:n]).decode())
+          for row, n in zip(rows, np.asarray(lengths), strict=True)]
+
+
+def _encode_positions(position: Any) -> dict[str, Any]:
+  """Every process's position (one entry per process, in process order)."""
+  return {"per_process": _allgather_json(_encode_position(position))}
 
 
 def _decode_positions(d: dict[str, Any]) -> Any:

@@ -277,9 +277,7 @@ class TrainLoop:
                            "replicate): pass the unreplicated state (jax_utils.unreplicate, "
                            "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
                            "itself" if replicated else ""))
-    step0 = int(jax.device_get(counter))
-    if step0 >= target:
-      log.warning("nothing to run: the state is at step %d and num_steps is %d", step0, target)
+    step0 = int(jax.device_get(counter))  # "nothing to run" is told after restores (Run.start)
     fresh = prior is None or prior.step != step0
     ledger = Ledger(step=step0) if fresh else prior
     ledger.steps_per_epoch = self.steps_per_epoch

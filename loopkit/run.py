@@ -205,6 +205,9 @@ class Run:
             raise TypeError(f"{type(h).__name__}.adjust_ledger returned {change!r}, not a "
                             "loopkit.LedgerAdjustment or None")
           change.apply_to(self.ledger)
+    if step0 >= self.target:  # after restores: a checkpoint past the target too (case C47)
+      log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
+                  self.target)
     loop._check_triggers()
     for h in self.hooks:
       h.trigger.start_clock()

@@ -253,6 +253,43 @@ def train_checkpointed(directory: str, num_steps: int, iterations_per_loop: int 
   return out
 
 
+def checkpoint_directory_claims(locked: str, failed: str, delay_s: float = 3.0) -> dict:
+  """Cases C46 and item 9 on every process.
+
+  ``locked`` holds a live lock of another run: every process's ``run`` must fail
+  at start with the same message, before any step. In ``failed`` (holding
+  ``8.orbax-checkpoint-tmp``), process 1 reaches the failed save's removal
+  ``delay_s`` late: process 0 must remove the directory only after that.
+  """
+  from etils import epath
+
+  from loopkit import checkpoint_files
+  from loopkit.checkpoint import CheckpointError, CheckpointHook
+
+  t0 = time.monotonic()
+  try:
+    train(6, 3, extra_hooks=[CheckpointHook(locked, every_steps=3)])
+    error = None
+  except CheckpointError as e:
+    error = str(e)
+  refused_s = time.monotonic() - t0
+  removed_at = []
+  original = checkpoint_files._remove_tmp_dirs
+
+  def recording(directory, step):
+    removed_at.append(time.time())
+    original(directory, step)
+
+  checkpoint_files._remove_tmp_dirs = recording
+  if jax.process_index() == 1:
+    time.sleep(delay_s)  # still draining this process's writers
+  arrived_at = time.time()
+  checkpoint_files._remove_failed_save(epath.Path(failed), 8)
+  checkpoint_files._remove_tmp_dirs = original
+  return {"error": error, "refused_s": refused_s, "arrived_at": arrived_at,
+          "removed_at": removed_at, "left": sorted(os.listdir(failed))}
+
+
 def train_until_sigterm(directory: str, marker_dir: str, wait_step: int = 4,
                         num_steps: int = 12, iterations_per_loop: int = 3) -> dict:
   """Trains with checkpoints every 6 steps; process 1 waits at ``wait_step`` for SIGTERM.
