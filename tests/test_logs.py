@@ -1,5 +1,9 @@
-"""loopkit prints by default in a plain script, once, on process 0 only (loopkit.logs)."""
+"""loopkit prints by default in a plain script, once, on process 0 only, whatever absl, Orbax or
+CLU did to the root logger; an application's own logging configuration wins (loopkit.logs).
 
+The fault lives in process-wide logging state, so each case runs a script in a subprocess."""
+
+import io
 import logging
 import os
 import re
@@ -36,13 +40,15 @@ def test_the_readme_snippet_prints_its_metrics_as_a_plain_script(tmp_path):
   assert re.match(r"step 25: loss=[0-9.e+-]+, epoch=0, examples_seen=1600$", lines[0]), lines[0]
 
 
-@pytest.mark.parametrize("level,expected", [("WARNING", 0), ("INFO", 4)])
-def test_a_script_that_configured_logging_gets_its_own_format_once(tmp_path, level, expected):
-  code = (f"import logging\nlogging.basicConfig(level=logging.{level}, format='APP %(message)s')\n"
+@pytest.mark.parametrize("config,expected", [
+    ("level=logging.WARNING", 0),  # the default format: absl's stand-in looks the same
+    ("level=logging.INFO, format='APP %(message)s'", 4)])
+def test_a_script_that_configured_logging_gets_its_own_format_once(tmp_path, config, expected):
+  code = (f"import logging\nlogging.basicConfig({config})\n"
           + readme_usage_snippet().replace("/tmp/loopkit-usage", str(tmp_path)))
   out = run_script(code, tmp_path)
   lines = [line for line in out.stderr.splitlines() if "step " in line and "loss=" in line]
-  assert len(lines) == expected and all(line.startswith("APP step ") for line in lines)
+  assert len(lines) == expected and all(line.startswith("APP step ") for line in lines), lines
 
 
 def test_only_process_zero_prints_info(monkeypatch, capsys):
@@ -57,3 +63,222 @@ def test_only_process_zero_prints_info(monkeypatch, capsys):
     handler.emit(record)
     handler.emit(warning)
     assert capsys.readouterr().err == shown
+
+
+# A tiny loop: rows every 10 steps, K = 5, one CPU device. {prelude} runs first (the imports and
+# logging setup under test), {writer} is the LoggingHook's writer, {hooks} more hooks; with
+# {resume}, a second TrainLoop resumes from the checkpoint at 20 and trains to 40.
+SCRIPT = """\
+{prelude}
+import jax.numpy as jnp
+import numpy as np
+import loopkit
+
+def train_step(state, batch):
+  loss = jnp.mean(batch["x"])
+  return {{"step": state["step"] + 1, "w": state["w"] + loss}}, {{"loss": loss}}
+
+def eval_step(state, batch):
+  return {{"err": batch["x"][:, 0] + state["w"]}}
+
+batches = [{{"x": np.full((8, 2), float(i), np.float32)}} for i in range(40)]
+
+def train(num_steps):
+  hooks = [loopkit.LoggingHook({writer}, every_steps=10), {hooks}]
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=5, hooks=hooks)
+  loop.run({{"step": jnp.zeros((), jnp.int32), "w": jnp.zeros((), jnp.float32)}}, batches,
+           num_steps=num_steps)
+
+def main(argv=()):
+  train(20)
+  if {resume}:
+    train(40)
+
+{main}
+"""
+
+CKPT = "loopkit.CheckpointHook(CKPT_DIR, every_steps=10)"
+EVAL = "loopkit.EvalHook(loopkit.Evaluator(eval_step), batches[:2], every_steps=20, at_end=False)"
+ROW = re.compile(r"step (\d+): loss=")
+
+
+def loop_script(tmp_path, *, prelude="", writer="None", hooks="", resume=False,
+                main="main()") -> subprocess.CompletedProcess:
+  code = SCRIPT.format(prelude=prelude, writer=writer, hooks=hooks, resume=resume, main=main)
+  path = tmp_path / "script.py"
+  path.write_text(code.replace("CKPT_DIR", repr(str(tmp_path / "ckpt"))))
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+  env["JAX_PLATFORMS"] = "cpu"
+  out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
+                       cwd=str(tmp_path), timeout=300)
+  assert out.returncode == 0, out.stderr
+  return out
+
+
+def row_steps(stderr: str) -> list[int]:
+  return [int(m.group(1)) for m in map(ROW.search, stderr.splitlines()) if m]
+
+
+def has_module(name: str) -> bool:
+  try:
+    __import__(name)
+  except ImportError:
+    return False
+  return True
+
+
+needs_orbax = pytest.mark.skipif(not has_module("orbax.checkpoint"), reason="needs orbax")
+needs_absl = pytest.mark.skipif(not has_module("absl.logging"), reason="needs absl-py")
+
+
+CLU_WRITER = ("metric_writers.create_default_writer(just_logging=True)"
+              if has_module("clu.metric_writers") else "None")
+
+
+@needs_orbax
+def test_orbax_a_resume_eval_and_clu_print_every_row_once_in_a_plain_script(tmp_path):
+  """Orbax's first absl log call installs absl's stand-in root handler (a bare basicConfig);
+  CLU's LoggingWriter (where clu is installed) logs through absl at every write, on its writer
+  thread. Every row, the eval result and the resume line print once, in loopkit's format."""
+  prelude = "import orbax.checkpoint"
+  if CLU_WRITER != "None":
+    prelude += "\nfrom clu import metric_writers"
+  out = loop_script(tmp_path, prelude=prelude, writer=CLU_WRITER, hooks=f"{CKPT}, {EVAL}",
+                    resume=True)
+  lines = out.stderr.splitlines()
+  assert [line for line in lines if line.startswith("step ")] == [
+      "step 10: loss=4.5, epoch=0, examples_seen=80",
+      "step 20: loss=14.5, epoch=0, examples_seen=160",
+      "step 20 eval: err=190.5 (16 examples)",
+      "step 30: loss=24.5, epoch=0, examples_seen=240",
+      "step 40: loss=34.5, epoch=0, examples_seen=320",
+      "step 40 eval: err=780.5 (16 examples)"], out.stderr
+  assert row_steps(out.stderr) == [10, 20, 30, 40], out.stderr
+  resumed = [line for line in lines if "resumed from checkpoint" in line]
+  assert resumed == [f"resumed from checkpoint 20 in {tmp_path / 'ckpt'}"], out.stderr
+
+
+@needs_absl
+def test_absl_before_its_flags_are_parsed_does_not_hide_rows(tmp_path):
+  prelude = "from absl import logging as absl_logging\nabsl_logging.info('absl says hello')"
+  out = loop_script(tmp_path, prelude=prelude, hooks=EVAL)
+  assert [line for line in out.stderr.splitlines() if line.startswith("step ")] == [
+      "step 10: loss=4.5, epoch=0, examples_seen=80",
+      "step 20: loss=14.5, epoch=0, examples_seen=160",
+      "step 20 eval: err=190.5 (16 examples)"], out.stderr
+
+
+@needs_orbax
+def test_basic_config_at_info_after_orbax_shows_each_row_once_in_its_format(tmp_path):
+  prelude = ("import orbax.checkpoint\nimport logging\n"
+             "logging.basicConfig(level=logging.INFO, force=True)")
+  out = loop_script(tmp_path, prelude=prelude, hooks=CKPT, resume=True)
+  rows = [line for line in out.stderr.splitlines() if ROW.search(line)]
+  assert row_steps(out.stderr) == [10, 20, 30, 40], out.stderr
+  assert all(line.startswith("INFO:loopkit:step ") for line in rows), rows
+  assert out.stderr.count("resumed from checkpoint 20") == 1, out.stderr
+
+
+@needs_orbax
+def test_absl_app_run_shows_each_row_once_through_absl(tmp_path):
+  out = loop_script(tmp_path, prelude="from absl import app\nimport orbax.checkpoint",
+                    hooks=CKPT, resume=True, main="app.run(main)")
+  rows = [line for line in out.stderr.splitlines() if ROW.search(line)]
+  assert row_steps(out.stderr) == [10, 20, 30, 40], out.stderr
+  assert all(re.match(r"I\d{4} .*\] step \d+: loss=", line) for line in rows), rows
+  assert out.stderr.count("resumed from checkpoint 20") == 1, out.stderr
+
+
+def fresh_loopkit_logger(monkeypatch) -> logging.Logger:
+  """The "loopkit" logger as install_default_handler leaves it, and an empty root at WARNING
+  (call it in the test body: pytest adds its capture handlers to the root after the fixtures)."""
+  logger, root = logging.getLogger("loopkit"), logging.getLogger()
+  monkeypatch.setattr(logger, "handlers", [])
+  monkeypatch.setattr(logger, "filters", [])
+  monkeypatch.setattr(logger, "level", logging.NOTSET)
+  monkeypatch.setattr(logger, "propagate", True)
+  monkeypatch.setattr(root, "handlers", [])
+  monkeypatch.setattr(root, "level", logging.WARNING)
+  monkeypatch.setattr(logs, "_process_index", lambda: 0)
+  assert logs.install_default_handler()
+  return logger
+
+
+def bare_basic_config() -> logging.Handler:
+  handler = logging.StreamHandler(sys.stderr)  # what logging.basicConfig() adds
+  handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+  return handler
+
+
+def test_records_go_to_one_place_in_each_state(monkeypatch, capsys):
+  """In process, on the live loggers: each state of the root logger, where a record shows."""
+  absl_logging = pytest.importorskip("absl.logging")
+  logger, root = fresh_loopkit_logger(monkeypatch), logging.getLogger()
+  monkeypatch.setattr(logs, "_absl_flags_parsed", lambda: False)
+
+  def shown() -> str:
+    logger.info("step %d: x=1", 3)
+    logger.warning("careful")
+    return capsys.readouterr().err
+
+  assert shown() == "step 3: x=1\nloopkit WARNING: careful\n"  # nothing configured
+  for stand_in in (bare_basic_config(), absl_logging.ABSLHandler(logging.Formatter())):
+    monkeypatch.setattr(root, "handlers", [stand_in])  # absl's stand-in: loopkit's handler only
+    assert shown() == "step 3: x=1\nloopkit WARNING: careful\n"
+  monkeypatch.setattr(root, "handlers", [bare_basic_config()])
+  monkeypatch.setattr(logs, "_absl_flags_parsed", lambda: True)  # absl.app.run parsed them
+  assert shown() == "WARNING:loopkit:careful\n"  # the application's handler, at its level
+  monkeypatch.setattr(logs, "_absl_flags_parsed", lambda: False)
+  monkeypatch.setattr(root, "level", logging.INFO)  # the application chose a root level
+  assert shown() == "INFO:loopkit:step 3: x=1\nWARNING:loopkit:careful\n"
+  monkeypatch.setattr(root, "level", logging.WARNING)
+  logger.setLevel(logging.WARNING)  # a level on "loopkit" wins over the stand-in too
+  assert shown() == "loopkit WARNING: careful\n"
+
+
+def test_the_stand_in_probe_tells_absl_apart_from_an_application(monkeypatch):
+  """A bare basicConfig handler counts as absl's only while absl is imported with unparsed
+  flags and the root is at WARNING; any other handler, format or level is the application's."""
+  pytest.importorskip("absl.logging")
+  root = logging.getLogger()
+  app = logging.StreamHandler(sys.stderr)
+  app.setFormatter(logging.Formatter("APP %(message)s"))
+  to_file = logging.StreamHandler(io.StringIO())
+  to_file.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+  monkeypatch.setattr(root, "level", logging.WARNING)
+  monkeypatch.setattr(logs, "_absl_flags_parsed", lambda: False)
+  monkeypatch.setattr(root, "handlers", [bare_basic_config()])
+  assert logs._absl_stand_in(root)
+  for handlers in ([app], [to_file], [bare_basic_config(), app]):
+    monkeypatch.setattr(root, "handlers", handlers)
+    assert not logs._absl_stand_in(root)
+  monkeypatch.setattr(root, "handlers", [bare_basic_config()])
+  monkeypatch.setattr(root, "level", logging.INFO)
+  assert not logs._absl_stand_in(root)
+  monkeypatch.setattr(root, "level", logging.WARNING)
+  monkeypatch.setattr(logs, "_absl_flags_parsed", lambda: True)
+  assert not logs._absl_stand_in(root)
+  monkeypatch.setattr(logs, "_absl_flags_parsed", lambda: False)
+  monkeypatch.delitem(sys.modules, "absl.logging")
+  assert not logs._absl_stand_in(root)
+
+
+def test_a_bare_handler_made_before_absl_is_the_applications(monkeypatch):
+  """Creation order decides: absl makes its ABSLHandler at import, so a basicConfig handler
+  made before it (logging configured at the top of a script) is not absl's stand-in."""
+  absl_logging = pytest.importorskip("absl.logging")
+  import weakref
+  handler = bare_basic_config()
+  assert logs._made_after_absl(handler)
+  absl_ref = weakref.ref(absl_logging.get_absl_handler())
+  monkeypatch.setattr(logging, "_handlerList", [weakref.ref(handler), absl_ref])
+  assert not logs._made_after_absl(handler)
+  root = logging.getLogger()
+  monkeypatch.setattr(root, "handlers", [handler])
+  monkeypatch.setattr(root, "level", logging.WARNING)
+  monkeypatch.setattr(logs, "_absl_flags_parsed", lambda: False)
+  assert not logs._absl_stand_in(root)
+  monkeypatch.delattr(logging, "_handlerList")  # another Python: loopkit's own history
+  for seen_empty in (False, True):
+    monkeypatch.setattr(logs, "_root_seen_empty", seen_empty)
+    assert logs._made_after_absl(handler) is seen_empty
