@@ -309,17 +309,16 @@ def fold_steps(steps: Metric, init: Metric | None = None) -> Metric | None:
   return steps.fold_steps(init)
 
 
-def first_nonfinite(traces: dict[str, Metric], num_steps: jax.Array) -> jax.Array:
+def first_nonfinite(traces: dict[str, Metric]) -> jax.Array:
   """For each metric, the first step whose value has a NaN or infinite field (traced).
 
   Args:
-    traces: dict of metrics whose leaves are stacked per step ``[K]``.
-    num_steps: int32 scalar, how many leading steps ran.
+    traces: dict of metrics whose leaves are stacked per step ``[K]``; the slots of steps
+      that did not run hold zeros (as the program's traces do).
 
   Returns:
     int32 ``[M]``, one entry per metric in ``sorted(traces)`` order: the 0-based index of
-    the first of the ``num_steps`` steps at which any field of that metric is not finite,
-    or -1 if none is.
+    the first step at which any field of that metric is not finite, or -1 if none is.
   """
   firsts = []
   for name in sorted(traces):
@@ -327,7 +326,6 @@ def first_nonfinite(traces: dict[str, Metric], num_steps: jax.Array) -> jax.Arra
     bad = jnp.zeros(leaves[0].shape[:1], bool) if leaves else jnp.zeros((0,), bool)
     for x in leaves:
       bad = bad | ~jnp.isfinite(x)
-    bad = bad & (jnp.arange(bad.shape[0]) < num_steps)
     firsts.append(jnp.where(jnp.any(bad), jnp.argmax(bad), -1).astype(jnp.int32))
   return jnp.stack(firsts) if firsts else jnp.zeros((0,), jnp.int32)
 

@@ -393,7 +393,7 @@ class MultiStepProgram:
     state, traces = run_slots(body, batches, num_steps, (state, traces0))
     traces = jax.tree.map(lambda t: t[:self.k], traces)
     return state, CallOutput(traces=traces,
-                             nonfinite=metrics_lib.first_nonfinite(traces, num_steps),
+                             nonfinite=metrics_lib.first_nonfinite(traces),
                              step=self.step_of(state))
 
   def _build(self, state):
