@@ -364,7 +364,7 @@ class ResNetBench:
     last = jax.device_get(pending)
     secs, cpu = time.perf_counter() - t0, time.process_time() - p0
     assert int(last.step) == min(k, plan.warm_steps) + n, int(last.step)
-    loss = last.metrics["loss"]
+    loss = loopkit.metrics.fold_steps(last.traces["loss"])
     return {"system": f"limit: K={k} program, chunk on device", "k": k, "steps": n,
             "calls": calls, "secs": secs, "cpu_s": cpu, "warm_s": warm_s,
             "executables": program.compile_count(),

@@ -11,7 +11,15 @@ from loopkit.context import LedgerAdjustment, Restore, RunContext
 from loopkit.device_data import DeviceDataset, DeviceDataState
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate, per_example
 from loopkit.goodput import GoodputHook, GoodputSummary
-from loopkit.hooks import CallbackHook, Hook, LoggingHook, LoopInfo, NanCheckHook, NonFiniteError
+from loopkit.hooks import (
+  CallbackHook,
+  Hook,
+  LoggingHook,
+  LoopInfo,
+  NanCheckHook,
+  NonFiniteError,
+  NonFiniteWarning,
+)
 from loopkit.ledger import Bucket, Ledger
 from loopkit.loop import DataExhaustedWarning, TrainLoop
 from loopkit.planner import TimeBasedK, next_call_length, plan_calls
@@ -73,6 +81,7 @@ __all__ = [
     "BatchLayoutWarning", "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter",
     "Ledger", "LoggingHook",
     "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
+    "NonFiniteWarning",
     "data_parallel_mesh",
     "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",
     "accumulate", "AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "as_writer", "per_example",

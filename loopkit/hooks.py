@@ -78,13 +78,18 @@ class LoopInfo:
     step_in_epoch: steps done in the epoch after the call (== steps_per_epoch
       at an epoch end).
     examples_seen: training examples consumed after the call.
-    metrics: metric values for the call (float, reduced over its steps).
-    metric_values: the same as mergeable float32 values (numpy scalars), to merge
-      across calls with :func:`loopkit.metrics.merge`.
+    metrics: metric values for the call (float): ``compute()`` of ``metric_values``.
+    metric_values: the call's per-step values folded in step order (mergeable float32
+      values, numpy scalars): ``fold_steps(step_values[name])``.
     traces: per-step values, float32 arrays ``[end_step - start_step]``.
     is_last: the last call of this ``run``.
     data_position: the source position after this call's last batch (what a
       checkpoint must store to resume with the next unconsumed batch).
+    step_values: the per-step mergeable values, fields ``[end_step - start_step]``
+      (float32 numpy). A value over several calls that must not depend on K continues
+      the fold, ``fold_steps(info.step_values[name], running)``, as
+      :class:`LoggingHook` does; merging ``metric_values`` across calls instead
+      associates the sums by call, which changes the last bits with K (case C50).
   """
 
   start_step: int
@@ -98,6 +103,7 @@ class LoopInfo:
   traces: dict[str, np.ndarray]
   is_last: bool = False
   data_position: Any = None
+  step_values: dict[str, metrics_lib.Metric] = dataclasses.field(default_factory=dict)
 
   @property
   def num_steps(self) -> int:
@@ -220,6 +226,11 @@ class NonFiniteError(FloatingPointError):
   """A metric became NaN or Inf; the message names the metric and the step."""
 
 
+class NonFiniteWarning(RuntimeWarning):
+  """A metric became NaN or Inf in a run without :class:`NanCheckHook` (once per run; the
+  message names the metric and the first such step)."""
+
+
 class NanCheckHook(Hook):
   """Stops training when a metric is NaN or Inf, naming the first bad step.
 
@@ -263,7 +274,11 @@ def _prints_to_console(writer: Any) -> bool:
 
 
 class LoggingHook(Hook):
-  """Logs metrics averaged (merged) over all calls since its last firing.
+  """Logs metrics averaged (merged) over all steps since its last firing.
+
+  A row is the fold of the per-step values in step order (:func:`loopkit.metrics.fold_steps`
+  of ``LoopInfo.step_values``), so its values are bitwise the same for every
+  ``iterations_per_loop`` (case C50).
 
   Args:
     writer: optional object with ``write_scalars(step: int, scalars: dict)``
@@ -330,8 +345,9 @@ class LoggingHook(Hook):
   def observe(self, info: LoopInfo) -> None:
     if not self._acc:
       self._first_step = info.start_step + 1
-    for k, v in info.metric_values.items():
-      self._acc[k] = metrics_lib.merge(self._acc[k], v) if k in self._acc else v
+    for k, v in info.step_values.items():  # one fold in step order: the same for every K
+      self._acc[k] = metrics_lib.fold_steps(v, self._acc[k]) if k in self._acc else (
+          info.metric_values[k])
     self._calls += 1
     if self._mark is None:  # the run's first call (compiles): throughput starts after it
       self._mark = (self.clock(), info.end_step, info.examples_seen, self._calls)

@@ -1,19 +1,30 @@
-"""Mergeable metric values, reduced on device in float32.
+"""Mergeable metric values, in float32, folded over steps in step order.
 
 A train step returns ``metrics``: a dict whose values are either scalar arrays
-or one of the mergeable values below. Inside a device call loopkit stacks the
-per-step values into ``[K]`` traces and reduces them over the steps that ran
-(and, for per-device steps, across the data axis) without ever accumulating in
-a low-precision dtype: every value is cast to float32 first (case C12: a bf16
-accumulator stalls at 256).
+or one of the mergeable values below. Every value is cast to float32 first, so
+nothing accumulates in a low-precision dtype (case C12: a bf16 accumulator
+stalls at 256). Inside a device call each step's value is reduced over the
+devices in that step (per-device steps only) and stored in ``[K]`` traces; the
+host then *folds* the steps that ran in step order: ``s1.merge(s2).merge(s3)...``
+(:func:`fold_steps`), and a :class:`loopkit.LoggingHook` row continues the same
+fold over the calls since its last row.
+
+Exactness (case C50): a row, and every value a hook sees, is a function of the
+per-step values in step order only, never of where the device calls were cut,
+so it is bitwise the same for every ``iterations_per_loop`` (K), as the
+parameters are. No float32 sum spans a device call's steps in another order:
+XLA's reduction of a ``[K]`` vector is not a left fold (XLA:CPU vectorises it
+from K = 64), nor is ``np.sum`` (pairwise); ``np.add.accumulate`` is.
 
 A plain scalar array is treated as ``Mean(value, 1)`` per step, so the value
 reported for a call is the mean over its steps.
 
-Every kind follows one small protocol (:class:`Metric`: ``reduce_steps``,
-``reduce_devices``, ``merge``, ``compute``), so a user's own kind works in the
-train step's metrics, is reduced over the K steps and the devices, and is logged
-by :class:`loopkit.LoggingHook` like the built-in ones (``tests/test_metrics.py``).
+Every kind follows one small protocol (:class:`Metric`: ``reduce_devices``,
+``merge``, ``compute``; optionally a vectorised ``fold_steps`` and
+``compute_traces``), so a user's own kind works in the train step's metrics, is
+reduced over the devices and the steps, and is logged by
+:class:`loopkit.LoggingHook` like the built-in ones (``tests/test_metrics.py``,
+``tests/test_exact_metrics.py``).
 """
 
 from __future__ import annotations
@@ -25,17 +36,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Metric", "Mean", "Sum", "Last", "Max", "as_metric", "reduce_steps",
-           "reduce_devices", "compute", "merge", "to_json", "from_json", "step_mask"]
+__all__ = ["Metric", "Mean", "Sum", "Last", "Max", "as_metric", "reduce_devices", "compute",
+           "merge", "fold_steps", "first_nonfinite", "to_json", "from_json"]
 
 
 def _f32(x: jax.typing.ArrayLike) -> jax.Array:
   return jnp.asarray(x, dtype=jnp.float32)
 
 
-def step_mask(x: jax.Array, num_steps: jax.Array) -> jax.Array:
-  """``bool [K]``: which of a stacked leaf ``x`` ``[K]``'s steps ran (``index < num_steps``)."""
-  return jnp.arange(x.shape[0]) < num_steps
+def _fold(ufunc: np.ufunc, steps: Any, init: Any) -> np.ndarray:
+  """``ufunc`` folded left over the float32 values ``steps`` ``[n]``, after ``init`` if given
+  (a 0-d array that owns its memory): ``ufunc.accumulate`` is sequential (``np.add.reduce``,
+  like XLA's reduce, is not)."""
+  x = np.asarray(steps, np.float32).reshape(-1)
+  if init is not None:
+    x = np.concatenate([np.asarray(init, np.float32).reshape(1), x])
+  return np.array(ufunc.accumulate(x)[-1])
 
 
 _KINDS: dict[str, type] = {}
@@ -49,28 +65,29 @@ class Metric:
   (``@jax.tree_util.register_dataclass``) whose fields are float32 arrays, subclassing this
   class and implementing:
 
-  * :meth:`reduce_steps`: a value whose fields are stacked per step ``[K]`` -> the value of
-    the steps that ran (traced, inside the device call);
-  * :meth:`reduce_devices`: -> the value over the devices of a mapped axis (traced;
-    per-device steps only);
+  * :meth:`reduce_devices`: -> the value over the devices of a mapped axis (traced, once per
+    step; per-device steps only);
   * :meth:`merge`: two values of the same kind -> their combination, ``other`` later (host
-    numpy values, e.g. :class:`loopkit.LoggingHook`'s running value over calls);
+    numpy values);
   * :meth:`compute`: -> the Python float that is logged.
 
   A train step may return any such value among its metrics, and loopkit reduces it over the
-  K steps of a call and the devices, and logs it, with no change to loopkit. Subclasses are
+  devices, folds it over the steps and logs it, with no change to loopkit. Subclasses are
   registered by name for :func:`from_json` (``Mean``, ..., and ``module.QualName`` for
   others), so a checkpointed running value comes back as the same kind.
+
+  Exactness (case C50): every value loopkit reports is the left fold of the per-step values
+  in step order, ``merge(merge(s1, s2), s3)...`` (:meth:`fold_steps`), so it is the same for
+  every ``iterations_per_loop``. For that, ``merge`` must be a pure function of its two
+  values (no state, no clock) computed in float32 numpy on the host; a kind that overrides
+  :meth:`fold_steps` (to vectorise it) must give the same bits as that fold. ``merge`` need
+  not be associative: the fold's order is fixed.
   """
 
   def __init_subclass__(cls, **kwargs: Any) -> None:
     super().__init_subclass__(**kwargs)
     builtin = cls.__module__ == __name__
     _KINDS[cls.__name__ if builtin else f"{cls.__module__}.{cls.__qualname__}"] = cls
-
-  def reduce_steps(self, num_steps: jax.Array) -> Metric:
-    """The value over the first ``num_steps`` (traced int32) of the stacked steps ``[K]``."""
-    raise NotImplementedError(f"{type(self).__name__}.reduce_steps")
 
   def reduce_devices(self, axis_name: str) -> Metric:
     """The value over the devices of the mapped axis ``axis_name`` (inside ``shard_map``)."""
@@ -83,6 +100,28 @@ class Metric:
   def compute(self) -> float:
     """The value to log, a Python float."""
     raise NotImplementedError(f"{type(self).__name__}.compute")
+
+  def fold_steps(self, init: Metric | None = None) -> Metric | None:
+    """The per-step values of a value whose fields are stacked ``[n]``, folded in step order.
+
+    ``init.merge(s[0]).merge(s[1])...merge(s[n - 1])`` (host), where ``s[i]`` is step ``i``'s
+    value; without ``init``, ``s[0].merge(s[1])...``. Default: that loop over :meth:`merge`
+    (one call per step); the built-in kinds vectorise it with ``np.ufunc.accumulate``, bitwise
+    the same.
+
+    Args:
+      init: the value to continue from (e.g. a row's running value), or None.
+
+    Returns:
+      The folded value (float32 numpy fields); ``init`` when ``n == 0``.
+    """
+    leaves, treedef = jax.tree.flatten(self)
+    leaves = [np.asarray(x) for x in leaves]
+    acc = init
+    for i in range(np.shape(leaves[0])[0] if leaves else 0):
+      step = jax.tree.unflatten(treedef, [x[i] for x in leaves])
+      acc = step if acc is None else merge(acc, step)
+    return acc
 
   def compute_traces(self) -> np.ndarray:
     """Per-step values ``[n]`` (float32) of a value whose fields are stacked ``[n]`` (host).
@@ -120,11 +159,6 @@ class Mean(Metric):
     """``Mean`` of ``value`` (a mean already) over ``count`` items."""
     return cls(_f32(value) * _f32(count), _f32(count))
 
-  def reduce_steps(self, num_steps: jax.Array) -> Mean:
-    mask = step_mask(self.total, num_steps)
-    return Mean(jnp.sum(jnp.where(mask, self.total, 0.0)),
-                jnp.sum(jnp.where(mask, self.count, 0.0)))
-
   def reduce_devices(self, axis_name: str) -> Mean:  # sums and counts, never mean of means
     return Mean(jax.lax.psum(self.total, axis_name), jax.lax.psum(self.count, axis_name))
 
@@ -135,6 +169,13 @@ class Mean(Metric):
   def compute(self) -> float:
     count = float(self.count)
     return float(self.total) / count if count else float("nan")
+
+  def fold_steps(self, init: Metric | None = None) -> Metric | None:
+    if np.size(self.count) == 0:
+      return init
+    assert init is None or isinstance(init, Mean)
+    return Mean(_fold(np.add, self.total, None if init is None else init.total),
+                _fold(np.add, self.count, None if init is None else init.count))
 
   def compute_traces(self) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -148,9 +189,6 @@ class Sum(Metric):
 
   value: jax.Array
 
-  def reduce_steps(self, num_steps: jax.Array) -> Sum:
-    return Sum(jnp.sum(jnp.where(step_mask(self.value, num_steps), self.value, 0.0)))
-
   def reduce_devices(self, axis_name: str) -> Sum:
     return Sum(jax.lax.psum(self.value, axis_name))
 
@@ -160,6 +198,12 @@ class Sum(Metric):
 
   def compute(self) -> float:
     return float(self.value)
+
+  def fold_steps(self, init: Metric | None = None) -> Metric | None:
+    if np.size(self.value) == 0:
+      return init
+    assert init is None or isinstance(init, Sum)
+    return Sum(_fold(np.add, self.value, None if init is None else init.value))
 
   def compute_traces(self) -> np.ndarray:
     return np.asarray(self.value, np.float32)
@@ -172,9 +216,6 @@ class Last(Metric):
 
   value: jax.Array
 
-  def reduce_steps(self, num_steps: jax.Array) -> Last:
-    return Last(self.value[num_steps - 1])
-
   def reduce_devices(self, axis_name: str) -> Last:
     first = jax.lax.axis_index(axis_name) == 0
     return Last(jax.lax.psum(jnp.where(first, self.value, 0.0), axis_name))
@@ -184,6 +225,11 @@ class Last(Metric):
 
   def compute(self) -> float:
     return float(self.value)
+
+  def fold_steps(self, init: Metric | None = None) -> Metric | None:
+    if np.size(self.value) == 0:
+      return init
+    return Last(np.array(np.asarray(self.value, np.float32).reshape(-1)[-1]))
 
   def compute_traces(self) -> np.ndarray:
     return np.asarray(self.value, np.float32)
@@ -196,9 +242,6 @@ class Max(Metric):
 
   value: jax.Array
 
-  def reduce_steps(self, num_steps: jax.Array) -> Max:
-    return Max(jnp.max(jnp.where(step_mask(self.value, num_steps), self.value, -jnp.inf)))
-
   def reduce_devices(self, axis_name: str) -> Max:
     return Max(jax.lax.pmax(self.value, axis_name))
 
@@ -208,6 +251,12 @@ class Max(Metric):
 
   def compute(self) -> float:
     return float(self.value)
+
+  def fold_steps(self, init: Metric | None = None) -> Metric | None:
+    if np.size(self.value) == 0:
+      return init
+    assert init is None or isinstance(init, Max)
+    return Max(_fold(np.maximum, self.value, None if init is None else init.value))
 
   def compute_traces(self) -> np.ndarray:
     return np.asarray(self.value, np.float32)
@@ -230,20 +279,6 @@ def as_metric(value: Any) -> Metric:
   return Mean(_f32(arr), jnp.ones((), jnp.float32))
 
 
-def reduce_steps(traces: dict[str, Metric], num_steps: jax.Array) -> dict[str, Metric]:
-  """Reduces stacked per-step metrics ``[K]`` over the first ``num_steps`` steps.
-
-  Args:
-    traces: dict of metrics whose leaves have shape ``[K]`` (float32).
-    num_steps: int32 scalar, how many leading steps ran (1 <= num_steps <= K).
-
-  Returns:
-    dict of scalar float32 metrics (:meth:`Metric.reduce_steps`). Steps at index
-    >= num_steps are ignored.
-  """
-  return {name: m.reduce_steps(num_steps) for name, m in traces.items()}
-
-
 def reduce_devices(metrics: dict[str, Metric], axis_name: str) -> dict[str, Metric]:
   """Reduces metrics across a mapped axis (:meth:`Metric.reduce_devices`)."""
   return {name: m.reduce_devices(axis_name) for name, m in metrics.items()}
@@ -258,6 +293,41 @@ def merge(a: Metric, b: Metric) -> Metric:
   if type(a) is not type(b):
     raise TypeError(f"cannot merge {type(a).__name__} with {type(b).__name__}")
   return a.merge(b)
+
+
+def fold_steps(steps: Metric, init: Metric | None = None) -> Metric | None:
+  """The per-step values ``steps`` (host, fields ``[n]``) folded in step order after ``init``.
+
+  :meth:`Metric.fold_steps`: ``init.merge(s[0]).merge(s[1])...``, the one order in which
+  loopkit combines steps (the same bits for every ``iterations_per_loop``).
+
+  Raises:
+    TypeError: ``init`` is of another kind than ``steps`` (names both).
+  """
+  if init is not None and type(init) is not type(steps):
+    raise TypeError(f"cannot merge {type(init).__name__} with {type(steps).__name__}")
+  return steps.fold_steps(init)
+
+
+def first_nonfinite(traces: dict[str, Metric]) -> jax.Array:
+  """For each metric, the first step whose value has a NaN or infinite field (traced).
+
+  Args:
+    traces: dict of metrics whose leaves are stacked per step ``[K]``; the slots of steps
+      that did not run hold zeros (as the program's traces do).
+
+  Returns:
+    int32 ``[M]``, one entry per metric in ``sorted(traces)`` order: the 0-based index of
+    the first step at which any field of that metric is not finite, or -1 if none is.
+  """
+  firsts = []
+  for name in sorted(traces):
+    leaves = jax.tree.leaves(traces[name])
+    bad = jnp.zeros(leaves[0].shape[:1], bool) if leaves else jnp.zeros((0,), bool)
+    for x in leaves:
+      bad = bad | ~jnp.isfinite(x)
+    firsts.append(jnp.where(jnp.any(bad), jnp.argmax(bad), -1).astype(jnp.int32))
+  return jnp.stack(firsts) if firsts else jnp.zeros((0,), jnp.int32)
 
 
 def compute(m: Metric) -> float:

@@ -184,20 +184,25 @@ def strong_typed(tree: Any) -> Any:
 class CallOutput:
   """What one device call returns besides the state (all replicated, on device).
 
+  The call's metrics are not reduced over its steps here: the host folds the traces in step
+  order (:func:`loopkit.metrics.fold_steps`), so a reported value does not depend on where
+  the calls were cut (case C50).
+
   Attributes:
-    metrics: dict of float32 scalar metrics reduced over the call's steps (and
-      devices).
-    traces: the same metrics per step, leaves ``[K]`` float32; entries at index
-      >= n are meaningless.
+    traces: the step's metrics per step, leaves ``[K]`` float32 (reduced over the devices in
+      each step, for per-device steps); entries at index >= n are meaningless.
+    nonfinite: int32 ``[M]``, per metric in ``sorted(traces)`` order, the 0-based index of
+      the call's first step with a NaN or infinite field, or -1
+      (:func:`loopkit.metrics.first_nonfinite`; fetched with ``step`` at every call).
     step: int scalar, the state's step counter after the call.
   """
 
-  metrics: dict[str, metrics_lib.Metric]
   traces: dict[str, metrics_lib.Metric]
+  nonfinite: jax.Array
   step: jax.Array
 
 
-jax.tree_util.register_dataclass(CallOutput, data_fields=["metrics", "traces", "step"],
+jax.tree_util.register_dataclass(CallOutput, data_fields=["traces", "nonfinite", "step"],
                                  meta_fields=[])
 
 
@@ -380,15 +385,16 @@ class MultiStepProgram:
       s, traces = carry
       flat = run_step(*jax.tree.leaves((s, b)))
       new_s, m = jax.tree.unflatten(out_def, flat)
+      if self.style == "per_device":  # in the step: the same reduction for every K
+        m = metrics_lib.reduce_devices(m, self.data_axis)
       traces = jax.tree.map(lambda buf, v: buf.at[i].set(v), traces, m)
       return new_s, traces
 
     state, traces = run_slots(body, batches, num_steps, (state, traces0))
     traces = jax.tree.map(lambda t: t[:self.k], traces)
-    if self.style == "per_device":
-      traces = metrics_lib.reduce_devices(traces, self.data_axis)
-    reduced = metrics_lib.reduce_steps(traces, num_steps)
-    return state, CallOutput(metrics=reduced, traces=traces, step=self.step_of(state))
+    return state, CallOutput(traces=traces,
+                             nonfinite=metrics_lib.first_nonfinite(traces),
+                             step=self.step_of(state))
 
   def _build(self, state):
     self.state_shardings = self.state_sharding_for(state)

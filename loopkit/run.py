@@ -35,7 +35,7 @@ from loopkit.checks import warn_if_pmap_layout
 from loopkit.context import LedgerAdjustment, Restore, RunContext
 from loopkit.feeding import Chunk, ChunkFeeder
 from loopkit.hook_state import collect_hook_states, give_hook_states, hook_names
-from loopkit.hooks import Hook, LoopInfo
+from loopkit.hooks import Hook, LoopInfo, NonFiniteWarning
 from loopkit.ledger import Bucket, Ledger, LedgerView, epoch_of
 from loopkit.planner import plan_calls
 from loopkit.preemption import PreemptionWatcher
@@ -141,6 +141,7 @@ class Run:
     self.examples_unknown = False
     self.replicas_checked_at: int | None = None
     self.copy_async = not is_cpu_mesh(loop.mesh)  # see _fetch
+    self.nonfinite_step: int | None = None  # the run's first step with a NaN/Inf metric
     self.t_mark = time.perf_counter()
 
   # -- ledger writes --------------------------------------------------------
@@ -357,11 +358,11 @@ class Run:
     """
     hooks, ledger = self.hooks, self.ledger
     t0 = time.perf_counter()
-    if not hooks:  # nobody reads the metrics: fetch only the step counter
-      out_step = np.asarray(b.out.step)
+    if not hooks:  # nobody reads the metrics: only the step counter and the non-finite flags
+      out_step, nonfinite = _fetch((b.out.step, b.out.nonfinite), self.copy_async)
     else:
       out = _fetch(b.out, self.copy_async)
-      out_step = out.step
+      out_step, nonfinite = out.step, out.nonfinite
     ledger.add_time(Bucket.DEVICE_WAIT, time.perf_counter() - t0)
     if int(out_step) != b.end:
       raise ValueError(
@@ -373,17 +374,20 @@ class Run:
     self.last = b
     time_based_k = self.loop.time_based_k
     if not hooks:  # no LoopInfo to build: no hook observes, fires or fires at the end
+      self.warn_nonfinite(b, nonfinite)
       if time_based_k is not None:
         time_based_k.record(b.end)
       return state
     n = b.end - b.start
-    traces = {k: metrics_lib.compute_traces(v)[:n] for k, v in out.traces.items()}
+    steps = (out.traces if n == self.loop.program.k else  # the call's steps, fields [n]
+             {k: jax.tree.map(lambda x: x[:n], v) for k, v in out.traces.items()})
+    values = {k: metrics_lib.fold_steps(v) for k, v in steps.items()}  # in step order (C50)
     info = b.info = LoopInfo(
         start_step=b.start, end_step=b.end, loop_index=b.loop_index, epoch=b.epoch,
         step_in_epoch=b.step_in_epoch, examples_seen=b.examples_seen,
-        metrics={k: metrics_lib.compute(v) for k, v in out.metrics.items()},
-        metric_values=dict(out.metrics), traces=traces, is_last=b.is_last,
-        data_position=b.position)
+        metrics={k: metrics_lib.compute(v) for k, v in values.items()},
+        metric_values=values, traces={k: metrics_lib.compute_traces(v) for k, v in steps.items()},
+        is_last=b.is_last, data_position=b.position, step_values=steps)
     buckets = self.buckets
     for i, h in enumerate(hooks):  # call_hook inlined: every hook, every call
       t0 = time.perf_counter()
@@ -391,6 +395,7 @@ class Run:
         h.observe(info)
       finally:
         ledger.add_time(buckets[i], time.perf_counter() - t0)
+    self.warn_nonfinite(b, nonfinite)  # after observe: a NanCheckHook raises first
     state = self.fire(b.firing, info, state)
     if time_based_k is not None:
       time_based_k.record(b.end)
@@ -467,6 +472,24 @@ class Run:
         "the last full step. The batches are read once, as one stream: for more epochs repeat "
         "them (itertools.chain.from_iterable(itertools.repeat(batches, n)), tf.data's "
         ".repeat(), or loopkit.ArraySource)", DataExhaustedWarning, stacklevel=4)
+
+  def warn_nonfinite(self, b: Boundary, nonfinite: np.ndarray) -> None:
+    """Warns, once per run, naming the first step whose metric had a NaN or Inf (case C53).
+
+    Args:
+      b: the call's boundary.
+      nonfinite: its fetched :attr:`~loopkit.program.CallOutput.nonfinite` (int32 ``[M]``).
+    """
+    if self.nonfinite_step is not None or nonfinite.size == 0 or nonfinite.max() < 0:
+      return
+    first = int(nonfinite[nonfinite >= 0].min())
+    names = [repr(k) for k, i in zip(sorted(b.out.traces), nonfinite.tolist()) if i == first]
+    self.nonfinite_step = b.start + first + 1
+    warnings.warn(NonFiniteWarning(
+        f"metric {', '.join(names)} is NaN or infinite at step {self.nonfinite_step}, the "
+        f"first such step of this run (device call {b.loop_index} ran steps "
+        f"{b.start + 1}..{b.end}); training goes on and the state may hold NaNs: add "
+        "loopkit.NanCheckHook() to stop there"), stacklevel=5)
 
   def agree(self) -> tuple[str | None, dict[int, bool]]:
     """Takes every host-local decision of one boundary, agreed across processes.

@@ -21,11 +21,6 @@ class RootMeanSquare(metrics.Metric):
   sum_sq: jax.Array
   count: jax.Array
 
-  def reduce_steps(self, num_steps):
-    mask = metrics.step_mask(self.sum_sq, num_steps)
-    return RootMeanSquare(jnp.sum(jnp.where(mask, self.sum_sq, 0.0)),
-                          jnp.sum(jnp.where(mask, self.count, 0.0)))
-
   def reduce_devices(self, axis_name):
     return RootMeanSquare(jax.lax.psum(self.sum_sq, axis_name),
                           jax.lax.psum(self.count, axis_name))

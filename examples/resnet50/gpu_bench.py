@@ -146,7 +146,7 @@ def measure(args, k: int, mesh) -> dict:
   secs = time.perf_counter() - t0
   steps = calls * k
   assert int(last.step) == (calls + 2) * k, (int(last.step), calls, k)
-  loss = float(last.metrics["loss"].total / last.metrics["loss"].count)
+  loss = loopkit.metrics.fold_steps(last.traces["loss"]).compute()
   return {"iterations_per_loop": k, "images_per_sec": round(steps * args.batch / secs, 1),
           "ms_per_step": round(1000 * secs / steps, 3), "timed_steps": steps,
           "timed_secs": round(secs, 3), "compile_secs": round(compile_secs, 1),
