@@ -267,14 +267,14 @@ class NnxTrainLoop:
       before: ``loop.last_state`` before the run (still the same object if the
         run raised before it took the state).
     """
-    kept = self.loop.last_state
-    if kept is None or kept is before:
+    kept, ledger = self.loop.last_state, self.loop.ledger
+    if kept is None or kept is before or ledger is None:
       return
     try:
       jax.block_until_ready(kept)
     except Exception as e:  # pylint: disable=broad-except  # the run's own error propagates
       log.warning("NnxTrainLoop: the objects keep their values from before run: the state "
-                  "at step %d is not readable (%s: %s)", self.loop.ledger.step,
+                  "at step %d is not readable (%s: %s)", ledger.step,
                   type(e).__name__, str(e).splitlines()[0] if str(e) else "")
       return
     self.update(kept)

@@ -439,13 +439,14 @@ class Run:
   def fail(self, error: BaseException) -> None:
     """When the run raises ``error``: keeps the work done, then ``on_run_error``.
 
-    Keeps :attr:`state` for ``TrainLoop.last_state`` (case C43): it is the state of the last completed boundary: the
-    output of the latest dispatched call (or a hook's replacement of it), at
-    the ledger's step, which no later call has consumed. It is not waited for
-    here (an interrupt is not held up by the device): it is ready once that
-    call finishes, and if the call itself failed, reading it raises the call's
-    error. A state whose buffers were deleted (a call that failed while taking
-    its donated input) is dropped: :attr:`state` becomes None.
+    Keeps :attr:`state` for ``TrainLoop.last_state`` (case C43): it is the
+    state of the last completed boundary, the output of the latest dispatched
+    call (or a hook's replacement of it), at the ledger's step, which no later
+    call has consumed. It is not waited for here (an interrupt is not held up
+    by the device): it is ready once that call finishes, and if the call itself
+    failed, reading it raises the call's error. A state whose buffers were
+    deleted (a call that failed while taking its donated input) is dropped:
+    :attr:`state` becomes None.
 
     Then calls ``on_run_error`` of every hook whose ``on_run_start`` was
     called, the one that raised included (invariant 5: no save left in

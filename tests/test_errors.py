@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import loopkit
@@ -54,7 +55,7 @@ def assert_kept(loop, step, **config):
   kept = loop.last_state
   assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
   assert loop.ledger.step == int(kept["step"]) == step
-  assert loop.data_position == step  # a list's position: batches consumed
+  assert loop.data_position == step  # batches consumed (a list), or the step (ArraySource)
   toy.assert_bitwise(jax.device_get(kept), clean(step, **config))
   return kept
 
@@ -103,6 +104,17 @@ def test_c43_a_hook_that_raises_keeps_the_latest_state(where, needs_state, kept)
   with pytest.raises(RuntimeError, match=where):
     loop.run(toy.init_state(), DATA, num_steps=STEPS)
   assert_kept(loop, kept)
+
+
+def test_c43_a_step_indexed_source_goes_on_from_the_kept_state():
+  source = loopkit.ArraySource(jax.tree.map(lambda *xs: np.concatenate(xs), *DATA),
+                               global_batch_size=16, shuffle=False)  # batch s is DATA[s]
+  loop = make_loop(3, hooks=[Raises("after_call")])
+  with pytest.raises(RuntimeError, match="after_call at 6"):
+    loop.run(toy.init_state(), source, num_steps=STEPS)
+  state = assert_kept(loop, 9)  # the position is the step: the source resumes there itself
+  final = loop.run(state, source, num_steps=STEPS)
+  toy.assert_bitwise(jax.device_get(final), clean(STEPS))
 
 
 def zero_params(state):
@@ -165,7 +177,7 @@ def test_c43_a_failed_device_call_leaves_no_state_to_read():
     return toy.make_global_step()(state, batch)
 
   loop = loopkit.TrainLoop(step, iterations_per_loop=1, mesh=mesh_of(1))
-  with pytest.raises(Exception, match="device failure at 6"):
+  with pytest.raises(jax.errors.JaxRuntimeError, match="device failure at 6"):
     loop.run(toy.init_state(), DATA, num_steps=STEPS)
   assert loop.ledger.step == 5
   assert loop.last_state is None

@@ -162,7 +162,7 @@ def test_c43_objects_keep_their_values_when_the_device_call_fails():
   before = arrays(objs)
   loop = loopkit.nnx.NnxTrainLoop(step, *objs[:3], extra=(objs[3],), iterations_per_loop=1,
                                   mesh=loopkit.data_parallel_mesh(devices=jax.devices()[:1]))
-  with pytest.raises(Exception, match="device failure at 4"):
+  with pytest.raises(jax.errors.JaxRuntimeError, match="device failure at 4"):
     loop.run(DATA, num_steps=6)
   # The state of step 3 went into the failed call (donated): the objects keep their values
   # (their own arrays, never donated) rather than take unreadable ones.
