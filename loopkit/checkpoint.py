@@ -28,9 +28,10 @@ state's step = the optimizer's count). Saves are asynchronous: the hook
 returns once the arrays are copied off the device, so the next (donating)
 call may start while files are written; a save first waits for the previous
 one, and ``on_run_end`` waits for the last one. A failed asynchronous save
-raises :class:`CheckpointError` at the next boundary (or at run end); the hook
-stays usable and later saves work. When ``run`` ends by an exception (a hook
-raised, say), :meth:`CheckpointHook.on_run_error` first lets the save in
+raises :class:`CheckpointError` at the next boundary (or at run end) and its
+partial directory is removed; the hook stays usable and later saves work.
+When ``run`` ends by an exception (a hook raised, say),
+:meth:`CheckpointHook.on_run_error` first lets the save in
 flight commit (or removes it, if it failed), so nothing is written after
 ``run`` raised and a new hook on the directory resumes (case C33).
 
@@ -59,7 +60,10 @@ Orbax's complete checkpoint without the commit file, an empty folder) is left
 in place, not read, and a save at its step is skipped,
 with a :class:`CheckpointWarning`; so are other programs' checkpoints, e.g.
 ``checkpoint_50`` from ``flax.training.checkpoints`` (case C41). Only one run
-may write a directory.
+may write a directory: ``on_run_start`` refuses an unwritable directory and one
+whose lock another live run holds, before any step
+(:mod:`loopkit.checkpoint_lock`, cases C45, C46); a failed save removes its
+partial directory.
 
 **Data position.** The position stored is ``LoopInfo.data_position``: the
 source's position after the last *consumed* chunk, never a prefetched one

@@ -180,7 +180,9 @@ def test_c46_a_live_run_blocks_a_second_one_and_a_killed_one_does_not(tmp_path, 
     while not (tmp_path / "2" / "commit_success.txt").exists():
       assert time.monotonic() < deadline, os.listdir(tmp_path)
       time.sleep(0.1)
+    (tmp_path / "6.orbax-checkpoint-tmp").mkdir()  # as if the first were writing step 6
     before = sorted(p.name for p in tmp_path.iterdir())
+    assert CheckpointHook(tmp_path).all_steps() == [2]  # a reader removes nothing either
     calls, hook = Calls(), CheckpointHook(tmp_path, every_steps=2)
     loop = make_loop(2, [calls, hook])
     t0 = time.monotonic()
@@ -202,6 +204,7 @@ def test_c46_a_live_run_blocks_a_second_one_and_a_killed_one_does_not(tmp_path, 
     make_loop(2, [again]).run(toy.init_state(), toy.batches(4), num_steps=4)
   assert again.restored_step == 2 and again.saved_steps == [4]
   assert f"pid {first.pid} is not alive on this host" in caplog.text
+  assert sorted(os.listdir(tmp_path)) == ["2", "4"]  # the dead run's unfinished 6 removed
   assert not (tmp_path / LOCK_FILE).exists()  # released at run end
 
 
@@ -295,4 +298,4 @@ def test_two_processes_refuse_alike_and_process_0_removes_a_failed_save_last(tmp
   assert p0["refused_s"] < 30 and p1["refused_s"] < 30
   assert p1["removed_at"] == [] and len(p0["removed_at"]) == 1
   assert p0["removed_at"][0] >= p1["arrived_at"]
-  assert p0["left"] == [] and p1["left"] == []
+  assert p0["left"] == [] and os.listdir(failed) == []  # (process 1 does not wait for it)
