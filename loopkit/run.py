@@ -436,7 +436,8 @@ class Run:
     names = [repr(k) for k, i in zip(sorted(b.out.traces), nonfinite.tolist()) if i == first]
     self.nonfinite_step = b.start + first
     warnings.warn(NonFiniteWarning(
-        f"metric {', '.join(names)} is NaN or infinite at step {self.nonfinite_step}, the "
+        f"metric{'s' * (len(names) > 1)} {', '.join(names)} "
+        f"{'are' if len(names) > 1 else 'is'} NaN or infinite at step {self.nonfinite_step}, the "
         f"first such step of this run (device call {b.loop_index} ran steps "
         f"{b.start + 1}..{b.end}); training goes on and the state may hold NaNs: add "
         "loopkit.NanCheckHook() to stop there"), stacklevel=5)
