@@ -15,7 +15,8 @@ function of the real path, wrapped by a timer for the measurement only
 - ``agree``: ``Run.agree`` (the boundary agreement; no communication on 1 process);
 - ``dispatch``: ``MultiStepProgram.__call__`` (the jitted call, asynchronous);
 - ``finish``: ``Run.boundary``: the one-late fetch (with no hooks, of the step
-  counter only), the step check, ``LoopInfo`` and the hooks (none in this workload);
+  counter and the non-finite flags only), the step check, ``LoopInfo`` and the hooks
+  (none in this workload);
 - ``ledger``: ``Ledger.advance`` and ``Ledger.add_time``;
 - ``loop``: what is left of the main thread's CPU time per call (the loop body itself,
   the ``Boundary`` record, triggers, the timers' own overhead of about 1 us per phase);

@@ -48,9 +48,9 @@ def _fold(ufunc: np.ufunc, steps: Any, init: Any) -> np.ndarray:
   """``ufunc`` folded left over the float32 values ``steps`` ``[n]``, after ``init`` if given
   (a 0-d array that owns its memory): ``ufunc.accumulate`` is sequential (``np.add.reduce``,
   like XLA's reduce, is not)."""
-  x = np.asarray(steps, np.float32).reshape(-1)
+  x = np.asarray(steps, np.float32)  # the fetched traces are float32 [n]: no copy
   if init is not None:
-    x = np.concatenate([np.asarray(init, np.float32).reshape(1), x])
+    x = np.concatenate((np.asarray(init, np.float32).reshape(1), x))
   return np.array(ufunc.accumulate(x)[-1])
 
 
@@ -317,8 +317,9 @@ def first_nonfinite(traces: dict[str, Metric]) -> jax.Array:
       that did not run hold zeros (as the program's traces do).
 
   Returns:
-    int32 ``[M]``, one entry per metric in ``sorted(traces)`` order: the 0-based index of
-    the first step at which any field of that metric is not finite, or -1 if none is.
+    int32 ``[M]``, one entry per metric in ``sorted(traces)`` order: the 1-based index ``i``
+    of the first step (slot ``i - 1``) at which any field of that metric is not finite, or 0
+    if none is (so ``any()`` asks "was any metric non-finite").
   """
   firsts = []
   for name in sorted(traces):
@@ -326,7 +327,7 @@ def first_nonfinite(traces: dict[str, Metric]) -> jax.Array:
     bad = jnp.zeros(leaves[0].shape[:1], bool) if leaves else jnp.zeros((0,), bool)
     for x in leaves:
       bad = bad | ~jnp.isfinite(x)
-    firsts.append(jnp.where(jnp.any(bad), jnp.argmax(bad), -1).astype(jnp.int32))
+    firsts.append(jnp.where(jnp.any(bad), jnp.argmax(bad) + 1, 0).astype(jnp.int32))
   return jnp.stack(firsts) if firsts else jnp.zeros((0,), jnp.int32)
 
 

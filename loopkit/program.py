@@ -190,9 +190,9 @@ class CallOutput:
 
   Attributes:
     traces: the step's metrics per step, leaves ``[K]`` float32 (reduced over the devices in
-      each step, for per-device steps); entries at index >= n are meaningless.
-    nonfinite: int32 ``[M]``, per metric in ``sorted(traces)`` order, the 0-based index of
-      the call's first step with a NaN or infinite field, or -1
+      each step, for per-device steps); entries at index >= n hold zeros.
+    nonfinite: int32 ``[M]``, per metric in ``sorted(traces)`` order, the 1-based index in
+      the call of its first step with a NaN or infinite field, or 0
       (:func:`loopkit.metrics.first_nonfinite`; fetched with ``step`` at every call).
     step: int scalar, the state's step counter after the call.
   """

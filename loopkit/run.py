@@ -359,7 +359,10 @@ class Run:
     hooks, ledger = self.hooks, self.ledger
     t0 = time.perf_counter()
     if not hooks:  # nobody reads the metrics: only the step counter and the non-finite flags
-      out_step, nonfinite = _fetch((b.out.step, b.out.nonfinite), self.copy_async)
+      if self.copy_async:  # (as _fetch, without its tree walk: a few us per call)
+        b.out.step.copy_to_host_async()
+        b.out.nonfinite.copy_to_host_async()
+      out_step, nonfinite = np.asarray(b.out.step), np.asarray(b.out.nonfinite)
     else:
       out = _fetch(b.out, self.copy_async)
       out_step, nonfinite = out.step, out.nonfinite
@@ -481,13 +484,14 @@ class Run:
       b: the call's boundary.
       nonfinite: its fetched :attr:`~loopkit.program.CallOutput.nonfinite` (int32 ``[M]``).
     """
-    if self.nonfinite_step is not None or nonfinite.size == 0 or nonfinite.max() < 0:
-      return
-    first = int(nonfinite[nonfinite >= 0].min())
+    if self.nonfinite_step is not None or not any(nonfinite.tobytes()):
+      return  # all zeros: every metric finite (cheaper than nonfinite.any() for a few bytes)
+    first = int(nonfinite[nonfinite > 0].min())
     names = [repr(k) for k, i in zip(sorted(b.out.traces), nonfinite.tolist()) if i == first]
-    self.nonfinite_step = b.start + first + 1
+    self.nonfinite_step = b.start + first
     warnings.warn(NonFiniteWarning(
-        f"metric {', '.join(names)} is NaN or infinite at step {self.nonfinite_step}, the "
+        f"metric{'s' * (len(names) > 1)} {', '.join(names)} "
+        f"{'are' if len(names) > 1 else 'is'} NaN or infinite at step {self.nonfinite_step}, the "
         f"first such step of this run (device call {b.loop_index} ran steps "
         f"{b.start + 1}..{b.end}); training goes on and the state may hold NaNs: add "
         "loopkit.NanCheckHook() to stop there"), stacklevel=5)

@@ -144,7 +144,7 @@ def test_k1_traces_have_one_slot():
   program, state = _program(1, jnp.float32, "global")
   state, out = program(state, *_chunk(program, _data(np.float32)[:1]))
   assert out.traces["loss"].total.shape == (1,)
-  assert out.nonfinite.shape == (1,) and int(out.nonfinite[0]) == -1  # one metric, finite
+  assert out.nonfinite.shape == (1,) and int(out.nonfinite[0]) == 0  # one metric, finite
 
 
 # -- C39 ----------------------------------------------------------------------------------
