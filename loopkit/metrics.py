@@ -44,7 +44,7 @@ def _f32(x: jax.typing.ArrayLike) -> jax.Array:
   return jnp.asarray(x, dtype=jnp.float32)
 
 
-def _fold(ufunc: np.ufunc, steps: Any, init: Any) -> np.ndarray:
+def _fold(ufunc: np.ufunc, steps: Any, init: Any) -> Any:  # host numpy, a field's value
   """``ufunc`` folded left over the float32 values ``steps`` ``[n]``, after ``init`` if given
   (a 0-d array that owns its memory): ``ufunc.accumulate`` is sequential (``np.add.reduce``,
   like XLA's reduce, is not)."""
@@ -229,7 +229,8 @@ class Last(Metric):
   def fold_steps(self, init: Metric | None = None) -> Metric | None:
     if np.size(self.value) == 0:
       return init
-    return Last(np.array(np.asarray(self.value, np.float32).reshape(-1)[-1]))
+    last: Any = np.array(np.asarray(self.value, np.float32)[-1])  # host numpy
+    return Last(last)
 
   def compute_traces(self) -> np.ndarray:
     return np.asarray(self.value, np.float32)
@@ -295,7 +296,7 @@ def merge(a: Metric, b: Metric) -> Metric:
   return a.merge(b)
 
 
-def fold_steps(steps: Metric, init: Metric | None = None) -> Metric | None:
+def fold_steps(steps: Metric, init: Metric | None = None) -> Metric:
   """The per-step values ``steps`` (host, fields ``[n]``) folded in step order after ``init``.
 
   :meth:`Metric.fold_steps`: ``init.merge(s[0]).merge(s[1])...``, the one order in which
@@ -303,10 +304,14 @@ def fold_steps(steps: Metric, init: Metric | None = None) -> Metric | None:
 
   Raises:
     TypeError: ``init`` is of another kind than ``steps`` (names both).
+    ValueError: no step (``n == 0``) and no ``init``.
   """
   if init is not None and type(init) is not type(steps):
     raise TypeError(f"cannot merge {type(init).__name__} with {type(steps).__name__}")
-  return steps.fold_steps(init)
+  out = steps.fold_steps(init)
+  if out is None:
+    raise ValueError(f"no step to fold: a {type(steps).__name__} with 0 steps and no init")
+  return out
 
 
 def first_nonfinite(traces: dict[str, Metric]) -> jax.Array:
