@@ -19,12 +19,25 @@ transposes of its operands into canonical order (fenced with
 ``lax.optimization_barrier`` so that XLA cannot fold them back into the
 convolution), a canonical convolution with the same strides, padding,
 dilations, group counts, precision and element type, and a transpose of the
-result back. Transposing is a pure relayout, so the result is the same
-mathematical function; floating-point sums may be ordered differently from the
-naive kernel's, so values can differ in the last bits from a per-step ``jit``
-of the same step, but they are identical for every K (every K runs this
-rewritten step). :class:`~loopkit.program.MultiStepProgram` applies it when
-its mesh is on CPU devices (``canonical_convs=None``, the default).
+result back. Transposing is a pure relayout, and the canonical convolution is
+the one XLA:CPU's ``ConvCanonicalization`` runs for a top-level convolution, so
+the rewritten step gives bitwise the values of a per-step ``jit`` of the same
+step (the naive in-loop kernel sums in another order: last-bit differences),
+and the same for every K (every K runs this rewritten step).
+:class:`~loopkit.program.MultiStepProgram` applies it when its mesh is on CPU
+devices (``canonical_convs=None``, the default).
+
+bfloat16: XLA:CPU has no bfloat16 convolution. Its ``FloatNormalization`` pass
+computes one in float32 and rounds the result to bfloat16, except for users
+that convert the result to float32: with ``--xla_allow_excess_precision``
+(XLA's default) those get the float32 result unrounded. A bfloat16 conv layer
+with float32 parameters is such a case: its kernel gradient is converted to
+float32 straight away. A transpose back between the convolution and that
+convert would round it (one ``nn.Conv(8, (3, 3), dtype=bfloat16)``, one SGD
+step: 2.4e-5 off the per-step ``jit``), so a ``convert_element_type`` of a
+rewritten convolution's result is applied to the canonical result and
+transposed after (the two commute exactly): XLA then rounds exactly where it
+rounds in the per-step program, with either setting of the flag.
 
 Convolutions inside nested ``jax.jit`` calls are rewritten too (the call is
 inlined); those inside other higher-order primitives (``scan``, ``cond``,
@@ -67,18 +80,22 @@ def is_canonical(params: dict[str, Any]) -> bool:
   return _canonical_specs(params["dimension_numbers"])
 
 
-def canonical_conv(lhs: jax.Array, rhs: jax.Array, **params: Any) -> jax.Array:
-  """``conv_general_dilated_p`` with the operands relaid out into canonical order.
+def _with_canonical_sharding(params: dict[str, Any], key: str,
+                             src: Sequence[int]) -> dict[str, Any]:
+  """``params`` with the sharding ``params[key]`` (of the ``out_spec`` layout) in canonical order."""
+  sharding = params.get(key)
+  if sharding is None:
+    return params
+  spec = tuple(sharding.spec) + (None,) * (len(src) - len(sharding.spec))
+  canonical_spec = [None] * len(src)
+  for p, c in enumerate(src):
+    canonical_spec[c] = spec[p]
+  return {**params, key: sharding.update(spec=PartitionSpec(*canonical_spec))}
 
-  Args:
-    lhs: the input, laid out as ``params["dimension_numbers"].lhs_spec`` says.
-    rhs: the kernel, laid out as ``rhs_spec`` says.
-    **params: the ``conv_general_dilated`` equation's parameters.
 
-  Returns:
-    The convolution, laid out as ``out_spec`` says: equal as a function to
-    ``lax.conv_general_dilated_p.bind(lhs, rhs, **params)``.
-  """
+def _canonical_parts(lhs: jax.Array, rhs: jax.Array,
+                     **params: Any) -> tuple[jax.Array, tuple[int, ...]]:
+  """The canonical convolution ``[N, spatial..., C]`` and the permutation back to ``out_spec``."""
   dn = params["dimension_numbers"]
   n = len(dn.lhs_spec) - 2
   lhs_perm = (dn.lhs_spec[0], *dn.lhs_spec[2:], dn.lhs_spec[1])
@@ -96,16 +113,25 @@ def canonical_conv(lhs: jax.Array, rhs: jax.Array, **params: Any) -> jax.Array:
   src[dn.out_spec[1]] = n + 1
   for i, p in enumerate(dn.out_spec[2:]):
     src[p] = 1 + i
-  new_params = {**params, "dimension_numbers": canonical}
-  out_sharding = params.get("out_sharding")
-  if out_sharding is not None:  # the same sharding, permuted into canonical order
-    spec = tuple(out_sharding.spec) + (None,) * (n + 2 - len(out_sharding.spec))
-    canonical_spec = [None] * (n + 2)
-    for p, c in enumerate(src):
-      canonical_spec[c] = spec[p]
-    new_params["out_sharding"] = out_sharding.update(spec=PartitionSpec(*canonical_spec))
-  out_c = lax.conv_general_dilated_p.bind(lhs_c, rhs_c, **new_params)
-  return lax.transpose(out_c, tuple(src))
+  new_params = _with_canonical_sharding({**params, "dimension_numbers": canonical},
+                                        "out_sharding", src)
+  return lax.conv_general_dilated_p.bind(lhs_c, rhs_c, **new_params), tuple(src)
+
+
+def canonical_conv(lhs: jax.Array, rhs: jax.Array, **params: Any) -> jax.Array:
+  """``conv_general_dilated_p`` with the operands relaid out into canonical order.
+
+  Args:
+    lhs: the input, laid out as ``params["dimension_numbers"].lhs_spec`` says.
+    rhs: the kernel, laid out as ``rhs_spec`` says.
+    **params: the ``conv_general_dilated`` equation's parameters.
+
+  Returns:
+    The convolution, laid out as ``out_spec`` says: equal as a function to
+    ``lax.conv_general_dilated_p.bind(lhs, rhs, **params)``.
+  """
+  out_c, src = _canonical_parts(lhs, rhs, **params)
+  return lax.transpose(out_c, src)
 
 
 def count_convs(jaxpr: Any) -> tuple[int, int]:
@@ -133,32 +159,61 @@ def count_convs(jaxpr: Any) -> tuple[int, int]:
   return done, left
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
-  """``eval_jaxpr`` with non-canonical convolutions rewritten and nested jits inlined."""
+# A rewritten convolution's result before its transpose back: (canonical result, permutation).
+_Canonical = tuple[jax.Array, tuple[int, ...]]
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+          canonical_args: dict[int, _Canonical] | None = None
+          ) -> tuple[list[Any], dict[int, _Canonical]]:
+  """``eval_jaxpr`` with non-canonical convolutions rewritten and nested jits inlined.
+
+  A ``convert_element_type`` of a rewritten convolution's result converts the canonical
+  result and transposes after it (see the module docstring: XLA:CPU's bfloat16 excess
+  precision). ``canonical_args`` gives, by position, the inputs that are rewritten
+  convolutions' results (a nested jit's operands); the second return value does the same for
+  the outputs.
+  """
   env: dict[Any, Any] = {}
+  canonical: dict[Any, _Canonical] = {}  # var -> its rewritten convolution's canonical result
 
   def read(v):
     return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
 
+  def canonical_of(vs):
+    return {i: canonical[v] for i, v in enumerate(vs)
+            if not isinstance(v, jax.extend.core.Literal) and v in canonical}
+
   for v, x in zip(jaxpr.constvars, consts):
     env[v] = x
-  for v, x in zip(jaxpr.invars, args):
+  for i, (v, x) in enumerate(zip(jaxpr.invars, args)):
     env[v] = x
+    if canonical_args and i in canonical_args:
+      canonical[v] = canonical_args[i]
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     with compat.source_info_context(eqn), eqn.ctx.manager:
       if eqn.primitive is lax.conv_general_dilated_p and not is_canonical(eqn.params):
-        outs = [canonical_conv(*invals, **eqn.params)]
+        out_c, src = _canonical_parts(*invals, **eqn.params)
+        canonical[eqn.outvars[0]] = out_c, src
+        outs = [lax.transpose(out_c, src)]
+      elif eqn.primitive is lax.convert_element_type_p and canonical_of(eqn.invars):
+        out_c, src = canonical_of(eqn.invars)[0]
+        converted = lax.convert_element_type_p.bind(
+            out_c, **_with_canonical_sharding(eqn.params, "sharding", src))
+        outs = [lax.transpose(converted, src)]
       elif (eqn.primitive.name in _CALL_PRIMITIVES and "jaxpr" in eqn.params
-            and count_convs(eqn.params["jaxpr"])[0]):
+            and (count_convs(eqn.params["jaxpr"])[0] or canonical_of(eqn.invars))):
         inner = eqn.params["jaxpr"]
-        outs = _eval(inner.jaxpr, inner.consts, *invals)
+        outs, inner_canonical = _eval(inner.jaxpr, inner.consts, invals,
+                                      canonical_of(eqn.invars))
+        canonical.update({eqn.outvars[i]: c for i, c in inner_canonical.items()})
       else:
         ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
         outs = list(ans) if eqn.primitive.multiple_results else [ans]
     for v, x in zip(eqn.outvars, outs):
       env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+  return [read(v) for v in jaxpr.outvars], canonical_of(jaxpr.outvars)
 
 
 def canonicalize_convs(closed: Any) -> Callable[..., list[Any]]:
@@ -173,7 +228,7 @@ def canonicalize_convs(closed: Any) -> Callable[..., list[Any]]:
   """
   if count_convs(closed.jaxpr)[0] == 0:
     return jax.extend.core.jaxpr_as_fun(closed)
-  return lambda *args: _eval(closed.jaxpr, closed.consts, *args)
+  return lambda *args: _eval(closed.jaxpr, closed.consts, args)[0]
 
 
 def with_canonical_convs(fn: Callable) -> Callable:

@@ -13,6 +13,10 @@ bfloat16 per-device happens to agree even then and stays as a guard (measured
 the input BatchNorm, and Flax's linen ResNet-18 (num_filters 8, 32x32, batch
 64) did not differ in value here, though their K = 1 programs hoisted work too.
 
+C51: the same, bitwise across K, with the convolutions relaid out into canonical order
+(``canonical_convs``, on by default on CPU) in float32, float16 and bfloat16
+(tests/test_conv_layout.py has the loop against ``jit`` and ``pmap``).
+
 C39: a weak-typed leaf (a Python scalar, Flax's ``DynamicScale()``) used to
 compile the program twice; any recompile now warns naming the leaf.
 """
@@ -84,11 +88,11 @@ def _data(dtype):
            "y": rng.integers(0, 10, BATCH).astype(np.int32)} for _ in range(STEPS)]
 
 
-def _program(k, dtype, style):
+def _program(k, dtype, style, canonical_convs=False):
   state, step = _setup(dtype, style)
   program = loopkit.MultiStepProgram(step, iterations_per_loop=k,
                                      mesh=loopkit.data_parallel_mesh(AXIS), data_axis=AXIS,
-                                     style=style, canonical_convs=False)
+                                     style=style, canonical_convs=canonical_convs)
   return program, program.place_state(state)
 
 
@@ -101,10 +105,10 @@ def _chunk(program, batches):
           jax.device_put(np.int32(n), program.replicated))
 
 
-def _train(k, dtype, style):
-  program, state = _program(k, dtype, style)
-  data = _data(dtype)
-  for i in range(0, STEPS, k):
+def _train(k, dtype, style, canonical_convs=False, steps=STEPS):
+  program, state = _program(k, dtype, style, canonical_convs)
+  data = _data(dtype)[:steps]
+  for i in range(0, steps, k):
     state, _ = program(state, *_chunk(program, data[i:i + k]))
   assert program.compile_count() == 1
   return jax.device_get(state)
@@ -115,6 +119,18 @@ def _train(k, dtype, style):
 def test_c38_half_precision_batchnorm_final_state_bitwise_equal_for_k_1_2_3(dtype, style):
   finals = {k: _train(k, dtype, style) for k in (1, 2, 3)}
   assert int(finals[1]["step"]) == STEPS
+  toy.assert_bitwise(finals[2], finals[3])
+  toy.assert_bitwise(finals[1], finals[2])
+
+
+@pytest.mark.parametrize("dtype,style", [(jnp.float32, "global"), (jnp.float16, "global"),
+                                         (jnp.bfloat16, "global"), (jnp.bfloat16, "per_device")],
+                         ids=["float32-global", "float16-global", "bfloat16-global",
+                              "bfloat16-per_device"])
+def test_c51_canonical_convs_final_state_bitwise_equal_for_k_1_2_3(dtype, style):
+  """The same with the convolutions relaid out (the default on CPU), 3 steps: calls of 1, 2+1, 3."""
+  finals = {k: _train(k, dtype, style, canonical_convs=True, steps=3) for k in (1, 2, 3)}
+  assert int(finals[1]["step"]) == 3
   toy.assert_bitwise(finals[2], finals[3])
   toy.assert_bitwise(finals[1], finals[2])
 
