@@ -8,9 +8,10 @@ checkpoints.
 
 Recipe (each value's source is in the configs): SGD with Nesterov momentum 0.9;
 learning rate ``base_learning_rate * B / 256`` (linear scaling rule, Goyal et
-al. 2017) with linear warmup then cosine decay to 0 (optax schedules); label
-smoothing; L2 weight decay on convolution and dense kernels only (not on
-BatchNorm scales/biases or the dense bias).
+al. 2017) with linear warmup then cosine decay to 0 (optax schedules);
+cross-entropy with ``config.label_smoothing`` (0 in Flax's recipe,
+``configs/imagenet_flax.py``); L2 weight decay on convolution and dense kernels
+only (not on BatchNorm scales/biases or the dense bias).
 """
 
 from __future__ import annotations
