@@ -177,32 +177,34 @@ def _ref_conv(x, w, stride, padding="SAME"):
                                       dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
-def _ref_bn(x, p, s, new_stats):
+def _ref_bn(x, p, stats, new_stats):
   """Train-mode BatchNorm (batch statistics, epsilon 1e-5); running averages with 0.9."""
+  s = stats[len(new_stats)]  # the running averages in forward order
   mean, var = x.mean((0, 1, 2)), x.var((0, 1, 2))
   new_stats.append({"mean": 0.9 * s["mean"] + 0.1 * mean, "var": 0.9 * s["var"] + 0.1 * var})
   return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
 
 
 def _ref_forward(params, stats, images):
-  """The recipe's ResNet-50 v1.5 forward (train mode), written with lax: ``(logits, stats)``."""
+  """The recipe's ResNet-50 v1.5 forward (train mode), written with lax: ``(logits, stats)``.
+
+  ``stats``: the BatchNorm running averages as a list in forward order (:func:`_flat_stats`).
+  """
   new = []
   x = (images.astype(jnp.float32) - _MEAN_RGB) / _STD_RGB
   x = _ref_conv(x, params["stem_conv"]["kernel"], 2, ((3, 3), (3, 3)))
-  x = jax.nn.relu(_ref_bn(x, params["stem_bn"], stats["stem_bn"], new))
+  x = jax.nn.relu(_ref_bn(x, params["stem_bn"], stats, new))
   x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
   i = 0
   for stage, blocks in enumerate(_STAGES):
     for j in range(blocks):
-      p, s = params["blocks"][i], stats["blocks"][i]
+      p = params["blocks"][i]
       stride = 2 if stage > 0 and j == 0 else 1
-      y = jax.nn.relu(_ref_bn(_ref_conv(x, p["conv1"]["kernel"], 1), p["bn1"], s["bn1"], new))
-      y = jax.nn.relu(_ref_bn(_ref_conv(y, p["conv2"]["kernel"], stride), p["bn2"], s["bn2"],
-                              new))
-      y = _ref_bn(_ref_conv(y, p["conv3"]["kernel"], 1), p["bn3"], s["bn3"], new)
+      y = jax.nn.relu(_ref_bn(_ref_conv(x, p["conv1"]["kernel"], 1), p["bn1"], stats, new))
+      y = jax.nn.relu(_ref_bn(_ref_conv(y, p["conv2"]["kernel"], stride), p["bn2"], stats, new))
+      y = _ref_bn(_ref_conv(y, p["conv3"]["kernel"], 1), p["bn3"], stats, new)
       if "proj_conv" in p:
-        x = _ref_bn(_ref_conv(x, p["proj_conv"]["kernel"], stride), p["proj_bn"],
-                    s["proj_bn"], new)
+        x = _ref_bn(_ref_conv(x, p["proj_conv"]["kernel"], stride), p["proj_bn"], stats, new)
       x = jax.nn.relu(x + y)
       i += 1
   logits = x.mean((1, 2)) @ params["head"]["kernel"] + params["head"]["bias"]
@@ -263,7 +265,7 @@ def three_steps():
   rng = np.random.default_rng(0)
   batches = [{"image": rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8),
               "label": rng.integers(0, 10, (16,), dtype=np.int32)} for _ in range(3)]
-  params, stats = state.params, state.batch_stats
+  params, stats = state.params, _flat_stats(state.batch_stats)
   ref_opt = sgd.init(params)
   ours, ref = [], []
   for batch in batches:
