@@ -5,8 +5,24 @@ Recognition", in the "v1.5" variant used by the MLPerf reference, NVIDIA's and
 torchvision's ResNet-50 and the Flax ImageNet example: in the bottleneck block
 the stride sits in the 3x3 convolution, not the first 1x1. Details:
 
-* Convolutions have no bias (a BatchNorm follows each); kernels are He-normal
-  initialised with fan_out (He et al. 2015, as torchvision and MLPerf).
+* Convolutions have no bias (a BatchNorm follows each).
+* Two choices that change the function, not just the speed, set by the
+  configs (``config.model.padding`` / ``config.model.kernel_init``):
+
+  - ``padding="symmetric"`` (torchvision, the MLPerf reference): every
+    convolution and the 3x3/2 max-pool pad ``(k - 1) // 2`` on both sides.
+    ``padding="same"`` (the Flax ImageNet example): the 3x3 and 1x1
+    convolutions and the max-pool use XLA's ``SAME`` padding, whose total
+    ``max((ceil(n / s) - 1) * s + k - n, 0)`` puts the odd pixel at the end:
+    on the even sizes of a 224x224 input the strided 3x3 convolutions and the
+    max-pool pad ``(0, 1)``, not ``(1, 1)`` (stride-1 convolutions and the 1x1
+    projections pad the same either way); the 7x7 stem keeps ``(3, 3)`` in
+    both, as Flax's example sets it explicitly.
+  - ``kernel_init="he_fan_out"`` (torchvision, MLPerf): convolution kernels
+    He-normal with fan_out (He et al. 2015, "Delving Deep into Rectifiers"),
+    the dense kernel N(0, 0.01^2). ``kernel_init="lecun_normal"`` (Flax's
+    default for ``Conv`` and ``Linear``, used by its ImageNet example): every
+    kernel truncated normal with variance 1 / fan_in.
 * The last BatchNorm of every residual block starts with scale 0, so each block
   starts as the identity (Goyal et al. 2017, "Accurate, Large Minibatch SGD",
   section 5.1).
@@ -34,11 +50,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-# He et al. 2015 ("Delving Deep into Rectifiers") initialisation, fan_out mode as
-# in torchvision's and the MLPerf reference ResNet.
-_conv_init = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
-# MLPerf reference ResNet: final dense layer initialised N(0, 0.01^2), bias 0.
-_dense_init = nnx.initializers.normal(0.01)
+# (convolution kernel init, dense kernel init) per ``kernel_init`` choice; biases start at 0.
+KERNEL_INITS: dict[str, tuple[Any, Any]] = {
+    # He et al. 2015 fan_out normal for convolutions, N(0, 0.01^2) for the dense layer:
+    # torchvision's and the MLPerf reference ResNet.
+    "he_fan_out": (nnx.initializers.variance_scaling(2.0, "fan_out", "normal"),
+                   nnx.initializers.normal(0.01)),
+    # Flax's default kernel init (truncated normal, variance 1 / fan_in) for both.
+    "lecun_normal": (nnx.initializers.lecun_normal(), nnx.initializers.lecun_normal()),
+}
+PADDINGS = ("symmetric", "same")
 
 # (block kind, blocks per stage) per depth, from He et al. 2016, Table 1.
 STAGE_SIZES: dict[int, tuple[str, tuple[int, ...]]] = {
@@ -63,18 +84,26 @@ class _Norm:
     return nnx.BatchNorm(features, scale_init=init, rngs=rngs, **self.kw)
 
 
-class _ConvMaker:
-  """Builds the model's convolutions (no bias, He init, symmetric padding)."""
+def _symmetric(kernel: int) -> tuple[tuple[int, int], tuple[int, int]]:
+  pad = (kernel - 1) // 2
+  return ((pad, pad), (pad, pad))
 
-  def __init__(self, *, dtype: Any):
+
+class _ConvMaker:
+  """Builds the model's convolutions (no bias; the model's padding and kernel init)."""
+
+  def __init__(self, *, dtype: Any, padding: str, kernel_init: Any):
     self.dtype = dtype
+    self.padding = padding
+    self.kernel_init = kernel_init
 
   def __call__(self, in_f: int, out_f: int, kernel: int, stride: int, *,
-               rngs: nnx.Rngs) -> nnx.Conv:
-    pad = (kernel - 1) // 2  # symmetric padding as the reference implementations
+               rngs: nnx.Rngs, padding: Any = None) -> nnx.Conv:
+    if padding is None:
+      padding = "SAME" if self.padding == "same" else _symmetric(kernel)
     return nnx.Conv(in_f, out_f, (kernel, kernel), strides=(stride, stride),
-                    padding=((pad, pad), (pad, pad)), use_bias=False, dtype=self.dtype,
-                    param_dtype=jnp.float32, kernel_init=_conv_init, rngs=rngs)
+                    padding=padding, use_bias=False, dtype=self.dtype,
+                    param_dtype=jnp.float32, kernel_init=self.kernel_init, rngs=rngs)
 
 
 class BasicBlock(nnx.Module):
@@ -157,24 +186,34 @@ class ResNet(nnx.Module):
     bn_momentum: running-average decay of BatchNorm statistics (0.9, the Flax
       ImageNet example and the MLPerf reference).
     bn_epsilon: BatchNorm epsilon (1e-5, the Flax ImageNet example and torchvision).
+    padding: ``"symmetric"`` or ``"same"`` (see the module docstring).
+    kernel_init: ``"he_fan_out"`` or ``"lecun_normal"`` (see :data:`KERNEL_INITS`).
     rngs: initialisation RNGs (``nnx.Rngs(params=seed)``).
 
   Raises:
-    ValueError: ``depth`` is not one of :data:`STAGE_SIZES`.
+    ValueError: ``depth``, ``padding`` or ``kernel_init`` is not one of the choices.
   """
 
   def __init__(self, depth: int, *, num_classes: int, rngs: nnx.Rngs, num_filters: int = 64,
                in_channels: int = 3, dtype: Any = jnp.float32, axis_name: str | None = None,
-               bn_momentum: float = 0.9, bn_epsilon: float = 1e-5):
+               bn_momentum: float = 0.9, bn_epsilon: float = 1e-5,
+               padding: str = "symmetric", kernel_init: str = "he_fan_out"):
     if depth not in STAGE_SIZES:
       raise ValueError(f"depth must be one of {sorted(STAGE_SIZES)}, got {depth}")
+    if padding not in PADDINGS:
+      raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
+    if kernel_init not in KERNEL_INITS:
+      raise ValueError(f"kernel_init must be one of {tuple(KERNEL_INITS)}, got {kernel_init!r}")
+    conv_init, dense_init = KERNEL_INITS[kernel_init]
     kind, stage_sizes = STAGE_SIZES[depth]
     block_cls = BasicBlock if kind == "basic" else BottleneckBlock
     norm = _Norm(dtype=dtype, axis_name=axis_name, momentum=bn_momentum, epsilon=bn_epsilon)
-    conv = _ConvMaker(dtype=dtype)
+    conv = _ConvMaker(dtype=dtype, padding=padding, kernel_init=conv_init)
     self.depth = depth
     self.dtype = dtype
-    self.stem_conv = conv(in_channels, num_filters, 7, 2, rngs=rngs)
+    # "SAME" for the 3x3/2 max-pool; symmetric (1, 1) otherwise. Static (not a pytree leaf).
+    self.pool_padding = "SAME" if padding == "same" else _symmetric(3)
+    self.stem_conv = conv(in_channels, num_filters, 7, 2, rngs=rngs, padding=_symmetric(7))
     self.stem_bn = norm(num_filters, rngs=rngs)
     blocks = []
     in_f = num_filters
@@ -186,7 +225,7 @@ class ResNet(nnx.Module):
         in_f = f * block_cls.expansion
     self.blocks = nnx.List(blocks)
     self.head = nnx.Linear(in_f, num_classes, dtype=dtype, param_dtype=jnp.float32,
-                           kernel_init=_dense_init, rngs=rngs)
+                           kernel_init=dense_init, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
     """Logits.
@@ -201,7 +240,7 @@ class ResNet(nnx.Module):
     """
     x = jnp.asarray(x, self.dtype)
     x = nnx.relu(self.stem_bn(self.stem_conv(x), use_running_average=not train))
-    x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=self.pool_padding)
     for block in self.blocks:
       x = block(x, train=train)
     x = jnp.mean(x.astype(jnp.float32), axis=(1, 2)).astype(self.dtype)

@@ -176,14 +176,6 @@ def test_config_values_and_tpu_k_divides_an_epoch():
 # -- input pipeline -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory):
-  from examples.resnet50 import digits_tfds
-  d = str(tmp_path_factory.mktemp("tfds"))
-  digits_tfds.ensure_prepared(d)
-  return d
-
-
 def _digits_builder(data_dir):
   from examples.resnet50 import digits_tfds
   return digits_tfds.ensure_prepared(data_dir)

@@ -8,9 +8,10 @@ checkpoints.
 
 Recipe (each value's source is in the configs): SGD with Nesterov momentum 0.9;
 learning rate ``base_learning_rate * B / 256`` (linear scaling rule, Goyal et
-al. 2017) with linear warmup then cosine decay to 0 (optax schedules); label
-smoothing; L2 weight decay on convolution and dense kernels only (not on
-BatchNorm scales/biases or the dense bias).
+al. 2017) with linear warmup then cosine decay to 0 (optax schedules);
+cross-entropy with ``config.label_smoothing`` (0 in Flax's recipe,
+``configs/imagenet_flax.py``); L2 weight decay on convolution and dense kernels
+only (not on BatchNorm scales/biases or the dense bias).
 """
 
 from __future__ import annotations
@@ -69,13 +70,20 @@ def create_model(config: ml_collections.ConfigDict, *, axis_name: str | None = N
 
   Args:
     config: needs ``model.depth``, ``model.num_filters``, ``num_classes``,
-      ``half_precision``, ``seed``.
+      ``half_precision``, ``seed``; optional ``model.bn_momentum`` (0.9),
+      ``model.padding`` (``"symmetric"``) and ``model.kernel_init``
+      (``"he_fan_out"``), see :class:`models.ResNet`.
     axis_name: BatchNorm's mapped axis for per-device steps (None: global).
+
+  Raises:
+    ValueError: an unknown ``model.depth``, ``model.padding`` or ``model.kernel_init``.
   """
   return models.ResNet(config.model.depth, num_classes=config.num_classes,
                        num_filters=config.model.num_filters, dtype=compute_dtype(config),
                        axis_name=axis_name,
                        bn_momentum=config.model.get("bn_momentum", 0.9),
+                       padding=config.model.get("padding", "symmetric"),
+                       kernel_init=config.model.get("kernel_init", "he_fan_out"),
                        rngs=nnx.Rngs(params=config.seed))
 
 

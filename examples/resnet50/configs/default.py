@@ -1,14 +1,18 @@
-"""The ResNet-50 ImageNet recipe: every value with its source.
+"""The ResNet-50 ImageNet settings every config starts from: each value with its source.
 
-Not meant to be run as is on a particular machine: ``imagenet_tpu.py`` (a TPU
-pod slice), ``cpu.py`` (digits on this CPU), ``cpu_resnet50.py`` and
-``smoke.py`` start from it. Sources cited:
+Not meant to be run as is on a particular machine, and not one published
+recipe: a 90-epoch schedule after Goyal et al. 2017 with the MLPerf
+reference's label smoothing and initialisation. ``imagenet_flax.py`` (the Flax
+ImageNet example's recipe, step for step, the one with published accuracy),
+``imagenet_tpu.py`` (a faster batch-4096 variant, not run), ``cpu.py`` (digits
+on this CPU), ``cpu_resnet50.py`` and ``smoke.py`` start from it. Sources cited:
 
 * [He16]    He, Zhang, Ren, Sun 2016, "Deep Residual Learning for Image Recognition".
 * [Goyal17] Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour".
 * [Szegedy15/16] "Going Deeper with Convolutions" / "Rethinking the Inception Architecture".
 * [Tricks19] He et al. 2019, "Bag of Tricks for Image Classification with CNNs".
-* [Flax]    the Flax ImageNet example (``flax/examples/imagenet``).
+* [Flax]    the Flax ImageNet example (``examples/imagenet`` at Flax commit 18f8f311;
+            its recipe is ``imagenet_flax.py``).
 * [MLPerf]  the MLPerf Training ResNet-50 v1.5 reference.
 """
 
@@ -44,11 +48,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.depth = 50              # ResNet-50 v1.5 [He16], [MLPerf]
   config.model.num_filters = 64        # [He16]
   config.model.bn_momentum = 0.9       # running-average decay of BN statistics [Flax], [MLPerf]
+  # Symmetric (k - 1) // 2 padding of every convolution and the max-pool [MLPerf] (torchvision);
+  # [Flax] pads "SAME" instead (see models.py).
+  config.model.padding = "symmetric"
+  # He-normal fan_out convolutions, N(0, 0.01^2) dense kernel [MLPerf] (torchvision);
+  # [Flax] uses lecun_normal for both.
+  config.model.kernel_init = "he_fan_out"
   config.half_precision = True         # bfloat16 compute, float32 params [Flax] (TPU)
 
   # -- optimisation -------------------------------------------------------------
   config.global_batch_size = 1024      # [Flax] TPU config; lr scales with it [Goyal17]
-  config.num_epochs = 90               # [He16], [Goyal17], [Flax]
+  config.num_epochs = 90               # [He16], [Goyal17] ([Flax] trains 100)
   config.num_train_steps = -1          # > 0 overrides num_epochs (smoke tests)
   config.base_learning_rate = 0.1      # per 256 examples: lr = 0.1 * B / 256 [Goyal17]
   config.warmup_epochs = 5             # linear warmup from 0 [Goyal17]
