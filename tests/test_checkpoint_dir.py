@@ -227,7 +227,7 @@ def test_c46_stale_locks(record, stale):
 def test_c46_another_host_blocks_until_its_heartbeat_is_stale(tmp_path):
   (tmp_path / LOCK_FILE).write_text(json.dumps(_lock_record(host="node-7", pid=12)))
   with pytest.raises(CheckpointError, match=r"in use by another run: host node-7, pid 12, since "
-                     r"20\d\d-\d\d-\d\d \d\d:\d\d:\d\d UTC \(heartbeat 0 s ago\)"):
+                     r"20\d\d-\d\d-\d\d \d\d:\d\d:\d\d UTC \(heartbeat \d+ s ago\)"):
     make_loop(2, [CheckpointHook(tmp_path)]).run(toy.init_state(), toy.batches(2), num_steps=2)
   old = time.time() - 301
   (tmp_path / LOCK_FILE).write_text(json.dumps(_lock_record(host="node-7", pid=12,
