@@ -186,7 +186,8 @@ def partial_batch_hint(first: Any, batch: Any) -> str:
   """
   try:
     pairs = [(np.shape(a), np.shape(b)) for a, b in
-             zip(jax.tree.leaves(first), jax.tree.structure(first).flatten_up_to(batch))]
+             zip(jax.tree.leaves(first),
+                 jax.tree.structure(first).flatten_up_to(batch))]  # type: ignore[attr-defined]
   except (ValueError, TypeError):
     return ""
   rows = {b[0] if b else None for _, b in pairs}

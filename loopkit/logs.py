@@ -126,8 +126,8 @@ def _made_after_absl(handler: logging.Handler) -> bool:
   refs = getattr(logging, "_handlerList", None)
   get_absl_handler = getattr(sys.modules.get("absl.logging"), "get_absl_handler", None)
   try:
-    order = [ref() for ref in list(refs)]
-    return order.index(get_absl_handler()) < order.index(handler)
+    order = [ref() for ref in list(refs)]  # type: ignore[arg-type]  # None: caught below
+    return order.index(get_absl_handler()) < order.index(handler)  # type: ignore[misc]
   except Exception:  # noqa: BLE001  (no such list, or absl's handler not in it)
     return _root_seen_empty
 

@@ -278,13 +278,14 @@ class TrainLoop:
                            "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
                            "itself" if replicated else ""))
     step0 = int(jax.device_get(counter))  # "nothing to run" is told after restores (Run.start)
-    fresh = prior is None or prior.step != step0
-    ledger = Ledger(step=step0) if fresh else prior
+    last = self._run
+    fresh = prior is None or last is None or prior.step != step0
+    ledger = Ledger(step=step0) if fresh or prior is None else prior
     ledger.steps_per_epoch = self.steps_per_epoch
     run.set_ledger(ledger)
     # examples_seen = step0 x B at the first chunk (case C52), also when the last run of
     # this loop ended before its first chunk
-    run.examples_unknown = step0 > 0 and (fresh or self._run.examples_unknown)
+    run.examples_unknown = step0 > 0 and (fresh or last is None or last.examples_unknown)
     self.status = None
     self._stop_reason = None
     self._run = run

@@ -98,10 +98,12 @@ class RateMeter:
       self._ema = x
       return
     a = self.smoothing
+    e = self._ema
     if a == 0:  # running totals: the average over all intervals
-      self._ema = tuple(xi + ei for xi, ei in zip(x, self._ema))
+      self._ema = (x[0] + e[0], x[1] + e[1], x[2] + e[2])
     else:
-      self._ema = tuple(a * xi + (1.0 - a) * ei for xi, ei in zip(x, self._ema))
+      b = 1.0 - a
+      self._ema = (a * x[0] + b * e[0], a * x[1] + b * e[1], a * x[2] + b * e[2])
 
   def rates(self) -> tuple[float, float]:
     """``(steps/s, examples/s)``; NaN before the first interval."""
