@@ -14,7 +14,7 @@ excluded) and each into a fresh directory:
 The modes are interleaved over ``--repeats`` rounds (so clock or load drifts
 hit all alike) and the best run of each is kept. Printed per mode: wall time
 per step (ms, including the wait for the last write at the end of the run),
-the median time a save blocks the loop (ms, inside the hook's ``after_call``),
+the median time a save blocks the loop (ms, inside the hook's ``on_trigger``),
 and the ratio ``step time / step time without checkpoints``. The ratio
 printed last, ``async ratio``, is the headline.
 
@@ -98,11 +98,11 @@ def main(argv=None) -> dict:
                                     async_save=mode == "async", restore=False)
       after_call_s[mode] = []
 
-      def timed(info, state, _hook=hook, _orig=hook.after_call, _log=after_call_s[mode]):
+      def timed(info, state, _hook=hook, _orig=hook.on_trigger, _log=after_call_s[mode]):
         t0 = time.perf_counter()
         _orig(info, state)
         _log.append(time.perf_counter() - t0)
-      hook.after_call = timed
+      hook.on_trigger = timed
     hooks[mode] = hook
     loops[mode] = loopkit.TrainLoop(train_step, iterations_per_loop=args.k,
                                     hooks=[hook] if hook else [])

@@ -257,7 +257,7 @@ class ResNetBench:
     self.pool = [{"image": rng.integers(0, 256, (plan.batch, s, s, 3), dtype=np.uint8),
                   "label": rng.integers(0, plan.num_classes, (plan.batch,), dtype=np.int32)}
                  for _ in range(plan.pool)]
-    self.programs: dict[int, Any] = {}  # K -> loopkit.MultiStepProgram compiled here
+    self.programs: dict[int, Any] = {}  # K -> loopkit.core.MultiStepProgram compiled here
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
     lowered = jax.jit(self.step).lower(jax.tree.map(spec, self.host_state),
                                        jax.tree.map(spec, self.pool[0]))
@@ -334,7 +334,7 @@ class ResNetBench:
     program = self.programs.get(k)
     reused = program is not None
     if program is None:
-      program = loopkit.MultiStepProgram(self.step, iterations_per_loop=k, mesh=self.mesh)
+      program = loopkit.core.MultiStepProgram(self.step, iterations_per_loop=k, mesh=self.mesh)
     shape = (k, plan.batch, plan.image_size, plan.image_size, 3)
 
     @jax.jit(out_shardings=program.batch_sharding)
@@ -385,19 +385,19 @@ class BoundaryClock:
   def __init__(self):
     import loopkit  # noqa: PLC0415
 
-    self.trigger = loopkit.Trigger()  # every call; after_call does nothing, observe() times
+    self.trigger = loopkit.Trigger()  # every call; on_trigger does nothing, after_each_call() times
     self.marks: list[tuple[float, int]] = []
     self.last_loss: float | None = None
 
   def on_run_start(self, loop, state):
     return None
 
-  def observe(self, info) -> None:
+  def after_each_call(self, info) -> None:
     self.marks.append((time.perf_counter(), info.end_step))
     if "loss" in info.metrics:
       self.last_loss = float(info.metrics["loss"])
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     return None
 
   def on_run_end(self, loop, state):

@@ -10,7 +10,7 @@ function of the real path, wrapped by a timer for the measurement only
 
 - ``form``: ``ChunkFeeder._form`` but the placement: pulling K batches from the source (a
   list of numpy batches here), checking each against the first, stacking ``[K, B, ...]``;
-- ``place``: ``loopkit.placement.Placer`` (the host-to-device transfer of the chunk's leaves);
+- ``place``: ``loopkit.data.placement.Placer`` (the host-to-device transfer of the chunk's leaves);
 - ``handoff``: the rest of ``ChunkFeeder.next`` (the queue; with prefetch, waiting for it);
 - ``agree``: ``Run.agree`` (the boundary agreement; no communication on 1 process);
 - ``dispatch``: ``MultiStepProgram.__call__`` (the jitted call, asynchronous);
@@ -67,7 +67,8 @@ import numpy as np  # noqa: E402
 
 import loopkit  # noqa: E402
 from benchmarks import systems as sy, workloads as wl  # noqa: E402
-from loopkit import feeding, ledger as ledger_lib, program as program_lib, run as run_lib  # noqa: E402
+from loopkit.core import ledger as ledger_lib, program as program_lib, run as run_lib  # noqa: E402
+from loopkit.data import feeding  # noqa: E402
 
 PHASES = ("form", "place", "handoff", "agree", "dispatch", "finish",
           "ledger", "loop")
@@ -198,7 +199,7 @@ def profile_program(k: int, calls: int, repeats: int) -> dict:
   w = wl.get("mlp", calls * k)
   data = wl.make_data(w, k)
   data = wl.pad_slots(data, program_lib.MIN_SLOTS)  # as loopkit/feeding.py forms it
-  program = loopkit.MultiStepProgram(wl.make_train_step(w), iterations_per_loop=k,
+  program = loopkit.core.MultiStepProgram(wl.make_train_step(w), iterations_per_loop=k,
                                      mesh=sy.data_mesh())
   chunk = jax.device_put(data, program.batch_sharding)
   n = jax.device_put(np.int32(k), program.replicated)

@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
   import numpy as np
 
   import loopkit
-  from loopkit.feeding import ChunkFeeder
+  from loopkit.data.feeding import ChunkFeeder
 
   sleep_s = args.sleep_ms / 1000
   rng = np.random.default_rng(0)
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
   class BlockEveryCall(loopkit.Hook):
     """Waits for the device after every call: a loop with no overlap at all."""
 
-    def after_call(self, info, state):
+    def on_trigger(self, info, state):
       jax.block_until_ready(state)
 
   def warmed(prefetch, hooks=()):

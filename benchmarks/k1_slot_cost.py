@@ -4,7 +4,7 @@ At K = 1 the loop body is compiled for two chunk slots, so it is exactly the K =
 body. The feeder gives a K = 1 chunk its zero second slot on the host (``[2, B, ...]``,
 what ``TrainLoop`` runs); a ``[1, B, ...]`` chunk given to the program directly is
 padded on the device (a copy of one batch per call). This script times K = 1 calls of
-:class:`loopkit.MultiStepProgram` three ways: ``MIN_SLOTS = 1`` (the old program, no
+:class:`loopkit.core.MultiStepProgram` three ways: ``MIN_SLOTS = 1`` (the old program, no
 padding), ``MIN_SLOTS = 2`` with ``[1, B, ...]`` chunks (device padding) and with
 ``[2, B, ...]`` chunks (host padding, the shipped path), interleaved over ``--repeats``
 rounds, best round kept, on the ``mlp`` (dispatch-bound) and ``cnn``
@@ -27,7 +27,7 @@ import numpy as np
 
 import loopkit
 from benchmarks import workloads
-from loopkit import program as program_lib
+from loopkit.core import program as program_lib
 
 
 def time_k1(name: str, min_slots: int, num_steps: int, chunk_slots: int = 1) -> float:
@@ -37,7 +37,7 @@ def time_k1(name: str, min_slots: int, num_steps: int, chunk_slots: int = 1) -> 
   """
   program_lib.MIN_SLOTS = min_slots
   w = workloads.get(name, num_steps)
-  program = loopkit.MultiStepProgram(workloads.make_train_step(w), iterations_per_loop=1,
+  program = loopkit.core.MultiStepProgram(workloads.make_train_step(w), iterations_per_loop=1,
                                      mesh=loopkit.data_parallel_mesh())
   state = program.place_state(workloads.init_state(w))
   data = workloads.make_data(w, num_steps)

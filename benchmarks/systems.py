@@ -475,7 +475,7 @@ def mechanism_cost(w: wl.Workload, data: dict[str, np.ndarray], k: int, calls: i
   chunk = jax.device_put({k_: v[:k] for k_, v in data.items()},
                          NamedSharding(mesh, P(None, "data")))
   step = wl.make_train_step(w)
-  program = loopkit.MultiStepProgram(step, iterations_per_loop=k, mesh=mesh)
+  program = loopkit.core.MultiStepProgram(step, iterations_per_loop=k, mesh=mesh)
 
   def scan_k(state, batches):
     state, m = jax.lax.scan(step, state, batches)

@@ -114,7 +114,7 @@ def array_source(data: dict[str, np.ndarray]) -> Any:
 
 def pad_slots(chunk: dict[str, np.ndarray], slots: int) -> dict[str, np.ndarray]:
   """A chunk ``[n, B, ...]`` with zero slots appended up to ``slots``, as loopkit's feeder
-  forms a K = 1 chunk (``[2, B, ...]``, ``loopkit.program.MIN_SLOTS``)."""
+  forms a K = 1 chunk (``[2, B, ...]``, ``loopkit.core.program.MIN_SLOTS``)."""
   return {name: np.concatenate([v, np.zeros((max(0, slots - len(v)),) + v.shape[1:], v.dtype)])
           for name, v in chunk.items()}
 

@@ -2,95 +2,86 @@
 
 K train steps per device call, events landing exactly on their steps, and
 results that do not depend on K.
+
+The names here are what a first loop, a checkpointed loop and an NNX loop
+need. Everything else lives in its namespace:
+
+* :mod:`loopkit.core`: the loop, the multi-step program, the planner, triggers,
+  the ledger, the hook protocol and its run context;
+* :mod:`loopkit.data`: sources, the chunk feeder, placement, device-resident data;
+* :mod:`loopkit.checkpoint`: the Orbax checkpoint hook (needs ``loopkit[checkpoint]``);
+* :mod:`loopkit.observe`: metric writers, logging, goodput, progress, profiling;
+* :mod:`loopkit.evaluation`, :mod:`loopkit.metrics`, :mod:`loopkit.nnx`
+  (needs ``loopkit[nnx]``), :mod:`loopkit.conv_layout`;
+* :mod:`loopkit.tools`: ahead-of-time compilation for a topology, the K tuner,
+  testing helpers (fake devices, real multi-process runs).
 """
 
-from loopkit import aot, conv_layout, goodput, metrics
-from loopkit.accumulation import accumulate
-from loopkit.checks import BatchLayoutWarning
-from loopkit.context import LedgerAdjustment, Restore, RunContext
-from loopkit.device_data import DeviceDataset, DeviceDataState
-from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate, per_example
-from loopkit.goodput import GoodputHook, GoodputSummary
-from loopkit.hooks import (
+from loopkit import conv_layout, core, data, evaluation, metrics, observe
+from loopkit._internal.mesh import data_parallel_mesh
+from loopkit.core.context import RunContext
+from loopkit.core.hooks import (
   CallbackHook,
   Hook,
-  LoggingHook,
   LoopInfo,
   NanCheckHook,
   NonFiniteError,
   NonFiniteWarning,
 )
-from loopkit.ledger import Bucket, Ledger
-from loopkit.loop import DataExhaustedWarning, TrainLoop
-from loopkit.planner import TimeBasedK, next_call_length, plan_calls
-from loopkit.preemption import PreemptionWatcher
-from loopkit.profiler import ProfilerHook
-from loopkit.program import MultiStepProgram, data_parallel_mesh
-from loopkit.progress import ProgressHook
-from loopkit.rng import step_key
-from loopkit.sources import (
-  ArraySource,
-  TfDataSource,
-  batch_arrays,
-  eval_batches_per_process,
-  grain_shard_for_process,
-  grain_shard_options,
-  process_shard_bounds,
-  shard_for_process,
-  steps_per_epoch_of,
-  tfds_split_for_process,
-)
-from loopkit.triggers import Trigger
-from loopkit.writers import (
-  AsyncWriter,
-  ConsoleWriter,
-  FlaxSummaryWriter,
-  JsonlWriter,
-  MetricWriter,
-  MultiWriter,
-  NullWriter,
-  TensorBoardWriter,
-  as_writer,
-  create_default_writer,
-)
+from loopkit.core.loop import DataExhaustedWarning, TrainLoop
+from loopkit.core.rng import step_key
+from loopkit.core.triggers import Trigger
+from loopkit.data.sources import ArraySource, TfDataSource
+from loopkit.evaluation import EvalHook, EvalResult, Evaluator
+from loopkit.observe.logging_hook import LoggingHook
+from loopkit.observe.progress import ProgressHook
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-_LAZY = {  # need the optional orbax-checkpoint (pip install loopkit[checkpoint]; loopkit.extras)
-    "CheckpointError": "loopkit.checkpoint", "CheckpointHook": "loopkit.checkpoint",
-    "CheckpointWarning": "loopkit.checkpoint", "RestoredCheckpoint": "loopkit.checkpoint",
-}
+# Imported on first use. ``checkpoint`` imports Orbax (loopkit[checkpoint]), ``nnx`` Flax
+# (loopkit[nnx]); ``tools`` holds `python -m` entry points (loopkit.tools.tune,
+# loopkit.tools.testing), which warn when the package imported them already.
+_LAZY_MODULES = ("checkpoint", "nnx", "tools")
+_LAZY_NAMES = {"CheckpointHook": "checkpoint"}
 
 
 def __getattr__(name):
-  if name in _LAZY:
-    from loopkit.extras import require  # pylint: disable=g-import-not-at-top
-    return getattr(require(_LAZY[name], f"loopkit.{name}"), name)
-  if name == "nnx":  # needs flax (pip install loopkit[nnx])
-    from loopkit.extras import require  # pylint: disable=g-import-not-at-top
-    return require("loopkit.nnx", "loopkit.nnx")
-  if name in ("testing", "tune"):  # imported on first use: testing imports pytest if present;
-    # tune runs as `python -m loopkit.tune`, which warns if the package imported it already
-    import importlib  # pylint: disable=g-import-not-at-top
-    return importlib.import_module(f"loopkit.{name}")
+  if name in _LAZY_NAMES:
+    return getattr(__getattr__(_LAZY_NAMES[name]), name)
+  if name in _LAZY_MODULES:
+    from loopkit._internal.extras import require  # pylint: disable=g-import-not-at-top
+    return require(f"loopkit.{name}", f"loopkit.{name}")
   raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
 
+
 __all__ = [
-    "CheckpointError", "CheckpointHook", "CheckpointWarning", "PreemptionWatcher",
-    "RestoredCheckpoint",
-    "BatchLayoutWarning", "CallbackHook", "DataExhaustedWarning", "Hook", "JsonlWriter",
-    "Ledger", "LoggingHook",
-    "LoopInfo", "MetricWriter", "MultiStepProgram", "NanCheckHook", "NonFiniteError",
+    "ArraySource",
+    "CallbackHook",
+    "CheckpointHook",
+    "DataExhaustedWarning",
+    "EvalHook",
+    "EvalResult",
+    "Evaluator",
+    "Hook",
+    "LoggingHook",
+    "LoopInfo",
+    "NanCheckHook",
+    "NonFiniteError",
     "NonFiniteWarning",
+    "ProgressHook",
+    "RunContext",
+    "TfDataSource",
+    "TrainLoop",
+    "Trigger",
+    "checkpoint",
+    "conv_layout",
+    "core",
+    "data",
     "data_parallel_mesh",
-    "TrainLoop", "Trigger", "metrics", "next_call_length", "plan_calls", "step_key",
-    "accumulate", "AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "as_writer", "per_example",
-    "steps_per_epoch_of", "GoodputHook", "GoodputSummary", "MultiWriter", "NullWriter",
-    "ProfilerHook", "ProgressHook", "TensorBoardWriter", "TimeBasedK", "create_default_writer",
-    "aot", "conv_layout", "goodput", "nnx", "tune",
-    "ArraySource", "DeviceDataState", "DeviceDataset", "EvalHook", "EvalResult", "Evaluator",
-    "TfDataSource", "batch_arrays", "eval_batches_per_process", "evaluate",
-    "grain_shard_for_process", "grain_shard_options", "process_shard_bounds",
-    "shard_for_process", "tfds_split_for_process",
-    "Bucket", "LedgerAdjustment", "Restore", "RunContext",
+    "evaluation",
+    "metrics",
+    "nnx",
+    "observe",
+    "step_key",
+    "tools",
 ]

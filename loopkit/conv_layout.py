@@ -24,7 +24,7 @@ the one XLA:CPU's ``ConvCanonicalization`` runs for a top-level convolution, so
 the rewritten step gives bitwise the values of a per-step ``jit`` of the same
 step (the naive in-loop kernel sums in another order: last-bit differences),
 and the same for every K (every K runs this rewritten step).
-:class:`~loopkit.program.MultiStepProgram` applies it when its mesh is on CPU
+:class:`~loopkit.core.program.MultiStepProgram` applies it when its mesh is on CPU
 devices (``canonical_convs=None``, the default).
 
 bfloat16: XLA:CPU has no bfloat16 convolution. Its ``FloatNormalization`` pass
@@ -54,7 +54,7 @@ import jax.extend.core
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from loopkit import compat
+from loopkit._internal import compat
 
 _CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
 
@@ -82,7 +82,8 @@ def is_canonical(params: dict[str, Any]) -> bool:
 
 def _with_canonical_sharding(params: dict[str, Any], key: str,
                              src: Sequence[int]) -> dict[str, Any]:
-  """``params`` with the sharding ``params[key]`` (of the ``out_spec`` layout) in canonical order."""
+  """``params`` with the sharding ``params[key]`` (of the ``out_spec`` layout) in canonical
+  order."""
   sharding = params.get(key)
   if sharding is None:
     return params

@@ -10,14 +10,14 @@ An eval step returns **per-example** values, never batch means::
 :class:`Evaluator` pads every batch to the static global batch B (the short
 last batch, and on multi-host the extra batches of short processes) with zero
 rows and a per-example mask, stacks up to K batches into one chunk
-``[K, B, ...]`` (prefetched by :class:`loopkit.feeding.ChunkFeeder`), and runs
+``[K, B, ...]`` (prefetched by :class:`loopkit.data.feeding.ChunkFeeder`), and runs
 one compiled program per chunk that computes each batch's ``sum(mask * value)``
 (float32) and ``sum(mask)``. Padded rows never count, even when their values are
 NaN. The program sums across devices (for per-device steps with ``psum``), and
 the host adds the per-batch sums in float64 in batch order, so a metric is
 ``total / count`` over the real examples, never a mean of batch or device means
 (cases C15, C18), and the same bits for every K: the program runs the training
-program's loop (:func:`loopkit.program.run_slots`), so K = 1 compiles the
+program's loop (:func:`loopkit.core.program.run_slots`), so K = 1 compiles the
 K = 2 body, and no float32 sum spans batches. Every call length and every eval
 run reuses one executable.
 
@@ -28,7 +28,7 @@ step that updates an ``nnx.MultiMetric`` runs through
 
 Multi-host: every process must run the same number of batches (a process
 that stops early would leave the others waiting at a collective): pass
-``num_batches=loopkit.sources.eval_batches_per_process(...)``; processes with
+``num_batches=loopkit.data.sources.eval_batches_per_process(...)``; processes with
 fewer examples are padded with fully masked batches (case C27).
 
 :class:`EvalHook` runs an evaluator from a ``TrainLoop`` every N steps or
@@ -48,14 +48,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from loopkit.checks import check_global_batch_size, check_iterations_per_loop, check_step_style
-from loopkit.compat import lowering_count
-from loopkit.device_data import DeviceDataState
-from loopkit.feeding import ChunkFeeder
-from loopkit.hooks import Hook, LoopInfo
-from loopkit.ledger import Bucket
-from loopkit.program import MIN_SLOTS, build_program, resolve_mesh, run_slots
-from loopkit.writers import as_writer
+from loopkit._internal.checks import (
+  MIN_SLOTS,
+  check_global_batch_size,
+  check_iterations_per_loop,
+  check_step_style,
+)
+from loopkit._internal.compat import lowering_count
+from loopkit._internal.mesh import resolve_mesh
+from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.ledger import Bucket
+from loopkit.core.program import build_program, run_slots
+from loopkit.data.device_data import DeviceDataState
+from loopkit.data.feeding import ChunkFeeder
+from loopkit.observe.writers import as_writer
 
 log = logging.getLogger("loopkit")
 
@@ -128,7 +134,7 @@ class Evaluator:
       self._set_batch_size(global_batch_size)
     self._batch_sharding = NamedSharding(self.mesh, P(None, data_axis))
     self._replicated = NamedSharding(self.mesh, P())
-    self._compiles = 0  # calls that compiled (loopkit.compat.lowering_count)
+    self._compiles = 0  # calls that compiled (loopkit._internal.compat.lowering_count)
     self._jitted = build_program(self._loop, mesh=self.mesh, data_axis=data_axis,
                                  style=step_style, out_shardings=self._replicated)
 
@@ -225,7 +231,7 @@ class Evaluator:
         and empty batches are padded and masked.
       num_batches: run exactly this many batches, padding with fully masked
         ones; required on multi-host so that all processes agree (see
-        :func:`loopkit.sources.eval_batches_per_process`).
+        :func:`loopkit.data.sources.eval_batches_per_process`).
 
     Returns:
       An :class:`EvalResult`.
@@ -306,8 +312,9 @@ class Evaluator:
   def compile_count(self) -> int:
     """Calls that compiled the eval program (1 in a healthy run).
 
-    Counted from JAX's public lowering events (:func:`loopkit.compat.lowering_count`) around
-    each call, as for :meth:`loopkit.program.MultiStepProgram.compile_count`.
+    Counted from JAX's public lowering events
+    (:func:`loopkit._internal.compat.lowering_count`) around
+    each call, as for :meth:`loopkit.core.program.MultiStepProgram.compile_count`.
     """
     return self._compiles
 
@@ -385,13 +392,13 @@ class EvalHook(Hook):
     num_batches: passed to :meth:`Evaluator.evaluate` (multi-host).
     writer: optional metric writer (``write_scalars(step, scalars)``: loopkit's,
       CLU's ``metric_writers``; or Flax's ``tensorboard.SummaryWriter``, see
-      :func:`loopkit.writers.as_writer`); gets ``{prefix}/{metric}`` and
+      :func:`loopkit.observe.writers.as_writer`); gets ``{prefix}/{metric}`` and
       ``{prefix}/num_examples``.
     prefix: name prefix for the written scalars.
     state_fn: maps the train state to the state ``eval_step`` takes (default:
-      unwraps a :class:`~loopkit.device_data.DeviceDataState`).
+      unwraps a :class:`~loopkit.data.device_data.DeviceDataState`).
     **trigger: ``every_steps``, ``every_epochs``, ``at_steps``,
-      ``every_secs``, ``at_end`` (see :class:`loopkit.hooks.Hook`).
+      ``every_secs``, ``at_end`` (see :class:`loopkit.core.hooks.Hook`).
 
   Attributes:
     results: ``[(step, EvalResult)]`` in firing order.
@@ -430,7 +437,7 @@ class EvalHook(Hook):
     if flush is not None:
       flush()
 
-  def after_call(self, info: LoopInfo, state: Any) -> None:
+  def on_trigger(self, info: LoopInfo, state: Any) -> None:
     batches = self.batches() if callable(self.batches) else self.batches
     result = self.evaluator.evaluate(self.state_fn(state), batches,
                                      num_batches=self.num_batches)

@@ -60,9 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopkit import metrics as metrics_lib
+from loopkit._internal.extras import missing
+from loopkit.core.loop import TrainLoop
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator
-from loopkit.extras import missing
-from loopkit.loop import TrainLoop
 
 try:
   from flax import nnx
@@ -281,7 +281,7 @@ class NnxTrainLoop:
 
   @property
   def ledger(self):
-    """The loop's :class:`~loopkit.ledger.Ledger`."""
+    """The loop's :class:`~loopkit.core.ledger.Ledger`."""
     return self.loop.ledger
 
   @property
@@ -291,7 +291,7 @@ class NnxTrainLoop:
 
   @property
   def program(self):
-    """The compiled :class:`~loopkit.program.MultiStepProgram`."""
+    """The compiled :class:`~loopkit.core.program.MultiStepProgram`."""
     return self.loop.program
 
 
@@ -439,7 +439,7 @@ class NnxEvaluator:
     Args:
       batches: a re-iterable or a callable returning a fresh iterable.
       num_batches: as for :class:`loopkit.EvalHook`.
-      writer: as for :class:`loopkit.EvalHook` (see :func:`loopkit.as_writer`).
+      writer: as for :class:`loopkit.EvalHook` (see :func:`loopkit.observe.as_writer`).
       prefix: as for :class:`loopkit.EvalHook`.
       **trigger: as for :class:`loopkit.EvalHook` (``every_steps``, ...).
     """

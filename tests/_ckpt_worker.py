@@ -152,8 +152,8 @@ class KillingCheckpointHook(loopkit.CheckpointHook):
 
   kill_step = -1
 
-  def after_call(self, info, state):
-    super().after_call(info, state)
+  def on_trigger(self, info, state):
+    super().on_trigger(info, state)
     if info.end_step == self.kill_step:
       os.kill(os.getpid(), signal.SIGKILL)
 

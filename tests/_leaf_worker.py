@@ -192,7 +192,7 @@ class KillAfterCommit(loopkit.Hook):
     super().__init__(at_steps=[step], at_end=False)
     self.ckpt = ckpt
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     self.ckpt.wait_until_finished()
     print(f"KILLING at {info.end_step} saved {self.ckpt.all_steps()}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -209,7 +209,7 @@ class Capture(loopkit.Hook):
   def on_run_start(self, loop, state):
     self.start = digests(state)
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     self.at = digests(state)
 
 

@@ -1,6 +1,6 @@
 """Functions run by every process of the multi-process tests (tests/test_multihost.py).
 
-Each runs either inside a child of :func:`loopkit.testing.run_processes` (P
+Each runs either inside a child of :func:`loopkit.tools.testing.run_processes` (P
 processes x D devices under ``jax.distributed``) or directly in the test
 process (1 process x 8 devices), so the two can be compared. They return
 plain picklable values (numpy arrays, lists, dicts).
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 import loopkit
-from loopkit import sources
+from loopkit.data import sources
 from tests import toy
 
 GLOBAL_BATCH = 16
@@ -58,7 +58,7 @@ def summary(loop: loopkit.TrainLoop, state, losses, seen) -> dict:
 
 
 class RecordingSource:
-  """An :class:`~loopkit.sources.ArraySource` that records which examples it served."""
+  """An :class:`~loopkit.data.sources.ArraySource` that records which examples it served."""
 
   def __init__(self, src: sources.ArraySource):
     self.src = src
@@ -72,7 +72,7 @@ class RecordingSource:
 
 def train(num_steps: int = 12, iterations_per_loop: int = 5, style: str = "global", *,
           extra_hooks=(), loops: list | None = None) -> dict:
-  """Trains the toy model on :class:`~loopkit.sources.ArraySource` batches.
+  """Trains the toy model on :class:`~loopkit.data.sources.ArraySource` batches.
 
   Every process passes the same arrays; each feeds its ``B / P`` rows of each
   global batch. Returns the final parameters, per-step losses and the example
@@ -150,8 +150,8 @@ def train_observed(logdir: str, num_steps: int = 12, iterations_per_loop: int = 
   Every process passes the *same* ``logdir``; the progress stream of process i
   goes to ``logdir/progress_<i>.txt`` (so an empty file shows it stayed quiet).
   """
-  from loopkit.progress import ProgressHook
-  from loopkit.writers import create_default_writer
+  from loopkit.observe.progress import ProgressHook
+  from loopkit.observe.writers import create_default_writer
 
   lines = _Lines()
   writer = create_default_writer(logdir, asynchronous=True, console=True)
@@ -263,8 +263,7 @@ def checkpoint_directory_claims(locked: str, failed: str, delay_s: float = 3.0) 
   """
   from etils import epath
 
-  from loopkit import checkpoint_files
-  from loopkit.checkpoint import CheckpointError, CheckpointHook
+  from loopkit.checkpoint import CheckpointError, CheckpointHook, files as checkpoint_files
 
   t0 = time.monotonic()
   try:
@@ -400,7 +399,7 @@ def seen_init_state(num_steps: int = SLOW_STEPS) -> dict:
 class StopClock(loopkit.Hook):
   """Records ``time.time()`` and the step when the run's last boundary is handled.
 
-  Put it first in the hook list: at a preemption its ``after_call`` runs as soon
+  Put it first in the hook list: at a preemption its ``on_trigger`` runs as soon
   as the processes agree to stop, before the checkpoint is written.
   """
 
@@ -411,7 +410,7 @@ class StopClock(loopkit.Hook):
     self.time: float | None = None
     self.step: int | None = None
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     del state
     self.time, self.step = time.time(), info.end_step
 
@@ -508,7 +507,7 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
   every repeat's new TrainLoop compiles the same programs, loaded from it from the
   second repeat on.
   """
-  from loopkit.boundary import agree
+  from loopkit.core.agreement import agree
 
   if cache_dir is not None:
     use_compilation_cache(cache_dir)
@@ -651,7 +650,7 @@ class WaitForPreemption(loopkit.Hook):
     del state
     self.loop = loop
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     del state
     path = os.path.join(self.marker_dir, f"ready_{jax.process_index()}")
     with open(path + ".tmp", "w") as f:

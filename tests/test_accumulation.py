@@ -16,7 +16,7 @@ def make_step(m, tx=toy.TX):
     def grads_of(micro):
       loss, grads = jax.value_and_grad(toy.loss_fn)(state["params"], micro)
       return grads, {"loss": loss}
-    grads, metrics = loopkit.accumulate(grads_of, batch, num_microbatches=m)
+    grads, metrics = loopkit.core.accumulate(grads_of, batch, num_microbatches=m)
     updates, opt = tx.update(grads, state["opt"], state["params"])
     return ({"params": optax.apply_updates(state["params"], updates), "opt": opt,
              "step": state["step"] + 1}, metrics)
@@ -47,13 +47,13 @@ def test_k_does_not_change_an_accumulating_run():
 
 def test_mean_of_outputs_and_dtypes():
   batch = {"x": jnp.arange(8.0, dtype=jnp.bfloat16), "i": jnp.arange(8)}
-  out = loopkit.accumulate(lambda mb: {"x": mb["x"].sum(), "i": mb["i"].sum()}, batch, 4)
+  out = loopkit.core.accumulate(lambda mb: {"x": mb["x"].sum(), "i": mb["i"].sum()}, batch, 4)
   assert out["x"].dtype == jnp.bfloat16 and float(out["x"]) == 7.0  # (1+5+9+13)/4
   assert out["i"].dtype == batch["i"].dtype and int(out["i"]) == 7
 
 
 def test_bad_microbatch_counts_are_named():
   with pytest.raises(ValueError, match=r"\['x'\] has shape \(6,\).*num_microbatches=4"):
-    loopkit.accumulate(lambda mb: mb, {"x": jnp.zeros(6)}, 4)
+    loopkit.core.accumulate(lambda mb: mb, {"x": jnp.zeros(6)}, 4)
   with pytest.raises(ValueError, match="int >= 1"):
-    loopkit.accumulate(lambda mb: mb, {"x": jnp.zeros(6)}, 0)
+    loopkit.core.accumulate(lambda mb: mb, {"x": jnp.zeros(6)}, 0)

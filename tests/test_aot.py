@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit import aot
+from loopkit.tools import aot
 
 # A matmul model whose FLOPs are known: per step and device, the forward
 # x[b, N] @ w[N, M] and the gradient of w (x^T @ dy) are 2 * b * N * M each.

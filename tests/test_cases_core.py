@@ -21,10 +21,10 @@ class Recorder(loopkit.Hook):
     self.seen = []
     self.lengths = []
 
-  def observe(self, info):
+  def after_each_call(self, info):
     self.lengths.append(info.num_steps)
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     self.seen.append((info.end_step, int(state["step"]), toy.opt_count(state)))
 
 

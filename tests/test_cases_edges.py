@@ -45,11 +45,11 @@ class Returns(loopkit.Hook):
   def on_run_start(self, loop, state):
     return self._replace(state) if self.on_start else None
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     return None if self.on_start else self._replace(state)
 
 
-@pytest.mark.parametrize("on_start", [False, True], ids=["after_call", "on_run_start"])
+@pytest.mark.parametrize("on_start", [False, True], ids=["on_trigger", "on_run_start"])
 @pytest.mark.parametrize("style", ["global", "per_device"])
 def test_c29_one_array_in_two_leaves_from_any_path(on_start, style):
   """A hook returns a state with the same array in two leaves: the run continues and ends
@@ -119,8 +119,8 @@ def test_completed_means_the_target_step_was_reached(k, spe, marks):
 
 def test_completed_is_never_reported_below_the_target(monkeypatch):
   """A plan that ends early (a planner bug) is an error, not a 'completed' run."""
-  real = loopkit.run.plan_calls
-  monkeypatch.setattr(loopkit.run, "plan_calls",
+  real = loopkit.core.run.plan_calls
+  monkeypatch.setattr(loopkit.core.run, "plan_calls",
                       lambda *a, **kw: itertools.islice(real(*a, **kw), 2))
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
   with pytest.raises(RuntimeError, match="ended at step 8 without reaching its target step 12"):
@@ -201,7 +201,7 @@ def test_c37_host_values_in_loop_info_are_host_memory():
   class Keep(loopkit.Hook):
     needs_state = False
 
-    def observe(self, info):
+    def after_each_call(self, info):
       kept.append(info)
       counts.append(len(jax.live_arrays()))
 
@@ -233,16 +233,17 @@ def test_c40_pmap_layout_batches_are_warned_about_at_the_first_chunk():
 
   for style in ("global", "per_device"):
     loop = loopkit.TrainLoop(step, iterations_per_loop=2, step_style=style)
-    with pytest.warns(loopkit.BatchLayoutWarning, match=r"\[8, 8, \.\.\.\].*looks like jax\.pmap"
+    with pytest.warns(loopkit.data.BatchLayoutWarning,
+                      match=r"\[8, 8, \.\.\.\].*looks like jax\.pmap"
                       r" input.*x\.reshape\(\(-1,\) \+ x\.shape\[2:\]\)") as record:
       loop.run({"step": jnp.zeros((), jnp.int32)}, pmap_batches, num_steps=3)
-    assert sum(issubclass(w.category, loopkit.BatchLayoutWarning) for w in record) == 1
+    assert sum(issubclass(w.category, loopkit.data.BatchLayoutWarning) for w in record) == 1
   # Global batches of 8 examples (the pmap batches reshaped) are not warned about.
   global_batches = [jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), b)
                     for b in pmap_batches]
   global_batches = [jax.tree.map(lambda x: x[:8], b) for b in global_batches]
   with warnings.catch_warnings():
-    warnings.simplefilter("error", loopkit.BatchLayoutWarning)
+    warnings.simplefilter("error", loopkit.data.BatchLayoutWarning)
     loopkit.TrainLoop(step, iterations_per_loop=2).run(
         {"step": jnp.zeros((), jnp.int32)}, global_batches, num_steps=3)
 
@@ -297,7 +298,7 @@ def test_c42_rerunning_a_finished_run_evaluates_its_end_once(tmp_path):
 def test_replica_fingerprint_sees_one_changed_element_and_a_swap(dtype):
   """The per-device replica check compares fingerprints: equal bits agree; one changed
   element, or two elements swapped, do not."""
-  from loopkit.program import leaf_fingerprint
+  from loopkit.core.program import leaf_fingerprint
   fp = jax.jit(leaf_fingerprint)
   if dtype == "key":
     x = jax.random.split(jax.random.key(0), 6)
@@ -314,11 +315,11 @@ def test_replica_fingerprint_sees_one_changed_element_and_a_swap(dtype):
 
 
 def test_c40_no_warning_for_a_single_leaf_or_a_global_batch_of_device_count_examples():
-  from loopkit.feeding import warn_if_pmap_layout
+  from loopkit._internal.checks import warn_if_pmap_layout
   assert not warn_if_pmap_layout({"x": np.zeros((2, 8, 2))}, 8)  # 8 examples x 2 features
   assert not warn_if_pmap_layout({"x": np.zeros((2, 8, 3, 3)), "y": np.zeros((2, 8))}, 8)
   assert not warn_if_pmap_layout({"x": np.zeros((2, 16, 2, 2)), "y": np.zeros((2, 16, 2))}, 8)
-  with pytest.warns(loopkit.BatchLayoutWarning):
+  with pytest.warns(loopkit.data.BatchLayoutWarning):
     assert warn_if_pmap_layout({"x": np.zeros((2, 8, 2, 5)), "y": np.zeros((2, 8, 2))}, 8)
 
 

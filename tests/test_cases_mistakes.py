@@ -68,7 +68,7 @@ def test_c49_a_batch_unlike_global_batch_size_is_refused_before_any_step(layout,
 def test_c49_without_global_batch_size_the_pmap_layout_only_warns():
   mesh = loopkit.data_parallel_mesh(devices=jax.devices()[:D])
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=3, mesh=mesh)
-  with pytest.warns(loopkit.BatchLayoutWarning, match=r"looks like jax\.pmap input.*numpy "
+  with pytest.warns(loopkit.data.BatchLayoutWarning, match=r"looks like jax\.pmap input.*numpy "
                     r"batches rather than the output of flax\.jax_utils\.prefetch_to_device"):
     loop.run(toy.init_state(), LAYOUTS["pmap_numpy"][0](toy.batches(6)), num_steps=6)
   assert loop.ledger.step == 6 and loop.ledger.examples_seen == 6 * D  # what it cannot know
@@ -102,7 +102,7 @@ class _Start(loopkit.Hook):
     self.starts.append((ctx.ledger.step, ctx.target_step, ctx.steps_per_epoch))
     self.first.append(None)
 
-  def observe(self, info):
+  def after_each_call(self, info):
     if self.first[-1] is None:
       self.first[-1] = (info.start_step, info.loop_index, info.examples_seen - info.num_steps
                         * BATCH, info.epoch, info.step_in_epoch - info.num_steps)
@@ -120,7 +120,7 @@ def _fields(ledger):
 
 
 def _epoch(step, spe):
-  return loopkit.ledger.epoch_of(step, spe)
+  return loopkit.core.ledger.epoch_of(step, spe)
 
 
 @pytest.mark.parametrize("second", [None, "fresh_state", "continued"])

@@ -46,7 +46,7 @@ class Recorder(loopkit.Hook):
     led = loop.ledger
     self.start = (led.step, led.epoch, led.step_in_epoch, loop.data_position)
 
-  def observe(self, info):
+  def after_each_call(self, info):
     self.calls.append((info.end_step, info.epoch, {k: v.copy() for k, v in info.traces.items()}))
     self.infos.append((info.end_step, info.epoch, info.step_in_epoch))
 
@@ -154,7 +154,7 @@ def test_c06_resume_accounting(tmp_path):
   loop = make_loop(5, [hook, rec], steps_per_epoch=5)
   final = loop.run(toy.init_state(), data, num_epochs=3)
   assert hook.restored_step == 10
-  # One epoch convention (loopkit.ledger.epoch_of, LoopInfo's): after step 10 the ledger is
+  # One epoch convention (loopkit.core.ledger.epoch_of, LoopInfo's): after step 10 the ledger is
   # at the end of epoch 1 (5 of 5 steps done); the next step starts epoch 2 from 0.
   assert rec.start[:3] == (10, 1, 5)
   assert [(s, e) for s, e, _ in rec.calls] == [(15, 2)]  # hook steps [15], epoch index 2
@@ -277,7 +277,8 @@ def test_c21_unfinished_save_is_invisible_and_removed(tmp_path, mode, monkeypatc
     assert left == ["12"] and not os.path.exists(tmp_path / "12" / "commit_success.txt")
   hook = CheckpointHook(tmp_path, every_steps=4)
   with warnings.catch_warnings():
-    warnings.simplefilter("error", loopkit.CheckpointWarning)  # removed, not warned about
+    # removed, not warned about
+    warnings.simplefilter("error", loopkit.checkpoint.CheckpointWarning)
     final = make_loop(4, [hook]).run(toy.init_state(), data, num_steps=12)
   assert hook.restored_step == 8
   assert hook.saved_steps == [12]
@@ -402,7 +403,7 @@ def test_preemption_request_from_a_hook_lands_on_that_boundary(tmp_path):
 
 
 def test_preemption_watcher_signals():
-  w = loopkit.PreemptionWatcher()
+  w = loopkit.core.PreemptionWatcher()
   before = signal.getsignal(signal.SIGINT)
   w.install()
   try:
@@ -414,7 +415,7 @@ def test_preemption_watcher_signals():
   finally:
     w.uninstall()
   assert signal.getsignal(signal.SIGINT) is before
-  no_signals = loopkit.PreemptionWatcher(signals=())
+  no_signals = loopkit.core.PreemptionWatcher(signals=())
   no_signals.install()
   no_signals.request()
   assert no_signals.agreed()
@@ -452,7 +453,7 @@ def test_mismatched_checkpoint_names_the_leaf_before_changing_anything(tmp_path,
 
 
 def _fail_ledger_write_at(monkeypatch, step):
-  handler = loopkit.checkpoint.ocp.JsonCheckpointHandler
+  handler = loopkit.checkpoint.hook.ocp.JsonCheckpointHandler
   original = handler._save_fn
 
   async def failing(self, x, directory):
@@ -500,7 +501,7 @@ class Counter(loopkit.Hook):
     super().__init__()
     self.calls = 0
 
-  def observe(self, info):
+  def after_each_call(self, info):
     self.calls += 1
 
   def checkpoint_state(self):
@@ -542,7 +543,7 @@ def test_old_checkpoints_keyed_by_position_still_restore(tmp_path):
   wherever it now is."""
   hook = CheckpointHook(tmp_path, async_save=False)
   at4 = make_loop(4).run(toy.init_state(), toy.batches(4), num_steps=4)
-  assert hook.save(4, at4, ledger=loopkit.Ledger(step=4, examples_seen=64, loop_index=1),
+  assert hook.save(4, at4, ledger=loopkit.core.Ledger(step=4, examples_seen=64, loop_index=1),
                    data_position=4, hook_states={"1:Counter": {"calls": 7}})
   hook.close()
   c = Counter()

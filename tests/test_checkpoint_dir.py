@@ -22,13 +22,16 @@ from pathlib import Path
 
 import pytest
 import toy
+from test_checkpoint import (
+  Counter as Calls,  # counts device calls (after_each_call)
+  _commit_file_mode,
+  _fail_ledger_write_at,
+)
 
 import loopkit
-from loopkit import testing
 from loopkit.checkpoint import CheckpointError, CheckpointHook
-from loopkit.checkpoint_lock import LOCK_FILE, DirectoryLock, _start_time, stale_reason
-from test_checkpoint import Counter as Calls  # counts device calls (observe)
-from test_checkpoint import _commit_file_mode, _fail_ledger_write_at
+from loopkit.checkpoint.lock import LOCK_FILE, DirectoryLock, _start_time, stale_reason
+from loopkit.tools import testing
 
 ROOT = Path(__file__).parent.parent
 
@@ -238,7 +241,7 @@ def test_c46_another_host_blocks_until_its_heartbeat_is_stale(tmp_path):
 
 
 def test_c46_heartbeat_and_release(tmp_path):
-  lock = DirectoryLock(loopkit.checkpoint.epath.Path(tmp_path), heartbeat_s=0.05)
+  lock = DirectoryLock(loopkit.checkpoint.hook.epath.Path(tmp_path), heartbeat_s=0.05)
   assert lock.acquire() is None
   first = json.loads((tmp_path / LOCK_FILE).read_text())
   time.sleep(0.5)

@@ -60,7 +60,7 @@ class RaiseAfterSave(loopkit.Hook):
     self.ckpt = ckpt
     self.in_flight = None
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     self.in_flight = self.ckpt._in_flight  # the step being written now
     raise Boom(f"hook failed at step {info.end_step}")
 
@@ -254,7 +254,7 @@ def test_c35_evidence_of_an_unfinished_save(tmp_path):
   and Orbax's step metadata are removed; anything else is kept."""
   from etils import epath
 
-  from loopkit.checkpoint import _tidy, _unfinished_write
+  from loopkit.checkpoint.files import _tidy, _unfinished_write
 
   def make(name, files):
     p = tmp_path / name

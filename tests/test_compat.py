@@ -1,4 +1,5 @@
-"""loopkit.compat: each private JAX / Orbax API is found on the installed releases (the probe), does
+"""loopkit._internal.compat: each private JAX / Orbax API is found on the installed releases
+(the probe), does
 what loopkit needs, and its fallback keeps the caller correct. CI runs this file on the pyproject
 floors (Python 3.11) and on the newest JAX, Flax and Orbax (Python 3.12): a release that moves one
 of them fails here by name, not somewhere downstream as a slow path or a lost source line."""
@@ -16,7 +17,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
-from loopkit import compat, feeding
+from loopkit._internal import compat
+from loopkit.data import feeding
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """The loop/hook contract: hooks read a read-only context and return what they change.
 
-Covers loopkit.context (Restore, LedgerAdjustment, RunContext, hook names), the
-one epoch convention (loopkit.ledger.epoch_of) and the run object's named steps.
+Covers loopkit.core.context (Restore, LedgerAdjustment, RunContext, hook names), the
+one epoch convention (loopkit.core.ledger.epoch_of) and the run object's named steps.
 """
 
 import logging
@@ -10,8 +10,8 @@ import jax
 import pytest
 
 import loopkit
-from loopkit.hook_state import hook_names, match_hook_states
-from loopkit.ledger import Bucket, Ledger, LedgerView, epoch_of
+from loopkit.core.hook_state import hook_names, match_hook_states
+from loopkit.core.ledger import Bucket, Ledger, LedgerView, epoch_of
 from tests import toy
 
 
@@ -78,7 +78,7 @@ def test_context_reads_are_live_and_request_stop_is_a_request():
       self.ctx = ctx
       self.start = (ctx.ledger.step, ctx.target_step, ctx.status, ctx.hook_name)
 
-    def observe(self, info):
+    def after_each_call(self, info):
       assert self.ctx.ledger.step >= info.end_step  # live: may be a call ahead
       if info.end_step == 8:
         self.ctx.request_stop("enough")
@@ -90,7 +90,7 @@ def test_context_reads_are_live_and_request_stop_is_a_request():
   loop = make_loop([hook])
   loop.run(toy.init_state(), toy.batches(16), num_steps=16)
   assert hook.start == (0, 16, None, "Reads")
-  # observe(8) runs one call late (the call to 12 is dispatched): the run stops at 12.
+  # after_each_call(8) runs one call late (the call to 12 is dispatched): the run stops at 12.
   assert hook.end == (12, "enough", 12) and loop.status == "enough"
   assert isinstance(loop.ledger, Ledger) and isinstance(hook.ctx.ledger, LedgerView)
 
@@ -105,7 +105,7 @@ class RestoresTo(loopkit.Hook):
 
   def __init__(self, state, ledger, position):
     super().__init__(at_end=False)
-    self.restore = loopkit.Restore(state, ledger, position)
+    self.restore = loopkit.core.Restore(state, ledger, position)
 
   def on_run_start(self, ctx, state):
     return self.restore
@@ -153,7 +153,7 @@ def test_a_ledger_adjustment_is_applied_once_after_every_restore():
     def adjust_ledger(self, ctx):
       self.calls += 1
       self.seen = ctx.ledger.step
-      return loopkit.LedgerAdjustment(lost_steps=3, set_seconds={Bucket.LOST: 2.0},
+      return loopkit.core.LedgerAdjustment(lost_steps=3, set_seconds={Bucket.LOST: 2.0},
                                       add_seconds={"custom": 0.5})
 
   at8 = make_loop([]).run(toy.init_state(), toy.batches(8), num_steps=8)
@@ -177,7 +177,7 @@ class Counter(loopkit.Hook):
     if hook_name is not None:
       self.hook_name = hook_name
 
-  def observe(self, info):
+  def after_each_call(self, info):
     self.calls += 1
 
   def checkpoint_state(self):
@@ -211,7 +211,7 @@ def test_old_positional_keys_match_by_index_then_by_unique_class():
 def test_unmatched_restored_hook_states_are_logged(caplog):
   at8 = make_loop([]).run(toy.init_state(), toy.batches(8), num_steps=8)
   hook = RestoresTo(at8, Ledger(step=8), 8)
-  object.__setattr__(hook, "restore", loopkit.Restore(at8, Ledger(step=8), 8,
+  object.__setattr__(hook, "restore", loopkit.core.Restore(at8, Ledger(step=8), 8,
                                                       {"Gone": {"calls": 1}}))
   with caplog.at_level(logging.WARNING, logger="loopkit"):
     make_loop([hook]).run(toy.init_state(), toy.batches(12), num_steps=12)

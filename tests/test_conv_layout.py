@@ -148,7 +148,7 @@ def _conv_labels(program, state, batches):
 
 @pytest.mark.parametrize("canonical", [True, False])
 def test_program_on_cpu_compiles_only_canonical_convolutions(canonical):
-  program = loopkit.MultiStepProgram(_cnn_step, iterations_per_loop=3,
+  program = loopkit.core.MultiStepProgram(_cnn_step, iterations_per_loop=3,
                                      mesh=loopkit.data_parallel_mesh(),
                                      canonical_convs=canonical)
   labels = _conv_labels(program, _cnn_state(), _cnn_batches(3))
@@ -160,7 +160,7 @@ def test_program_on_cpu_compiles_only_canonical_convolutions(canonical):
 
 
 def test_default_is_on_for_a_cpu_mesh():
-  program = loopkit.MultiStepProgram(_cnn_step, iterations_per_loop=2,
+  program = loopkit.core.MultiStepProgram(_cnn_step, iterations_per_loop=2,
                                      mesh=loopkit.data_parallel_mesh())
   assert program.canonical_convs is True
   loop = loopkit.TrainLoop(_cnn_step, iterations_per_loop=2, canonical_convs=False)
@@ -253,7 +253,8 @@ def test_c51_conv_layer_gradients_bitwise_equal_in_every_float_dtype(dtype):
   grad = jax.grad(loss, argnums=(0, 1))
   closed = jax.make_jaxpr(grad)(w, x)
   assert conv_layout.count_convs(closed) == (2, 0)
-  toy.assert_bitwise(jax.jit(grad)(w, x), tuple(jax.jit(conv_layout.canonicalize_convs(closed))(w, x)))
+  toy.assert_bitwise(jax.jit(grad)(w, x),
+                     tuple(jax.jit(conv_layout.canonicalize_convs(closed))(w, x)))
 
 
 def test_c51_conv_layer_gradients_bitwise_without_excess_precision_too():

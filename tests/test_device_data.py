@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
-from loopkit.device_data import DeviceDataset, DeviceDataState, _permute, _seed32
+from loopkit.data.device_data import DeviceDataset, DeviceDataState, _permute, _seed32
 from tests.toy import SetPosition
 
 N, B = 100, 16  # steps_per_epoch = 6, 4 examples dropped per epoch

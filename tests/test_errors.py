@@ -74,19 +74,19 @@ def test_c43_a_bad_batch_keeps_the_last_completed_boundary(style, devices, k, ke
 
 
 class Raises(loopkit.Hook):
-  """Raises in ``where`` (``observe`` / ``after_call`` / ``on_run_end``) at ``at_steps``."""
+  """Raises in ``where`` (``after_each_call`` / ``on_trigger`` / ``on_run_end``) at ``at_steps``."""
 
   def __init__(self, where, needs_state=False, at_steps=(6,)):
     super().__init__(at_steps=at_steps, at_end=False)
     self.where, self.needs_state, self.steps = where, needs_state, at_steps
 
-  def observe(self, info):
-    if self.where == "observe" and info.end_step in self.steps:
-      raise RuntimeError(f"observe at {info.end_step}")
+  def after_each_call(self, info):
+    if self.where == "after_each_call" and info.end_step in self.steps:
+      raise RuntimeError(f"after_each_call at {info.end_step}")
 
-  def after_call(self, info, state):
-    if self.where == "after_call":
-      raise RuntimeError(f"after_call at {info.end_step}")
+  def on_trigger(self, info, state):
+    if self.where == "on_trigger":
+      raise RuntimeError(f"on_trigger at {info.end_step}")
 
   def on_run_end(self, ctx, state):
     if self.where == "on_run_end":
@@ -94,9 +94,9 @@ class Raises(loopkit.Hook):
 
 
 @pytest.mark.parametrize("where, needs_state, kept", [
-    ("after_call", True, 6),  # the boundary of step 6 runs before the next dispatch
-    ("after_call", False, 9),  # one call late: (6, 9] was dispatched, its state is the latest
-    ("observe", False, 9),
+    ("on_trigger", True, 6),  # the boundary of step 6 runs before the next dispatch
+    ("on_trigger", False, 9),  # one call late: (6, 9] was dispatched, its state is the latest
+    ("after_each_call", False, 9),
     ("on_run_end", False, STEPS),
 ])
 def test_c43_a_hook_that_raises_keeps_the_latest_state(where, needs_state, kept):
@@ -109,8 +109,8 @@ def test_c43_a_hook_that_raises_keeps_the_latest_state(where, needs_state, kept)
 def test_c43_a_step_indexed_source_goes_on_from_the_kept_state():
   source = loopkit.ArraySource(jax.tree.map(lambda *xs: np.concatenate(xs), *DATA),
                                global_batch_size=16, shuffle=False)  # batch s is DATA[s]
-  loop = make_loop(3, hooks=[Raises("after_call")])
-  with pytest.raises(RuntimeError, match="after_call at 6"):
+  loop = make_loop(3, hooks=[Raises("on_trigger")])
+  with pytest.raises(RuntimeError, match="on_trigger at 6"):
     loop.run(toy.init_state(), source, num_steps=STEPS)
   state = assert_kept(loop, 9)  # the position is the step: the source resumes there itself
   final = loop.run(state, source, num_steps=STEPS)
@@ -122,20 +122,20 @@ def zero_params(state):
 
 
 class ZeroParams(loopkit.Hook):
-  """Returns the state with zero params from ``where`` (at step 6 for ``after_call``)."""
+  """Returns the state with zero params from ``where`` (at step 6 for ``on_trigger``)."""
 
   def __init__(self, where):
     super().__init__(at_steps=[6], at_end=False)
     self.where = where
 
-  def after_call(self, info, state):
-    return zero_params(state) if self.where == "after_call" else None
+  def on_trigger(self, info, state):
+    return zero_params(state) if self.where == "on_trigger" else None
 
   def on_run_end(self, ctx, state):
     return zero_params(state) if self.where == "on_run_end" else None
 
 
-@pytest.mark.parametrize("where, kept", [("after_call", 6), ("on_run_end", STEPS)])
+@pytest.mark.parametrize("where, kept", [("on_trigger", 6), ("on_run_end", STEPS)])
 def test_c43_a_state_returned_by_a_hook_is_kept_when_a_later_hook_raises(where, kept):
   loop = make_loop(3, hooks=[ZeroParams(where), Raises(where, needs_state=True)])
   with pytest.raises(RuntimeError, match=where):
@@ -220,7 +220,7 @@ def test_on_run_error_reaches_the_hooks_started_before_an_on_run_start_raised(re
   calls = []
   if restore:  # the first hook restores step 4, as a checkpoint hook would
     want, step, position = clean(4), 4, 4
-    returned = loopkit.Restore(want, loopkit.Ledger(step=4), position)
+    returned = loopkit.core.Restore(want, loopkit.core.Ledger(step=4), position)
   else:  # the first hook edits the state before training
     want, step, position = zero_params(jax.device_get(toy.init_state())), 0, None
     returned = want

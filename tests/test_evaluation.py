@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import loopkit
+from loopkit.data.sources import batch_arrays, eval_batches_per_process, shard_for_process
 from loopkit.evaluation import EvalHook, Evaluator, evaluate
-from loopkit.sources import batch_arrays, eval_batches_per_process, shard_for_process
 from tests.test_k_invariance import _data, _Net, _while_body
 
 
@@ -171,7 +171,7 @@ def test_eval_hook_every_steps_and_at_end():
 
 
 def test_eval_hook_every_epoch_with_device_data():
-  from loopkit.device_data import DeviceDataset
+  from loopkit.data.device_data import DeviceDataset
 
   mesh = mesh_of(2)
   ds = DeviceDataset({"u": np.zeros(20, np.float32)}, 4, mesh=mesh, seed=0)  # 5 steps/epoch

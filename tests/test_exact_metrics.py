@@ -46,7 +46,7 @@ def _run_rows(tmp_path, k, style, devices, data):
   mesh = loopkit.data_parallel_mesh(devices=jax.devices()[:devices])
   step = toy.make_global_step() if style == "global" else toy.make_per_device_step()
   path = tmp_path / f"{style}{devices}k{k}.jsonl"
-  writer = loopkit.writers.JsonlWriter(path, flush_secs=0)
+  writer = loopkit.observe.writers.JsonlWriter(path, flush_secs=0)
   hook = loopkit.LoggingHook(writer, every_steps=EVERY, throughput=False)
   loop = loopkit.TrainLoop(_every_kind(step), iterations_per_loop=k, mesh=mesh,
                            step_style=style, hooks=[hook])
@@ -79,7 +79,7 @@ def test_one_call_of_100_steps_logs_the_row_of_100_calls(tmp_path):
   data = toy.batches(100)
   texts = {}
   for k in (1, 100):
-    writer = loopkit.writers.JsonlWriter(tmp_path / f"k{k}.jsonl", flush_secs=0)
+    writer = loopkit.observe.writers.JsonlWriter(tmp_path / f"k{k}.jsonl", flush_secs=0)
     hook = loopkit.LoggingHook(writer, every_steps=100, throughput=False)
     loop = loopkit.TrainLoop(_every_kind(toy.make_global_step()), iterations_per_loop=k,
                              mesh=loopkit.data_parallel_mesh(devices=jax.devices()[:1]),
@@ -173,7 +173,7 @@ def test_nnx_multimetric_rows_and_eval_totals_are_bitwise_equal_for_every_k(tmp_
         nnx_eval_step, model, nnx.MultiMetric(loss=nnx.metrics.Average("loss")),
         iterations_per_loop=k, mesh=mesh)
     path = tmp_path / f"k{k}.jsonl"
-    writer = loopkit.writers.JsonlWriter(path, flush_secs=0)
+    writer = loopkit.observe.writers.JsonlWriter(path, flush_secs=0)
     ev = evaluator.hook(eval_data, every_steps=EVERY, writer=writer)
     loop = loopkit.nnx.NnxTrainLoop(
         nnx_train_step, model, optimizer, train_metrics, iterations_per_loop=k, mesh=mesh,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loopkit import extras
+from loopkit._internal import extras
 
 REPO = Path(__file__).parent.parent
 
@@ -33,9 +33,9 @@ results = {
   "CheckpointHook": message(lambda: loopkit.CheckpointHook),
   "loopkit.checkpoint": message(lambda: __import__("loopkit.checkpoint")),
   "nnx": message(lambda: loopkit.nnx),
-  "TensorBoardWriter": message(lambda: loopkit.TensorBoardWriter("/tmp/unused-loopkit-tb")),
-  "grain_shard_options": message(lambda: loopkit.grain_shard_options()),
-  "tfds_split_for_process": message(lambda: loopkit.tfds_split_for_process("train")),
+  "TensorBoardWriter": message(lambda: loopkit.observe.TensorBoardWriter("/tmp/unused-loopkit-tb")),
+  "grain_shard_options": message(lambda: loopkit.data.grain_shard_options()),
+  "tfds_split_for_process": message(lambda: loopkit.data.tfds_split_for_process("train")),
   "TfDataSource": message(lambda: iter(loopkit.TfDataSource(None))),
 }
 for k, v in results.items():

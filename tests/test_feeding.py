@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
-from loopkit.feeding import ChunkFeeder
-from loopkit.sources import ArraySource
+from loopkit.data.feeding import ChunkFeeder
+from loopkit.data.sources import ArraySource
 from tests.toy import SetPosition
 
 MESH2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
@@ -138,7 +138,7 @@ def test_chunks_padded_with_zeros_and_positions_per_chunk(prefetch):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_chunk_placement_after_the_first_two_equals_device_put(dtype):
   """From the third chunk on, the transfer skips jax.device_put's per-call Python
-  (loopkit.placement.Placer): same values, dtype (float64 -> float32 without x64, which keeps
+  (loopkit.data.placement.Placer): same values, dtype (float64 -> float32 without x64, which keeps
   jax.device_put), sharding and commitment."""
   source = [{"x": np.array([2 * i, 2 * i + 1], dtype), "y": np.array([[i], [-i]], np.int32)}
             for i in range(10)]

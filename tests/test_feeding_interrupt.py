@@ -24,9 +24,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
-from loopkit import feeding
 from loopkit.checkpoint import CheckpointHook
-from loopkit.feeding import ChunkFeeder
+from loopkit.data import feeding
+from loopkit.data.feeding import ChunkFeeder
 from tests import toy
 
 MESH2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
@@ -133,7 +133,7 @@ class Ends(loopkit.Hook):
     super().__init__(at_end=False)
     self.ends = []
 
-  def observe(self, info):
+  def after_each_call(self, info):
     self.ends.append(info.end_step)
 
 
@@ -273,7 +273,7 @@ EXIT_SCRIPT = textwrap.dedent("""
   sys.path.insert(0, {repo!r})
   import numpy as np
   import loopkit
-  from loopkit import feeding
+  from loopkit.data import feeding
   from tests import toy
   feeding.CLOSE_TIMEOUT_SECS = 0.5
 

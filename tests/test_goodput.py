@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit import goodput
-from loopkit.hooks import Hook
-from loopkit.ledger import Ledger
+from loopkit.core.hooks import Hook
+from loopkit.core.ledger import Ledger
+from loopkit.observe import goodput
 from tests import toy
 
 
@@ -42,7 +42,7 @@ class Sleeper(Hook):
     self.secs = secs
     self.fired = 0
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     self.fired += 1
     time.sleep(self.secs)
 
@@ -75,7 +75,7 @@ def test_loop_buckets_and_metrics(caplog):
   writer = Recorder()
   ckpt = Sleeper("checkpoint", 0.02, every_steps=4)
   ev = Sleeper("eval", 0.03, every_steps=6)
-  gp = loopkit.GoodputHook(writer, every_steps=4)
+  gp = loopkit.observe.GoodputHook(writer, every_steps=4)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[ckpt, ev, gp])
   with caplog.at_level(logging.INFO, logger="loopkit"):
     loop.run(toy.init_state(), toy.batches(12), num_steps=12)
@@ -101,7 +101,7 @@ def test_loop_buckets_and_metrics(caplog):
 def test_lost_work_after_a_restart(tmp_path):
   """Attempt 1 reaches step 12; attempt 2 starts again at 8: 4 steps are redone."""
   loop1 = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4,
-                            hooks=[loopkit.GoodputHook(workdir=tmp_path)])
+                            hooks=[loopkit.observe.GoodputHook(workdir=tmp_path)])
   state8 = None
 
   def keep(info, state):
@@ -114,7 +114,7 @@ def test_lost_work_after_a_restart(tmp_path):
   assert record["step"] == 12 and record["lost_steps"] == 0
   assert record["secs_per_step"] > 0
 
-  gp = loopkit.GoodputHook(workdir=tmp_path)
+  gp = loopkit.observe.GoodputHook(workdir=tmp_path)
   loop2 = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[gp])
   loop2.run(state8, toy.batches(16)[8:], num_steps=16)
   assert loop2.ledger.lost_steps == 4
@@ -125,7 +125,7 @@ def test_lost_work_after_a_restart(tmp_path):
 
   # A third attempt that restarts at 12 adds 4 more to the counters it carries.
   loop3 = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4,
-                            hooks=[loopkit.GoodputHook(workdir=tmp_path)])
+                            hooks=[loopkit.observe.GoodputHook(workdir=tmp_path)])
   state12 = dict(state8, step=np.int32(12))
   loop3.run(state12, toy.batches(16)[12:], num_steps=16)
   assert loop3.ledger.lost_steps == 8
@@ -138,7 +138,7 @@ def test_persisted_in_the_checkpoint_and_restored(tmp_path):
   class Crash(Hook):
     needs_state = False
 
-    def observe(self, info):
+    def after_each_call(self, info):
       if info.end_step == 14:
         raise RuntimeError("simulated crash")
 
@@ -146,7 +146,7 @@ def test_persisted_in_the_checkpoint_and_restored(tmp_path):
   loop1 = loopkit.TrainLoop(
       toy.make_global_step(), iterations_per_loop=2,
       hooks=[loopkit.CheckpointHook(ckpt_dir, every_steps=4, async_save=False),
-             loopkit.GoodputHook(workdir=work), Crash()])
+             loopkit.observe.GoodputHook(workdir=work), Crash()])
   with pytest.raises(RuntimeError, match="simulated crash"):
     loop1.run(toy.init_state(), toy.batches(20), num_steps=20)
   assert json.loads((work / "goodput.json").read_text())["step"] == 14
@@ -154,7 +154,7 @@ def test_persisted_in_the_checkpoint_and_restored(tmp_path):
   ckpt1.close()
 
   ckpt = loopkit.CheckpointHook(ckpt_dir, every_steps=4, async_save=False)
-  gp = loopkit.GoodputHook(workdir=work)
+  gp = loopkit.observe.GoodputHook(workdir=work)
   loop2 = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[ckpt, gp])
   loop2.run(toy.init_state(), toy.batches(20), num_steps=20)
   assert ckpt.restored_step == 12
@@ -169,8 +169,8 @@ def test_persisted_in_the_checkpoint_and_restored(tmp_path):
 
 def test_no_device_syncs_added():
   """Goodput, progress and writers only read host values: the loop runs under a transfer guard."""
-  writer = loopkit.AsyncWriter(Recorder())
-  hooks = [loopkit.GoodputHook(writer, every_steps=4),
+  writer = loopkit.observe.AsyncWriter(Recorder())
+  hooks = [loopkit.observe.GoodputHook(writer, every_steps=4),
            loopkit.ProgressHook(log_every_secs=0.0, stream=open("/dev/null", "w")),
            loopkit.LoggingHook(writer, per_step=True)]
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=hooks)
@@ -185,7 +185,7 @@ def test_no_device_syncs_added():
 
 
 class FakeTime:
-  """Stands in for the ``time`` module in loopkit.loop: the loop's clock moves only when a
+  """Stands in for the ``time`` module in loopkit.core.loop: the loop's clock moves only when a
   hook advances it, so every bucket is an exact binary fraction."""
 
   def __init__(self):
@@ -204,7 +204,7 @@ class Work(Hook):
     super().__init__()
     self.clock = clock
 
-  def observe(self, info):
+  def after_each_call(self, info):
     self.clock.t += info.num_steps / 16
 
 
@@ -219,7 +219,7 @@ class FakeEval(Hook):
     self.clock = clock
     self.fired_at = []
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     self.fired_at.append(info.end_step)
     self.clock.t += 0.25
 
@@ -228,7 +228,7 @@ def test_record_at_a_boundary_describes_the_steps_up_to_it(tmp_path):
   """K=11, goodput every 33 steps, no hook needs the state: the step-33 record says 33 steps
   (the loop has dispatched the call to 44 when it runs the 33 boundary's hooks)."""
   writer = Recorder()
-  gp = loopkit.GoodputHook(writer, workdir=tmp_path, every_steps=33)
+  gp = loopkit.observe.GoodputHook(writer, workdir=tmp_path, every_steps=33)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=11, hooks=[gp])
   loop.run(toy.init_state(), toy.batches(66), num_steps=66)
   assert [(step, row["goodput/steps"]) for step, row in writer.rows] == [(33, 33), (66, 66)]
@@ -240,7 +240,7 @@ def test_a_stop_at_a_written_boundary_writes_no_second_row():
   """A stop requested at step 33 (state hook: the loop syncs there) after the goodput row at
   33: the end of the run writes no second row for 33."""
   writer = Recorder()
-  gp = loopkit.GoodputHook(writer, every_steps=33)
+  gp = loopkit.observe.GoodputHook(writer, every_steps=33)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=11, hooks=[gp])
   loop.hooks.append(loopkit.CallbackHook(lambda info, state: loop.request_stop("stopped"),
                                          at_steps=[33], at_end=False))
@@ -255,7 +255,7 @@ def _resumable_run(tmp_path, clock, writer, num_steps):
   pytest.importorskip("orbax.checkpoint")
   ckpt = loopkit.CheckpointHook(tmp_path / "ckpt", every_steps=33, async_save=False)
   ev = FakeEval(clock, every_steps=33)
-  gp = loopkit.GoodputHook(writer, workdir=tmp_path / "work", every_steps=33,
+  gp = loopkit.observe.GoodputHook(writer, workdir=tmp_path / "work", every_steps=33,
                            log_summary=False)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=11,
                            hooks=[Work(clock), ckpt, ev, gp])
@@ -267,7 +267,7 @@ def _resumable_run(tmp_path, clock, writer, num_steps):
 def test_resume_keeps_the_time_spent_after_the_last_checkpoint(tmp_path, monkeypatch):
   """The step-66 eval runs after the step-66 save; a resumed run still counts its 1/4 s."""
   clock = FakeTime()
-  monkeypatch.setattr(loopkit.run, "time", clock)
+  monkeypatch.setattr(loopkit.core.run, "time", clock)
   writer = Recorder()
   loop1, _, ev1, gp1 = _resumable_run(tmp_path, clock, writer, 66)
   assert ev1.fired_at == [33, 66]
@@ -298,7 +298,7 @@ def test_resume_keeps_the_time_spent_after_the_last_checkpoint(tmp_path, monkeyp
 def test_resume_writes_one_row_per_step(tmp_path, monkeypatch):
   """Runs to 66, again to 66 (restored, nothing to do), then to 99: one row at 33, 66, 99."""
   clock = FakeTime()
-  monkeypatch.setattr(loopkit.run, "time", clock)
+  monkeypatch.setattr(loopkit.core.run, "time", clock)
   writer = Recorder()
   for num_steps in (66, 66, 99):
     _resumable_run(tmp_path, clock, writer, num_steps)

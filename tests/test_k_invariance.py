@@ -34,7 +34,7 @@ from flax import linen as nn
 from flax.training import dynamic_scale as dynamic_scale_lib
 
 import loopkit
-from loopkit.program import RecompileWarning
+from loopkit.core.program import RecompileWarning
 from tests import toy
 
 AXIS = "data"
@@ -90,7 +90,7 @@ def _data(dtype):
 
 def _program(k, dtype, style, canonical_convs=False):
   state, step = _setup(dtype, style)
-  program = loopkit.MultiStepProgram(step, iterations_per_loop=k,
+  program = loopkit.core.MultiStepProgram(step, iterations_per_loop=k,
                                      mesh=loopkit.data_parallel_mesh(AXIS), data_axis=AXIS,
                                      style=style, canonical_convs=canonical_convs)
   return program, program.place_state(state)
@@ -172,7 +172,7 @@ def _scale_step(state, batch):
 
 
 def _scale_program():
-  program = loopkit.MultiStepProgram(_scale_step, iterations_per_loop=2,
+  program = loopkit.core.MultiStepProgram(_scale_step, iterations_per_loop=2,
                                      mesh=loopkit.data_parallel_mesh())
   chunk = jax.device_put({"x": np.ones((2, 8), np.float32)}, program.batch_sharding)
   return program, chunk, jax.device_put(np.int32(2), program.replicated)

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from loopkit.checkpoint import CheckpointHook
-from loopkit.ledger import Ledger
+from loopkit.core.ledger import Ledger
 from tests.toy import compilation_cache_env
 
 WORKER = Path(__file__).parent / "_leaf_worker.py"

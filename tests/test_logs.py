@@ -1,5 +1,6 @@
 """loopkit prints by default in a plain script, once, on process 0 only, whatever absl, Orbax or
-CLU did to the root logger; an application's own logging configuration wins (loopkit.logs).
+CLU did to the root logger; an application's own logging configuration wins
+(loopkit._internal.logs).
 
 The fault lives in process-wide logging state, so each case runs a script in a subprocess."""
 
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from loopkit import logs
+from loopkit._internal import logs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

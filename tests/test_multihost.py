@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from loopkit import testing
-from loopkit.testing import cpu_devices  # noqa: F401  (the fixture)
+from loopkit.tools import testing
+from loopkit.tools.testing import cpu_devices  # noqa: F401  (the fixture)
 from tests import multihost_workers as workers
 
 # Bitwise equality between 2 x 4 and 1 x 8 does not hold: the gradient and loss
@@ -118,7 +118,7 @@ def test_a_failing_process_is_named_with_its_traceback_and_the_others_killed():
   elapsed = time.monotonic() - t0
   msg = str(e.value)
   assert "process 1: exit 1 after" in msg and "ValueError: bad shard 7" in msg
-  assert "process 0: killed by loopkit.testing" in msg  # it was sleeping for 120 s
+  assert "process 0: killed by loopkit.tools.testing" in msg  # it was sleeping for 120 s
   assert "--- process 1 stderr" in msg and 'raise ValueError(message)' in msg
   r0, r1 = e.value.results
   assert r0.killed and not r1.killed and r1.returncode == 1 and "bad shard 7" in r1.error
@@ -270,7 +270,7 @@ def test_c30_wall_clock_hooks_fire_at_the_same_steps_on_every_process(tmp_path):
   assert all(steps for steps in p0["callback"]) and all(s[-1] == 24 for s in p0["saved"])
   assert any(len(s) > 1 for s in p0["saved"])
   assert "2 processes would run calls of different lengths" in p0["time_based_k_error"]
-  from loopkit.boundary import agree
+  from loopkit.core.agreement import agree
   assert agree([True, False]) == [True, False]  # one process: the local answer
 
 
@@ -417,7 +417,7 @@ _RESNET_MAIN = os.path.join(os.path.dirname(__file__), "..", "examples", "resnet
 def test_resnet_example_cpu_config_on_two_processes(tmp_path):
   """examples/resnet50 (configs/cpu.py) as 2 processes x 4 devices, a few steps.
 
-  The same as ``python -m loopkit.testing -n 2 -d 4 examples.resnet50.main --workdir=...``.
+  The same as ``python -m loopkit.tools.testing -n 2 -d 4 examples.resnet50.main --workdir=...``.
   """
   pytest.importorskip("tensorflow_datasets")
   from examples.resnet50 import digits_tfds

@@ -53,7 +53,7 @@ KILL_WORKER = textwrap.dedent("""
     def kill(info, state):
       os.kill(os.getpid(), signal.SIGKILL)
 
-    writer = loopkit.create_default_writer(workdir, console=False)  # async TB + JSONL
+    writer = loopkit.observe.create_default_writer(workdir, console=False)  # async TB + JSONL
     hooks = [loopkit.LoggingHook(writer, every_steps=5, per_step=True),
              loopkit.CheckpointHook(os.path.join(workdir, "ckpt"), every_steps=50,
                                     async_save=False)]
@@ -106,7 +106,7 @@ def test_metrics_survive_sigkill_and_a_resume_writes_each_step_once(tmp_path):
 def test_jsonl_writer_flushes_on_its_time_bound(tmp_path):
   clock = toy.FakeClock()
   path = tmp_path / "m.jsonl"
-  w = loopkit.JsonlWriter(path, flush_secs=10.0, clock=clock)
+  w = loopkit.observe.JsonlWriter(path, flush_secs=10.0, clock=clock)
   w.write_scalars(1, {"a": 1.0})
   assert path.read_text() == ""  # buffered: the last flush is 0 s old
   clock.t = 9.9
@@ -124,7 +124,7 @@ def test_jsonl_writer_flushes_on_its_time_bound(tmp_path):
 
 def test_tensorboard_writer_flushes_on_its_time_bound(tmp_path):
   clock = toy.FakeClock()
-  w = loopkit.TensorBoardWriter(tmp_path, flush_secs=10.0, clock=clock)
+  w = loopkit.observe.TensorBoardWriter(tmp_path, flush_secs=10.0, clock=clock)
   w.write_scalars(1, {"a": 1.0})
   assert "a" not in read_tb(tmp_path)
   clock.t = 10.0
@@ -137,7 +137,7 @@ def test_jsonl_resume_drops_rows_at_and_after_the_first_new_step(tmp_path):
   path = tmp_path / "m.jsonl"
   path.write_text('{"hparams": {"lr": 0.1}}\n{"step": 5, "a": 1}\n{"step": 10, "a": 2}\n'
                   '{"step": 15, "a": 3}\n{"step": 2')  # a line cut short by a kill
-  w = loopkit.JsonlWriter(path)
+  w = loopkit.observe.JsonlWriter(path)
   w.write_scalars(10, {"a": 20})
   w.close()
   assert path.read_text() == ('{"hparams": {"lr": 0.1}}\n{"step": 5, "a": 1}\n'
@@ -148,7 +148,7 @@ def test_jsonl_resume_drops_rows_at_and_after_the_first_new_step(tmp_path):
 def test_jsonl_resume_that_writes_hparams_first_still_drops_the_old_rows(tmp_path):
   path = tmp_path / "m.jsonl"
   path.write_text('{"step": 5, "a": 1}\n{"step": 10, "a": 2}\n')
-  w = loopkit.JsonlWriter(path)
+  w = loopkit.observe.JsonlWriter(path)
   w.write_hparams({"lr": 0.1})
   w.write_scalars(10, {"a": 20})
   w.write_scalars(15, {"a": 30})
@@ -158,11 +158,11 @@ def test_jsonl_resume_that_writes_hparams_first_still_drops_the_old_rows(tmp_pat
 
 
 def test_tensorboard_resume_that_writes_hparams_first_still_purges(tmp_path):
-  w = loopkit.TensorBoardWriter(tmp_path)
+  w = loopkit.observe.TensorBoardWriter(tmp_path)
   w.write_scalars(5, {"a": 1.0})
   w.write_scalars(10, {"a": 2.0})
   w.close()
-  w = loopkit.TensorBoardWriter(tmp_path)  # a resumed run from step 5
+  w = loopkit.observe.TensorBoardWriter(tmp_path)  # a resumed run from step 5
   w.write_hparams({"lr": 0.1})
   w.write_scalars(10, {"a": 20.0})
   w.close()

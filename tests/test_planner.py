@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from loopkit.planner import next_call_length, plan_calls
-from loopkit.triggers import Trigger
+from loopkit.core.planner import next_call_length, plan_calls
+from loopkit.core.triggers import Trigger
 
 
 def calls(step=0, **kw):

@@ -1,4 +1,5 @@
-"""The port guide's numbers (docs/migrating.md): a hand-written NNX script, ported, runs and matches.
+"""The port guide's numbers (docs/migrating.md): a hand-written NNX script, ported, runs and
+matches.
 
 tests/nnx_handwritten_loop.py is loopkit's own NNX training script in the layout of Flax's
 examples/mnist/train.py (an in-place step under nnx.jit, a per-epoch loop, metrics.compute /

@@ -13,8 +13,8 @@ from tests import toy
 
 
 def test_trace_over_exact_step_range(tmp_path):
-  prof = loopkit.ProfilerHook(tmp_path, start_step=6, num_steps=4)
-  seen = []  # (end_step, tracing?) after the profiler's after_call at every boundary
+  prof = loopkit.observe.ProfilerHook(tmp_path, start_step=6, num_steps=4)
+  seen = []  # (end_step, tracing?) after the profiler's on_trigger at every boundary
   watch = loopkit.CallbackHook(lambda info, s: seen.append((info.end_step, prof.active)),
                                needs_state=False)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[prof, watch])
@@ -36,7 +36,7 @@ def test_trace_over_exact_step_range(tmp_path):
 
 
 def test_trace_stops_when_the_run_ends_inside_the_range(tmp_path):
-  prof = loopkit.ProfilerHook(tmp_path, start_step=0, num_steps=100)
+  prof = loopkit.observe.ProfilerHook(tmp_path, start_step=0, num_steps=100)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[prof])
   loop.run(toy.init_state(), toy.batches(8), num_steps=8)
   assert not prof.active
@@ -49,4 +49,4 @@ def test_trace_stops_when_the_run_ends_inside_the_range(tmp_path):
 @pytest.mark.parametrize("kw", [dict(start_step=-1, num_steps=2), dict(start_step=0, num_steps=0)])
 def test_bad_range(tmp_path, kw):
   with pytest.raises(ValueError, match="must be"):
-    loopkit.ProfilerHook(tmp_path, **kw)
+    loopkit.observe.ProfilerHook(tmp_path, **kw)

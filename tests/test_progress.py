@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit import progress
+from loopkit.observe import progress
 from tests import toy
 
 
@@ -118,7 +118,7 @@ def test_total_steps_override_and_eta_format():
   assert out.getvalue().splitlines() == [
       "step 0/3620: compiling the first device call",
       "step 20/3620 (0.6%): 1.0 steps/s, 16.0 examples/s, ETA 1:00:00"]
-  from loopkit.progress import format_eta
+  from loopkit.observe.progress import format_eta
   assert format_eta(59.6) == "0:01:00"
   assert format_eta(float("nan")) == "?"
 
@@ -156,7 +156,7 @@ def cost(step):  # seconds of step `step` (1-based)
 class RealPause(loopkit.Hook):  # boundaries 0.12 s apart in real time, past tqdm's mininterval
   needs_state = False
 
-  def observe(self, info):
+  def after_each_call(self, info):
     time.sleep(0.12)
 
 clock = toy.FakeClock()

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
-from loopkit.feeding import open_source
-from loopkit.sources import (
+from loopkit.data.sources import open_source
+from loopkit.data.sources import (
   ArraySource,
   TfDataSource,
   batch_arrays,
@@ -115,7 +115,7 @@ class StopAt9(loopkit.Hook):
   def on_run_start(self, loop, state):
     self.loop = loop
 
-  def after_call(self, info, state):
+  def on_trigger(self, info, state):
     if self.armed:
       self.loop.request_stop("killed")
 

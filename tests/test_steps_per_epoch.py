@@ -5,7 +5,7 @@ import pytest
 import toy
 
 import loopkit
-from loopkit.sources import steps_per_epoch_of
+from loopkit.data.sources import steps_per_epoch_of
 
 pytestmark = pytest.mark.tf
 tf = pytest.importorskip("tensorflow")  # collection imports this module even where deselected

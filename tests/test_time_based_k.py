@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit.planner import TimeBasedK, parse_duration, plan_calls
+from loopkit.core.planner import TimeBasedK, parse_duration, plan_calls
 from tests import toy
 
 FakeClock, Tick = toy.FakeClock, toy.Tick

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit import tune
+from loopkit.tools import tune
 from tests import toy
 
 
@@ -79,7 +79,7 @@ def test_cli_default_target_out_of_the_box(tmp_path, capsys):
   png = tmp_path / "demo.png"
   tune.main(["--ks", "1,4", "--calls", "1", "--min-secs", "0", "--plot", str(png)])
   out = capsys.readouterr().out
-  assert "target loopkit.tune:demo_target" in out
+  assert "target loopkit.tools.tune:demo_target" in out
   assert png.exists()
 
 
@@ -91,7 +91,7 @@ def test_cli_bad_arguments():
 
 
 def test_exported():
-  assert loopkit.tune is tune
+  assert loopkit.tools.tune is tune
 
 
 def test_sweep_checks_a_sized_source_before_measuring_anything():
@@ -105,7 +105,7 @@ def test_sweep_checks_a_sized_source_before_measuring_anything():
   batches = [{"x": np.zeros((8, 1), np.float32)}] * 20
   with pytest.raises(ValueError, match=r"sweep needs at least 64 batches \(\(warmup_calls=1 \+ "
                      r"calls=3\) x the largest K=16\); the source has 20"):
-    loopkit.tune.sweep((step, state, batches), ks=(1, 4, 16))
+    loopkit.tools.tune.sweep((step, state, batches), ks=(1, 4, 16))
   assert calls == []
 
 

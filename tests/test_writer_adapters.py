@@ -9,7 +9,7 @@ import pytest
 import toy
 
 import loopkit
-from loopkit import writers as writers_lib
+from loopkit.observe import writers as writers_lib
 
 pytestmark = pytest.mark.tf
 tf = pytest.importorskip("tensorflow")  # collection imports this module even where deselected

@@ -20,7 +20,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import loopkit
-from loopkit import writers as writers_lib
+from loopkit.observe import writers as writers_lib
 
 
 def read_tb(logdir):
@@ -62,7 +62,7 @@ class Recorder:
 
 
 def test_tensorboard_writer_round_trip(tmp_path):
-  w = loopkit.TensorBoardWriter(tmp_path)
+  w = loopkit.observe.TensorBoardWriter(tmp_path)
   w.write_scalars(3, {"loss": np.float32(0.1234567), "acc": 0.5})
   w.write_scalars(7, {"loss": jnp.float32(2.5)})
   w.close()
@@ -73,7 +73,7 @@ def test_tensorboard_writer_round_trip(tmp_path):
 
 def test_loop_writes_tensorboard_and_per_step_traces_at_true_steps(tmp_path):
   """K=4, 10 steps: reports at [4, 8, 10] (means of the calls' steps), per-step values at 1..10."""
-  writer = loopkit.create_default_writer(tmp_path, console=False)
+  writer = loopkit.observe.create_default_writer(tmp_path, console=False)
   loop = loopkit.TrainLoop(counting_step, iterations_per_loop=4,
                            hooks=[loopkit.LoggingHook(writer, per_step=True)])
   loop.run(init(), int_batches(10), num_steps=10)
@@ -93,7 +93,7 @@ def test_loop_writes_tensorboard_and_per_step_traces_at_true_steps(tmp_path):
 
 def test_tensorboard_writer_does_not_import_tensorflow(tmp_path):
   code = ("import sys, loopkit\n"
-          f"w = loopkit.create_default_writer({str(tmp_path)!r}, console=False)\n"
+          f"w = loopkit.observe.create_default_writer({str(tmp_path)!r}, console=False)\n"
           "w.write_scalars(1, {'a': 1.0}); w.close()\n"
           "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
           "print('ok')\n")
@@ -106,7 +106,7 @@ def test_tensorboard_writer_does_not_import_tensorflow(tmp_path):
 
 
 def test_jsonl_writer_rows(tmp_path):
-  w = loopkit.JsonlWriter(tmp_path / "sub" / "m.jsonl")
+  w = loopkit.observe.JsonlWriter(tmp_path / "sub" / "m.jsonl")
   w.write_scalars(1, {"a": np.float32(0.5), "n": np.int64(3), "ok": True})
   w.write_scalars(2, {"a": float("nan")})
   w.close()
@@ -116,7 +116,7 @@ def test_jsonl_writer_rows(tmp_path):
 
 
 def test_writers_reject_arrays_and_a_step_column(tmp_path):
-  w = loopkit.JsonlWriter(tmp_path / "m.jsonl")
+  w = loopkit.observe.JsonlWriter(tmp_path / "m.jsonl")
   with pytest.raises(ValueError, match=r"scalars, got an array of shape \(2,\)"):
     w.write_scalars(1, {"a": np.zeros(2)})
   with pytest.raises(ValueError, match="named 'step'"):
@@ -125,14 +125,14 @@ def test_writers_reject_arrays_and_a_step_column(tmp_path):
 
 def test_console_writer_lines(caplog):
   with caplog.at_level(logging.INFO, logger="loopkit"):
-    loopkit.ConsoleWriter().write_scalars(12, {"loss": np.float32(0.25), "n": 3,
+    loopkit.observe.ConsoleWriter().write_scalars(12, {"loss": np.float32(0.25), "n": 3,
                                                "bad": float("nan")})
   assert caplog.messages == ["step 12: loss=0.25, n=3, bad=nan"]
 
 
 def test_multi_writer_fans_out_in_order():
   a, b = Recorder(), Recorder()
-  m = loopkit.MultiWriter([a, b])
+  m = loopkit.observe.MultiWriter([a, b])
   m.write_scalars(5, {"x": 1.0})
   m.flush()
   m.close()
@@ -154,7 +154,7 @@ class SlowRecorder(Recorder):
 
 def test_async_writer_does_not_block_and_keeps_order():
   slow = SlowRecorder(0.05)
-  w = loopkit.AsyncWriter(slow)
+  w = loopkit.observe.AsyncWriter(slow)
   t0 = time.perf_counter()
   for s in range(1, 6):
     w.write_scalars(s, {"v": jnp.float32(s)})  # a device value: converted off-thread
@@ -175,7 +175,7 @@ def test_async_writer_surfaces_errors():
     def write_scalars(self, step, scalars):
       raise OSError("disk full")
 
-  w = loopkit.AsyncWriter(Broken())
+  w = loopkit.observe.AsyncWriter(Broken())
   w.write_scalars(1, {"v": 1.0})
   with pytest.raises(RuntimeError, match="disk full"):
     w.flush()
@@ -184,10 +184,10 @@ def test_async_writer_surfaces_errors():
 
 def test_only_process_zero_writes(tmp_path, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: 1)
-  w = loopkit.create_default_writer(tmp_path / "p1")
+  w = loopkit.observe.create_default_writer(tmp_path / "p1")
   assert isinstance(w, writers_lib.NullWriter)
-  tb = loopkit.TensorBoardWriter(tmp_path / "tb")
-  js = loopkit.JsonlWriter(tmp_path / "j" / "m.jsonl")
+  tb = loopkit.observe.TensorBoardWriter(tmp_path / "tb")
+  js = loopkit.observe.JsonlWriter(tmp_path / "j" / "m.jsonl")
   for x in (w, tb, js):
     x.write_scalars(1, {"a": 1.0})
     x.close()
@@ -197,19 +197,19 @@ def test_only_process_zero_writes(tmp_path, monkeypatch):
 
 
 def test_default_writer_console_only(caplog):
-  w = loopkit.create_default_writer(None)
-  assert isinstance(w, loopkit.ConsoleWriter)
+  w = loopkit.observe.create_default_writer(None)
+  assert isinstance(w, loopkit.observe.ConsoleWriter)
   with caplog.at_level(logging.INFO, logger="loopkit"):
     w.write_scalars(2, {"a": 1.5})
   assert caplog.messages == ["step 2: a=1.5"]
 
 
 @pytest.mark.parametrize("make", [
-    lambda d: loopkit.TensorBoardWriter(d / "tb"),
-    lambda d: loopkit.JsonlWriter(d / "m.jsonl"),
-    lambda d: loopkit.ConsoleWriter(),
-    lambda d: loopkit.MultiWriter([loopkit.JsonlWriter(d / "m.jsonl")]),
-    lambda d: loopkit.AsyncWriter(loopkit.JsonlWriter(d / "m.jsonl")),
+    lambda d: loopkit.observe.TensorBoardWriter(d / "tb"),
+    lambda d: loopkit.observe.JsonlWriter(d / "m.jsonl"),
+    lambda d: loopkit.observe.ConsoleWriter(),
+    lambda d: loopkit.observe.MultiWriter([loopkit.observe.JsonlWriter(d / "m.jsonl")]),
+    lambda d: loopkit.observe.AsyncWriter(loopkit.observe.JsonlWriter(d / "m.jsonl")),
     lambda d: writers_lib.NullWriter(),
 ], ids=["tensorboard", "jsonl", "console", "multi", "async", "null"])
 def test_writer_conformance(tmp_path, make):
@@ -263,7 +263,7 @@ def test_tensorboard_writer_images_histograms_texts_hparams_round_trip(tmp_path)
   from tensorboard.plugins.hparams import plugin_data_pb2
   img = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
   gray = (np.arange(2 * 4 * 5) % 5 / 4).reshape(2, 4, 5, 1)  # two float images in [0, 1]
-  w = loopkit.TensorBoardWriter(tmp_path)
+  w = loopkit.observe.TensorBoardWriter(tmp_path)
   w.write_hparams({"lr": 0.1, "opt": "adam", "batch_size": np.int64(32), "layers": (1, 2)})
   w.write_images(3, {"img": img, "gray": jnp.asarray(gray)})
   w.write_histograms(4, {"w": np.arange(1000.0)}, num_buckets={"w": 10})
@@ -304,8 +304,8 @@ def test_tensorboard_writer_images_histograms_texts_hparams_round_trip(tmp_path)
 
 
 def test_jsonl_and_console_record_texts_and_hparams_and_skip_the_rest(tmp_path, caplog):
-  j = loopkit.JsonlWriter(tmp_path / "m.jsonl")
-  c = loopkit.ConsoleWriter()
+  j = loopkit.observe.JsonlWriter(tmp_path / "m.jsonl")
+  c = loopkit.observe.ConsoleWriter()
   with caplog.at_level(logging.DEBUG, logger="loopkit"):
     for w in (j, c):
       w.write_hparams({"lr": np.float32(0.5), "opt": "sgd"})
@@ -342,8 +342,8 @@ class FullRecorder(Recorder):
 @pytest.mark.parametrize("wrap", ["multi", "async"])
 def test_multi_and_async_fan_out_every_method_and_skip_writers_without_it(wrap):
   full, scalars_only = FullRecorder(), Recorder()
-  inner = loopkit.MultiWriter([full, scalars_only])
-  w = inner if wrap == "multi" else loopkit.AsyncWriter(inner)
+  inner = loopkit.observe.MultiWriter([full, scalars_only])
+  w = inner if wrap == "multi" else loopkit.observe.AsyncWriter(inner)
   w.write_hparams({"lr": 0.1})
   w.write_scalars(1, {"a": 1.0})
   w.write_texts(1, {"t": "x"})

@@ -64,7 +64,7 @@ class SetPosition(loopkit.Hook):
     self.position = None
 
   def on_run_start(self, ctx, state):
-    return loopkit.Restore(state, ctx.ledger.copy(), self.position)
+    return loopkit.core.Restore(state, ctx.ledger.copy(), self.position)
 
 
 class FakeClock:
@@ -92,7 +92,7 @@ class Tick(loopkit.Hook):
     self.cost = secs_per_step if callable(secs_per_step) else (lambda _: secs_per_step)
     self.lengths = []
 
-  def observe(self, info):
+  def after_each_call(self, info):
     for s in range(info.start_step + 1, info.end_step + 1):
       self.clock.t += self.cost(s)
     self.lengths.append(info.num_steps)

@@ -1,6 +1,6 @@
 """Generates docs/_static/tuner.png and the tuner table of docs/tuning.md.
 
-Runs the K tuner (:func:`loopkit.tune.sweep`) on the built-in demo target (a small MLP,
+Runs the K tuner (:func:`loopkit.tools.tune.sweep`) on the built-in demo target (a small MLP,
 batch 64) on this machine's default JAX device(s), K = 1, 2, 4, ..., 1024, best of
 ``--repeats`` measurements of at least ``--min-secs`` each, and prints a Markdown table with
 the command, machine and date to paste into docs/tuning.md.
@@ -16,7 +16,8 @@ import platform
 import jax
 
 import loopkit
-from loopkit import goodput, tune
+from loopkit.observe import goodput
+from loopkit.tools import tune
 
 
 def main():
@@ -34,7 +35,7 @@ def main():
                       repeats=args.repeats, verbose=True)
   machine = (f"{os.cpu_count()}-core CPU ({platform.machine()}), "
              f"{len(devices)} JAX {devices[0].platform} device(s), jax {jax.__version__}")
-  tune.plot(result, args.out, title=f"loopkit.tune demo MLP on {os.cpu_count()}-core CPU: "
+  tune.plot(result, args.out, title=f"loopkit.tools.tune demo MLP on {os.cpu_count()}-core CPU: "
                                     f"recommended K={result.recommended}")
   print(f"command: python docs/scripts/make_tuner_plot.py --repeats {args.repeats} "
         f"--min-secs {args.min_secs:g}")
@@ -48,7 +49,7 @@ def main():
   train_step, state, batches = tune.demo_target()
   k = result.recommended
   loop = loopkit.TrainLoop(train_step, iterations_per_loop=k,
-                           hooks=[loopkit.GoodputHook(log_summary=False)])
+                           hooks=[loopkit.observe.GoodputHook(log_summary=False)])
   num_steps = max(100 * k, args.goodput_steps)
   loop.run(state, batches, num_steps=num_steps)
   print(f"\ngoodput of a {num_steps}-step run of the demo at K={k}:")

@@ -22,8 +22,8 @@ import optax
 from flax import nnx
 
 import loopkit
+import loopkit.data.sources
 import loopkit.evaluation
-import loopkit.sources
 from examples.digits import input_pipeline, models
 
 Batch = dict[str, jax.Array]
@@ -135,7 +135,7 @@ def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[TrainState, Batch], dict
 def eval_batches(split: input_pipeline.Split, batch_size: int) -> Callable[[], Any]:
   """A callable giving a fresh pass over ``split`` in batches (short last batch kept)."""
   arrays = {"image": split.images, "label": split.labels}
-  return lambda: loopkit.sources.batch_arrays(arrays, batch_size)
+  return lambda: loopkit.data.sources.batch_arrays(arrays, batch_size)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -180,7 +180,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tx = create_optimizer(config, total_steps)
   graphdef, state = create_train_state(config, create_model(config), tx)
 
-  writer = loopkit.JsonlWriter(metrics_path)
+  writer = loopkit.observe.JsonlWriter(metrics_path)
   # An Auto axis (GSPMD propagation): with jax 0.12's Explicit default axis type the
   # cross-entropy gather over the data-sharded batch fails (ShardingTypeError: "Use
   # `.at[...].set(out_sharding=)`", measured on jax 0.12.0.1).

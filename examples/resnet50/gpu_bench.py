@@ -6,7 +6,7 @@
 Runs the example's real train step (ResNet-50 v1.5, SGD Nesterov, label
 smoothing, bfloat16 compute with float32 parameters, uint8 images normalised
 on the device) in loopkit's compiled multi-step program
-(:class:`loopkit.MultiStepProgram`, the program ``TrainLoop`` dispatches, in
+(:class:`loopkit.core.MultiStepProgram`, the program ``TrainLoop`` dispatches, in
 the ``"global"`` step style over all local devices) for K = 1 and K = 100
 train steps per device call, on synthetic data that stays on the device
 (random uint8 images and labels, one chunk ``[K, B, S, S, 3]`` reused by every
@@ -116,7 +116,7 @@ def build(args):
 def measure(args, k: int, mesh) -> dict:
   """Images/s for ``iterations_per_loop = k`` (compile and warm-up excluded)."""
   step, state = build(args)
-  program = loopkit.MultiStepProgram(step, iterations_per_loop=k, mesh=mesh)
+  program = loopkit.core.MultiStepProgram(step, iterations_per_loop=k, mesh=mesh)
   state = program.place_state(state)
   shape = (k, args.batch, args.image_size, args.image_size, 3)
 

@@ -281,7 +281,7 @@ def test_smoke_two_loops_on_mock_imagenet(smoke_run):
   assert r["step"] == 4 and r["ledger"]["step"] == 4
   assert r["device_calls"] == 2 and r["ledger"]["loop_index"] == 2
   assert r["ledger"]["examples_seen"] == 4 * 16
-  # loopkit.ledger.epoch_of: after step 4 of 2 per epoch, the last step done is in epoch 1
+  # loopkit.core.ledger.epoch_of: after step 4 of 2 per epoch, the last step done is in epoch 1
   # (0-based), with 2 steps done in it: 2 epochs complete.
   assert r["steps_per_epoch"] == 2 and r["ledger"]["epoch"] == 1
   assert r["ledger"]["step_in_epoch"] == 2

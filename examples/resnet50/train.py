@@ -33,7 +33,8 @@ from flax import nnx
 
 import loopkit
 from examples.resnet50 import input_pipeline, models
-from loopkit import evaluation, goodput, progress, writers
+from loopkit import evaluation
+from loopkit.observe import goodput, progress, writers
 
 Batch = dict[str, jax.Array]
 
@@ -288,7 +289,7 @@ class ThroughputHook(loopkit.Hook):
     self._loop = loop
     self._first = None
 
-  def observe(self, info: loopkit.LoopInfo) -> None:
+  def after_each_call(self, info: loopkit.LoopInfo) -> None:
     now = time.perf_counter()
     if self._first is None:
       self._first = (now, info.examples_seen, self._hook_secs())
@@ -496,23 +497,23 @@ def compile_only(config: ml_collections.ConfigDict, topology: str, *,
 
   The same steps, K, batch shapes (``{"image": uint8 [B, S, S, 3], "label":
   int32 [B]}``), shardings and donation as :func:`train_and_evaluate`, from
-  abstract state (``jax.eval_shape``), through :func:`loopkit.aot.compile_for`.
+  abstract state (``jax.eval_shape``), through :func:`loopkit.tools.aot.compile_for`.
 
   Args:
     config: the example's configuration.
     topology: a TPU topology (``"v5e:2x2"``, ``"v4-32"``, see
-      :func:`loopkit.aot.parse_topology`) or ``"local"`` (this machine's devices).
+      :func:`loopkit.tools.topology.parse_topology`) or ``"local"`` (this machine's devices).
     hbm_bytes: HBM per device to check against instead of the chip's.
     with_eval: also compile the evaluator's program.
 
   Returns:
-    The :class:`loopkit.aot.AotReport`.
+    The :class:`loopkit.tools.aot.AotReport`.
 
   Raises:
     ValueError: unknown topology, a batch the topology cannot split, or a
-      program that does not fit (:class:`loopkit.aot.ProgramDoesNotFitError`).
+      program that does not fit (:class:`loopkit.tools.aot.ProgramDoesNotFitError`).
   """
-  from loopkit import aot
+  from loopkit.tools import aot
 
   devices = jax.devices() if topology == "local" else aot.topology_devices(topology)
   mesh = make_mesh(devices)
@@ -541,7 +542,7 @@ def compile_only(config: ml_collections.ConfigDict, topology: str, *,
                                    mesh=mesh, step_style=config.step_style,
                                    global_batch_size=config.eval_batch_size,
                                    prefetch=config.prefetch)
-  program = loopkit.MultiStepProgram(
+  program = loopkit.core.MultiStepProgram(
       make_train_step(graphdef, tx, schedule, num_classes=config.num_classes,
                       label_smoothing=config.label_smoothing, dtype=dtype, axis_name=axis_name),
       iterations_per_loop=config.iterations_per_loop, mesh=mesh, style=config.step_style)

@@ -1,0 +1,299 @@
+"""Argument checks shared by the loop, the program, the feeder, the evaluator and the AOT report.
+
+One function per check, called from everywhere that needs it, so that a bad value gets the same
+error (naming the value, and the pytree leaf where there is one) from every entry point.
+Pure host functions; thread-safe.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def check_iterations_per_loop(k: Any) -> int:
+  """Validates K, the steps (slots) per device call.
+
+  Returns:
+    ``k``.
+
+  Raises:
+    ValueError: ``k`` is not an int (bools are refused) or is < 1.
+  """
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+    raise ValueError(f"iterations_per_loop must be an int >= 1, got {k!r}")
+  if k < 1:
+    raise ValueError(f"iterations_per_loop must be >= 1, got {k}")
+  return int(k)
+
+
+def check_step_style(style: Any) -> None:
+  """Raises ValueError unless ``style`` is ``"global"`` or ``"per_device"``."""
+  if style not in ("global", "per_device"):
+    raise ValueError(f"step_style must be 'global' or 'per_device', got {style!r}")
+
+
+def check_global_batch_size(global_batch_size: int, data_parallel_size: int, *,
+                            process_count: int = 1) -> None:
+  """Checks that the global batch B splits evenly over the data-parallel size and the processes.
+
+  The one batch-divisibility check of loopkit: the loop, the feeder, the evaluator, device-resident
+  data, the host sources (``data_parallel_size=1``) and the AOT report all call it.
+
+  Args:
+    global_batch_size: B, examples per step over all devices and processes.
+    data_parallel_size: D, the size of the mesh's data axis.
+    process_count: P, the processes feeding the batch (1: do not check).
+
+  Raises:
+    ValueError: B < 1, or B not divisible by D or by P (the message names both numbers).
+  """
+  if global_batch_size < 1:
+    raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
+  if global_batch_size % data_parallel_size:
+    raise ValueError(
+        f"global batch size {global_batch_size} is not divisible by the data-parallel "
+        f"size {data_parallel_size}")
+  if global_batch_size % process_count:
+    raise ValueError(f"global batch size {global_batch_size} is not divisible by the process "
+                     f"count {process_count}")
+
+
+def check_data_axis(mesh: Any, data_axis: str) -> None:
+  """Raises ValueError unless ``data_axis`` is an axis of ``mesh`` (names both)."""
+  if data_axis not in mesh.axis_names:
+    raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
+
+
+def leaf_dtype(x: Any) -> Any:
+  """A leaf's dtype: ``np.dtype``, or JAX's extended dtype (a typed PRNG key's ``key<fry>``)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return np.asarray(x).dtype
+  try:
+    return np.dtype(dtype)
+  except TypeError:  # an extended dtype, e.g. a new-style PRNG key's key<fry>
+    return dtype
+
+
+def tree_mismatch(expected: Any, got: Any, *, what: str,
+                  check_sharding: bool = False) -> str | None:
+  """Describes the first leaf where two pytrees differ, or None if they agree.
+
+  Compares tree structure, then per leaf shape, dtype and (optionally) sharding;
+  the message names the leaf path (``jax.tree_util.keystr``).
+  """
+  e_leaves, e_def = jax.tree_util.tree_flatten_with_path(expected)
+  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(got)
+  if e_def != g_def:  # type: ignore[operator]  # PyTreeDef supports !=
+    e_paths = [jax.tree_util.keystr(p) for p, _ in e_leaves]
+    g_paths = [jax.tree_util.keystr(p) for p, _ in g_leaves]
+    for a, b in zip(e_paths, g_paths):
+      if a != b:
+        return f"{what}: tree structure differs at leaf {a} (expected) vs {b} (got)"
+    return (f"{what}: tree structure differs: expected {len(e_paths)} leaves, "
+            f"got {len(g_paths)} ({e_def} vs {g_def})")
+  for (path, e), (_, g) in zip(e_leaves, g_leaves):
+    name = jax.tree_util.keystr(path) or "<root>"
+    e_shape, g_shape = np.shape(e), np.shape(g)
+    if e_shape != g_shape:
+      return f"{what}: leaf {name} has shape {g_shape}, expected {e_shape}"
+    e_dtype, g_dtype = leaf_dtype(e), leaf_dtype(g)
+    if e_dtype != g_dtype:
+      return f"{what}: leaf {name} has dtype {g_dtype}, expected {e_dtype}"
+    if check_sharding:
+      e_sh, g_sh = getattr(e, "sharding", None), getattr(g, "sharding", None)
+      if e_sh is not None and g_sh is not None and not e_sh.is_equivalent_to(g_sh, len(e_shape)):
+        return f"{what}: leaf {name} has sharding {g_sh}, expected {e_sh}"
+  return None
+
+
+def _device_axis_leaf(x: Any) -> bool:
+  """A ``jax.Array`` whose leading axis is a device axis: one row per device.
+
+  What ``flax.jax_utils.prefetch_to_device`` (and ``jax.device_put_sharded``)
+  make of a pmap-layout batch ``[devices, B / devices, ...]``.
+  """
+  sharding = getattr(x, "sharding", None)
+  if not isinstance(x, jax.Array) or sharding is None or x.ndim < 1:
+    return False
+  devices = len(sharding.device_set)
+  return devices > 1 and x.shape[0] == devices and sharding.shard_shape(x.shape)[0] == 1
+
+
+def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int = 1) -> None:
+  """Checks a batch against the loop's ``global_batch_size`` (case C49).
+
+  Given ``global_batch_size=B``, every leaf of a batch must be ``[B / P, ...]``
+  (P processes, each feeding its part). A batch in ``jax.pmap``'s layout
+  ``[devices, B / devices, ...]``, or already placed on the devices by
+  ``flax.jax_utils.prefetch_to_device``, would otherwise train on a wrong
+  leading axis, silently.
+
+  Args:
+    batch: one batch, a pytree of arrays (the process-local part).
+    global_batch_size: B, as given to the loop.
+    process_count: P.
+
+  Raises:
+    ValueError: naming every leaf (path and shape) whose leading axis is not
+      ``B / P``; for pmap layout saying how to reshape, and for device arrays
+      with a leading device axis naming ``prefetch_to_device``.
+  """
+  local = global_batch_size // process_count
+  wrong = [(jax.tree_util.keystr(path) or "<root>", x)
+           for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+           if np.ndim(x) == 0 or np.shape(x)[0] != local]
+  if not wrong:
+    return
+  shown = ", ".join(f"{name} has shape {np.shape(x)}" for name, x in wrong[:5])
+  more = f" (and {len(wrong) - 5} more leaves)" if len(wrong) > 5 else ""
+  per = f"{local} per process, " if process_count > 1 else ""
+  msg = (f"batch leaf {shown}{more}, but the loop's global_batch_size={global_batch_size} "
+         f"needs a leading batch axis of {per}[{local}, ...]")
+  if any(_device_axis_leaf(x) for _, x in wrong):
+    raise ValueError(
+        f"{msg}: the batch is already on the devices with a leading device axis, as "
+        "flax.jax_utils.prefetch_to_device (or jax.device_put_sharded) makes it for jax.pmap. "
+        "Pass numpy batches [B, ...] (drop prefetch_to_device and the reshape to "
+        "[devices, B / devices, ...]): loopkit places them on the devices itself and "
+        "prefetches (TrainLoop(prefetch=...))")
+  _, x = wrong[0]
+  shape = np.shape(x)
+  if len(shape) >= 2 and shape[0] * shape[1] == local:
+    raise ValueError(
+        f"{msg}: this is jax.pmap's layout [devices, B / devices, ...]; loopkit takes global "
+        "batches [B, ...] and splits B over the devices itself, for step_style='per_device' "
+        "too: pass x.reshape((-1,) + x.shape[2:]) for every leaf")
+  raise ValueError(msg)
+
+
+def partial_batch_hint(first: Any, batch: Any) -> str:
+  """A hint for a batch that differs from the first one only by fewer rows (item 8 of issue 24).
+
+  A dataset batched without dropping its remainder ends with a partial batch
+  (``N % B`` rows); training needs every step's batch at ``[B, ...]``.
+
+  Args:
+    first: the first batch (or its ``jax.ShapeDtypeStruct`` pytree).
+    batch: the batch that differs.
+
+  Returns:
+    The hint (starting ``"; "``), or ``""`` when ``batch`` is not such a batch.
+  """
+  try:
+    pairs = [(np.shape(a), np.shape(b)) for a, b in
+             zip(jax.tree.leaves(first),
+                 jax.tree.structure(first).flatten_up_to(batch))]  # type: ignore[attr-defined]
+  except (ValueError, TypeError):
+    return ""
+  rows = {b[0] if b else None for _, b in pairs}
+  if (len(rows) != 1 or not all(a and b and a[1:] == b[1:] and b[0] < a[0] for a, b in pairs)):
+    return ""
+  return (f"; a batch of {rows.pop()} rows after full ones is a dataset's partial last batch: "
+          "drop it (tf.data's .batch(B, drop_remainder=True), drop_remainder=True in Grain's "
+          "Batch, drop_last=True in a torch DataLoader). Training needs every batch at "
+          "[B, ...]; loopkit.Evaluator pads partial batches")
+
+
+class BatchLayoutWarning(UserWarning):
+  """Batches look like ``jax.pmap`` input ``[devices, B / devices, ...]`` (case C40)."""
+
+
+def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
+  """Warns when a chunk's batches look like pmap-layout input (case C40).
+
+  loopkit takes *global* batches ``[B, ...]`` and splits B over the data axis
+  itself, for both step styles. A user coming from ``jax.pmap`` may pass
+  ``[D, B / D, ...]`` (D = devices): each device then trains on a
+  ``[1, B / D, ...]`` slice with a wrong leading axis, silently. The sign: the
+  batch axis equals the data-parallel size, and every leaf (two or more; with a
+  single leaf ``[D, b]`` is as likely D examples of b features) has a second
+  axis of one common size, labels included (a global batch's labels are
+  ``[B]``).
+
+  Args:
+    batches: a chunk's pytree of ``[K, B, ...]`` arrays (global shapes).
+    data_parallel_size: D.
+
+  Returns:
+    Whether it warned.
+  """
+  shapes = [np.shape(x) for x in jax.tree.leaves(batches)]
+  if data_parallel_size < 2 or len(shapes) < 2 or any(len(s) < 3 for s in shapes):
+    return False
+  if any(s[1] != data_parallel_size for s in shapes) or len({s[2] for s in shapes}) != 1:
+    return False
+  shown = ", ".join(str(s[1:]) for s in shapes[:3])
+  warnings.warn(
+      f"every batch leaf has shape [{data_parallel_size}, {shapes[0][2]}, ...] ({shown}"
+      f"{' ...' if len(shapes) > 3 else ''}), with the batch axis equal to the "
+      f"data-parallel size {data_parallel_size}: this looks like jax.pmap input "
+      f"[devices, B / devices, ...]. loopkit takes global batches [B, ...] and splits B "
+      f"over the devices itself, for step_style='per_device' too; pass "
+      f"x.reshape((-1,) + x.shape[2:]) for every leaf, and numpy batches rather than the "
+      f"output of flax.jax_utils.prefetch_to_device (if a global batch of "
+      f"{data_parallel_size} examples is meant, pass global_batch_size="
+      f"{data_parallel_size} to the loop, or ignore this warning)",
+      BatchLayoutWarning, stacklevel=3)
+  return True
+
+
+# -- what changed between two calls of the compiled program (a recompile) ----------------
+
+
+class RecompileWarning(UserWarning):
+  """The train program compiled again in a run; the message names the leaf that changed."""
+
+
+def call_signature(state: Any, batches: Any, num_steps: Any) -> list[tuple[str, tuple]]:
+  """Per leaf of a program call: ``(name, (shape, dtype, weak_type, sharding))``.
+
+  Only metadata is read, so donated (deleted) arrays are fine.
+  """
+  out = []
+  for what, tree in (("state", state), ("batch", batches), ("num_steps", num_steps)):
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      out.append((f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}",
+                  (np.shape(x), leaf_dtype(x), bool(getattr(x, "weak_type", False)),
+                   getattr(x, "sharding", None))))
+  return out
+
+
+def _describe(sig: tuple) -> str:
+  shape, dtype, weak, sharding = sig
+  return f"shape {shape} dtype {dtype}{' (weak-typed)' if weak else ''} sharding {sharding}"
+
+
+def signature_change(first: list[tuple[str, tuple]], now: list[tuple[str, tuple]]) -> str:
+  """Says which leaf's shape, dtype, weak type or sharding differs between two signatures."""
+  if [name for name, _ in first] != [name for name, _ in now]:
+    return ("the tree structure of the state or the batch changed: first call "
+            f"{[n for n, _ in first]}, this call {[n for n, _ in now]}")
+  changed = []
+  for (name, a), (_, b) in zip(first, now):
+    same_sharding = (a[3] is None or b[3] is None or a[3] == b[3]
+                     or a[3].is_equivalent_to(b[3], len(a[0])))
+    if a[:3] != b[:3] or not same_sharding:
+      changed.append(f"{name} has {_describe(b)}, the first call had {_describe(a)}")
+  if not changed:
+    return "no leaf's shape, dtype, weak type or sharding changed (a retrace of the step?)"
+  return "; ".join(changed)
+
+
+# The fewest chunk slots the multi-step loop body is compiled for (see loopkit.core.program).
+MIN_SLOTS = 2
+
+
+def default_step_of(state: Any) -> jax.Array:
+  """The step counter of a state: ``state.step`` or ``state["step"]``."""
+  if hasattr(state, "step"):
+    return state.step
+  if isinstance(state, dict) and "step" in state:
+    return state["step"]
+  raise ValueError(
+      "the train state has no step counter: give it a scalar int `step` field "
+      "(attribute or dict key) or pass step_of=... to TrainLoop")

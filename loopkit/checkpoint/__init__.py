@@ -1,0 +1,17 @@
+"""Checkpoints through Orbax: the hook, its files, its items and the directory lock.
+
+:class:`CheckpointHook` saves and restores the train state, the ledger, the
+data position and the hooks' own state as one Orbax checkpoint per step
+(needs ``pip install 'loopkit[checkpoint]'``). ``files`` finds and tidies step
+directories, ``items`` turns run state into Orbax items and back, ``lock``
+checks the directory at run start and keeps two runs out of one directory.
+"""
+
+from loopkit.checkpoint.hook import (
+    CheckpointError,
+    CheckpointHook,
+    CheckpointWarning,
+    RestoredCheckpoint,
+)
+
+__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]

@@ -1,0 +1,166 @@
+"""The checkpoint directory: what counts as a checkpoint, and what loopkit may delete.
+
+A step directory counts only if Orbax finalized it (``commit_success.txt``).
+:func:`_tidy` removes only this hook's own unfinished writes and names, in
+warnings, what it leaves alone (cases C21, C35, C41). Used by
+:mod:`loopkit.checkpoint`; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+import time
+
+import jax
+
+from loopkit._internal import compat
+from loopkit._internal.extras import missing
+
+try:
+  import orbax.checkpoint as ocp
+  from etils import epath
+except ImportError as e:
+  raise missing(e, "loopkit.checkpoint") from e
+
+log = logging.getLogger("loopkit")
+
+_COMMIT_FILE = "commit_success.txt"
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (written when a save starts)
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_ITEMS = ("state", "ledger", "data", "hooks", "leaves")
+# A name that looks like someone else's checkpoint: flax.training.checkpoints'
+# "checkpoint_50", TensorFlow's "ckpt-100.index", an Orbax manager with a step prefix.
+_FOREIGN_CHECKPOINT = re.compile(r"(checkpoint|ckpt)\D{0,3}\d+", re.IGNORECASE)
+
+
+def _drain_writers(manager: ocp.CheckpointManager, timeout_s: float = 60.0) -> None:
+  """After a failed save, waits (best effort) for that save's other writers.
+
+  Orbax raises the first failing item's error while the other items' writes
+  may still run; waiting for them keeps them from writing into a directory
+  that is about to be removed or reused (:func:`loopkit._internal.compat.wait_for_orbax_writers`).
+  """
+  compat.wait_for_orbax_writers(manager, timeout_s)
+
+
+_RACING = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.EBUSY)  # a writer still adds files
+
+
+def _rmtree(p: epath.Path, attempts: int = 20) -> None:
+  """Removes a directory, retrying while a stray writer still adds files."""
+  for i in range(attempts):
+    try:
+      p.rmtree(missing_ok=True)
+      return
+    except OSError as e:
+      if i == attempts - 1 or e.errno not in _RACING:  # e.g. read-only: retrying cannot help
+        raise
+      time.sleep(0.05 * (i + 1))
+
+
+def _step_of_name(name: str) -> int | None:
+  """The step of a name loopkit's Orbax manager writes (``12`` or ``12.orbax-checkpoint-tmp-*``)."""
+  base = name.split(_TMP_MARK, 1)[0]
+  return int(base) if base.isdigit() else None
+
+
+def _unfinished_write(p: epath.Path) -> bool:
+  """Whether ``p`` (a step's directory or tmp directory) is this hook's unfinished write.
+
+  The evidence: a tmp name (Orbax's atomic-rename mode, any local disk: the
+  directory is renamed to ``<step>`` only once complete), or a ``<step>``
+  directory without ``commit_success.txt`` that holds nothing but loopkit's
+  items and Orbax's ``_CHECKPOINT_METADATA`` (Orbax's commit-file mode, used on
+  GCS, writes in place; a kill during a retention delete leaves part of a
+  checkpoint). A folder with anything else in it (a user's ``5``, an older
+  Orbax's complete checkpoint of other items) or with nothing in it is not one.
+  """
+  if _step_of_name(p.name) is None or not p.is_dir():
+    return False
+  if _TMP_MARK in p.name:
+    return True
+  names = [c.name.split(_TMP_MARK, 1)[0] for c in p.iterdir()]
+  return bool(names) and _COMMIT_FILE not in names and set(names) <= {_STEP_METADATA, *_ITEMS}
+
+
+def _tidy(directory: epath.Path, remove: bool = True) -> list[str]:
+  """Removes this hook's unfinished saves; returns warnings about what loopkit does not read.
+
+  Runs on process 0, then syncs the processes. Only :func:`_unfinished_write`
+  entries are deleted (case C21), and only if ``remove`` (process 0's decision:
+  not while another live run holds the directory, C46); digit-named folders
+  that are not complete checkpoints (C35) and other programs' checkpoints (C41)
+  are left in place, each kind named in one message.
+  """
+  messages = []
+  if jax.process_index() == 0 and directory.exists():
+    kept, foreign = [], []
+    for p in sorted(directory.iterdir(), key=lambda q: q.name):
+      name = p.name
+      if _unfinished_write(p):
+        if remove:
+          log.warning("removing unfinished checkpoint directory %s", p)
+          _rmtree(p)
+      elif name.isdigit() and not (p / _COMMIT_FILE).exists():
+        kept.append(name)
+      elif _step_of_name(name) is None and _FOREIGN_CHECKPOINT.search(name):
+        foreign.append(name)
+    if kept:
+      messages.append(
+          f"loopkit: {directory} holds {', '.join(kept)}: named like loopkit checkpoints but "
+          f"neither complete (no {_COMMIT_FILE}) nor an unfinished loopkit save; left in "
+          "place, not read, and a save at that step is skipped")
+    if foreign:
+      messages.append(
+          f"loopkit: {directory} holds checkpoints loopkit does not read: "
+          f"{', '.join(foreign)} (e.g. from flax.training.checkpoints); the run does not "
+          "resume from them. To start from such a state, restore it yourself and pass it "
+          "to TrainLoop.run (docs/checkpointing.md, 'Starting from another checkpoint')")
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices("loopkit_checkpoint_remove_unfinished")
+  return messages
+
+
+_FAILED_SAVE_BARRIER_S = 60  # how long process 0 waits for the others before removing
+_removals = 0  # failed saves handled in this process (keeps barrier keys unique)
+
+
+def _remove_failed_save(directory: epath.Path, step: int,
+                        barrier_s: float = _FAILED_SAVE_BARRIER_S) -> None:
+  """Removes a failed save's unfinished directories, once no process writes into them.
+
+  Called on every process after it drained its own writers
+  (:func:`_drain_writers`). On several processes, process 0 first waits at a
+  barrier (Orbax's ``multihost.get_barrier_sync_fn``, ``barrier_s`` seconds)
+  for the others to get there; if one does not, the directories stay and the
+  next run's start (:func:`_tidy`, which syncs all processes) removes them.
+  """
+  global _removals
+  _removals += 1
+  if jax.process_count() > 1:
+    try:
+      ocp.multihost.get_barrier_sync_fn()(
+          key=f"loopkit_remove_failed_save_{step}_{_removals}", timeout_ms=int(barrier_s * 1000))
+    except Exception as e:  # pylint: disable=broad-except  # a time-out: leave the directories
+      log.warning("not removing the failed save of step %d in %s yet: not every process "
+                  "finished with it within %g s (%s: %s); the next run's start removes it",
+                  step, directory, barrier_s, type(e).__name__, e)
+      return
+  if jax.process_index() == 0:
+    try:
+      _remove_tmp_dirs(directory, step)
+    except OSError as e:  # the save's own error is the one to raise
+      log.warning("could not remove the failed save of step %d in %s: %s", step, directory, e)
+
+
+def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
+  """Removes the unfinished directories of one failed save (no collective)."""
+  if not directory.exists():
+    return
+  for p in directory.iterdir():
+    if _step_of_name(p.name) == step and _unfinished_write(p):
+      log.warning("removing unfinished checkpoint directory %s", p)
+      _rmtree(p)

@@ -1,0 +1,562 @@
+"""Checkpoints with Orbax: exact resume, retention, asynchronous saves.
+
+:class:`CheckpointHook` saves, as one Orbax Composite checkpoint per step, the
+four things a run needs to continue exactly where it stopped, and a record of
+the state's leaves:
+
+====== ================================= ====================================
+item   content                           Orbax args
+====== ================================= ====================================
+state  the train state (sharded arrays)  ``StandardSave`` / ``StandardRestore``
+leaves each leaf's path, shape, dtype    ``JsonSave`` / ``JsonRestore``
+       (and PRNG key impl)
+ledger :class:`~loopkit.core.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
+data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
+hooks  other hooks' ``checkpoint_state`` ``JsonSave`` / ``JsonRestore``
+       by hook name
+====== ================================= ====================================
+
+**Leaf kinds.** Every leaf kind round-trips bitwise (case C28, tested in a
+fresh process): typed PRNG keys (``jax.random.key``, any impl, also inside
+Flax NNX ``nnx.Rngs``; Orbax stores their key data and impl and wraps them
+back), bool, int8, uint32, int64/uint64 under x64, bfloat16, 0-d, zero-size
+(Orbax refuses them: they are saved as None and re-made from the live state's
+shape, dtype and sharding) and None leaves.
+
+Step directories are named by the global step (= updates applied = the
+state's step = the optimizer's count). Saves are asynchronous: the hook
+returns once the arrays are copied off the device, so the next (donating)
+call may start while files are written; a save first waits for the previous
+one, and ``on_run_end`` waits for the last one. A failed asynchronous save
+raises :class:`CheckpointError` at the next boundary (or at run end) and its
+partial directory is removed; the hook stays usable and later saves work.
+When ``run`` ends by an exception (a hook raised, say),
+:meth:`CheckpointHook.on_run_error` first lets the save in
+flight commit (or removes it, if it failed), so nothing is written after
+``run`` raised and a new hook on the directory resumes (case C33).
+
+**Resume.** ``TrainLoop.run`` calls :meth:`CheckpointHook.on_run_start`, which
+restores the latest complete checkpoint, if any (the checkpoint wins over the
+state passed in, like TPUEstimator's ``model_dir``): the state is restored
+into the live state's tree structure and shardings (so a run may resume on a
+different number of devices, and the program is not recompiled) and returned
+with its ledger, data position and hooks' states as one
+:class:`~loopkit.core.context.Restore`; the loop applies it and hands each hook its
+state by name (checkpoints keyed ``"<index>:<Class>"``, written before hook
+names, still restore: see :func:`loopkit.core.context.match_hook_states`). A
+checkpoint whose tree, shapes or dtypes differ from the live state raises
+``ValueError`` naming the first differing leaf before anything changes.
+
+**Complete or invisible.** A step directory counts only if Orbax finalized it
+(it holds ``commit_success.txt``, written last in both of Orbax's atomicity
+modes). When the hook opens a directory it deletes what is evidently its own
+unfinished write (e.g. from a kill): ``<step>.orbax-checkpoint-tmp*`` (Orbax's
+atomic-rename mode, used on local disks), or a ``<step>`` directory without
+the commit file that holds nothing but loopkit's items and Orbax's
+``_CHECKPOINT_METADATA`` (commit-file mode, used on GCS, writes in place; a
+kill during a retention delete leaves part of a checkpoint). It never deletes
+anything else (case C35): another digit-named folder (a user's ``5``, an older
+Orbax's complete checkpoint without the commit file, an empty folder) is left
+in place, not read, and a save at its step is skipped,
+with a :class:`CheckpointWarning`; so are other programs' checkpoints, e.g.
+``checkpoint_50`` from ``flax.training.checkpoints`` (case C41). Only one run
+may write a directory: ``on_run_start`` refuses an unwritable directory and one
+whose lock another live run holds, before any step
+(:mod:`loopkit.checkpoint.lock`, cases C45, C46); a failed save removes its
+partial directory.
+
+**Data position.** The position stored is ``LoopInfo.data_position``: the
+source's position after the last *consumed* chunk, never a prefetched one
+(case C25). It is an int (a counted skip for plain iterables, or the next step
+for ``batch_at(step)`` sources) or the iterator's own ``get_state()`` (Grain);
+see :func:`loopkit.data.sources.open_source`. States must be JSON-serialisable or
+``bytes``. On several processes each process's position is gathered and saved.
+
+**Retention.** ``max_to_keep`` keeps the newest N; ``keep_best`` additionally
+keeps the best N by ``best_metric``. The newest checkpoint is always kept
+(Orbax's own ``best_fn`` + ``max_to_keep`` may delete it, case C19).
+
+Multi-host: every process runs the hook (Orbax coordinates the writes); the
+directory must be shared. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from loopkit._internal.extras import missing
+
+try:
+  import orbax.checkpoint as ocp
+  from etils import epath
+  from orbax.checkpoint import checkpoint_managers as ocp_managers
+except ImportError as e:
+  raise missing(e, "loopkit.checkpoint") from e
+
+from loopkit.checkpoint.files import (
+  _COMMIT_FILE,
+  _ITEMS,
+  _drain_writers,
+  _remove_failed_save,
+  _tidy,
+)
+from loopkit.checkpoint.items import (
+  _abstract,
+  _decode_positions,
+  _encode_positions,
+  _into_structure,
+  _is_empty,
+  _leaf_record,
+  _leaves_from_orbax,
+  _leaves_from_record,
+  _storable,
+  _tree_difference,
+)
+from loopkit.checkpoint.lock import DirectoryLock, claim, describe, holder_of, stale_reason
+from loopkit.core.context import Restore, RunContext
+from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.ledger import Bucket, Ledger
+
+log = logging.getLogger("loopkit")
+
+__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]
+
+class CheckpointError(RuntimeError):
+  """A checkpoint save failed (the message names the step and directory), or the
+  directory cannot be used at run start (unwritable, or in use by another run)."""
+
+
+class CheckpointWarning(UserWarning):
+  """The checkpoint directory holds files loopkit did not write and leaves alone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredCheckpoint:
+  """What :meth:`CheckpointHook.restore` read.
+
+  Attributes:
+    step: the checkpoint's step (updates applied).
+    state: the train state, with the tree structure and shardings of ``like``.
+    ledger: the saved :class:`~loopkit.core.ledger.Ledger`.
+    data_position: this process's data position (int, iterator state or None).
+    hook_states: ``{hook name: state}`` of the other hooks that had one
+      (:func:`loopkit.core.context.hook_names`; ``"<index>:<HookClass>"`` in
+      checkpoints written before hook names).
+  """
+
+  step: int
+  state: Any
+  ledger: Ledger
+  data_position: Any
+  hook_states: dict[str, Any]
+
+
+class CheckpointHook(Hook):
+  """Saves checkpoints at exact steps and resumes the run from the latest.
+
+  Example:
+    >>> ckpt = loopkit.CheckpointHook(workdir, every_steps=1000, max_to_keep=3)  # doctest: +SKIP
+    >>> loop = loopkit.TrainLoop(step, iterations_per_loop=100, hooks=[ckpt])   # doctest: +SKIP
+    >>> state = loop.run(state, batches, num_steps=10_000)  # resumes if killed  # doctest: +SKIP
+
+  Args:
+    directory: root directory (local path or any ``etils.epath`` path); created
+      if missing. One step directory per checkpoint, named by the step. A
+      relative local path (or one starting with ``~``) is resolved here, at
+      construction, against the current working directory: ``self.directory``
+      is absolute (Orbax needs it so) and a later ``os.chdir`` does not move it.
+    every_steps, every_epochs, at_steps, every_secs: when to save (see
+      :class:`loopkit.core.triggers.Trigger`); the planner cuts device calls so step
+      marks land exactly. The final step of a run, an early stop and a
+      preemption are always saved; with none set, only those are.
+    max_to_keep: keep the newest N checkpoints (None: keep all).
+    best_metric: name of a metric in ``LoopInfo.metrics`` (the values of the
+      call that ends at the saved step) used to rank checkpoints.
+    best_mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"``.
+    keep_best: also keep the best N checkpoints by ``best_metric``; the newest
+      ``max_to_keep`` (default 1 when ``keep_best`` is set) are kept too.
+    async_save: write in background threads (Orbax async checkpointing).
+    restore: restore the latest checkpoint at the start of each ``run``.
+
+  Raises:
+    ValueError: ``max_to_keep`` or ``keep_best`` < 1, ``keep_best`` without
+      ``best_metric``, or ``best_mode`` not in ``("min", "max")``.
+
+  At ``run`` start (:meth:`on_run_start`), before any step, the hook raises
+  :class:`CheckpointError` naming the directory if it is not writable (and
+  why), or if another live run holds its lock (naming that run's host, pid and
+  start time); see :mod:`loopkit.checkpoint.lock`.
+
+  Attributes:
+    directory: the absolute checkpoint directory (an ``epath.Path``).
+    restored_step: step restored by the last ``on_run_start`` (None if none).
+    saved_steps: steps this hook saved, in order (this process's view).
+  """
+
+  needs_state = True
+  time_bucket = Bucket.CHECKPOINT
+
+  def __init__(self, directory: str | epath.PathLike, *, every_steps: int | None = None,
+               every_epochs: float | None = None, at_steps: Sequence[int] | None = None,
+               every_secs: float | None = None, max_to_keep: int | None = None,
+               best_metric: str | None = None, best_mode: str = "min",
+               keep_best: int | None = None, async_save: bool = True, restore: bool = True):
+    if every_steps is None and every_epochs is None and every_secs is None and at_steps is None:
+      at_steps = ()  # no cadence: save only at the end of a run (and at a preemption)
+    super().__init__(every_steps=every_steps, every_epochs=every_epochs, at_steps=at_steps,
+                     every_secs=every_secs, at_end=True)
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+    if keep_best is not None:
+      if keep_best < 1:
+        raise ValueError(f"keep_best must be >= 1 or None, got {keep_best}")
+      if best_metric is None:
+        raise ValueError("keep_best needs best_metric (the metric that ranks checkpoints)")
+    if best_mode not in ("min", "max"):
+      raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+    path = epath.Path(directory)
+    if "://" not in str(path) and not path.is_absolute():  # case C45: resolved once, here
+      path = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    self.directory = path
+    self._lock = DirectoryLock(self.directory)
+    self.max_to_keep = max_to_keep
+    self.best_metric = best_metric
+    self.best_mode = best_mode
+    self.keep_best = keep_best
+    self.async_save = async_save
+    self.restore_on_start = restore
+    self.restored_step: int | None = None
+    self.saved_steps: list[int] = []
+    self._manager: ocp.CheckpointManager | None = None
+    self._ctx: RunContext | None = None
+    self._in_flight: int | None = None
+    self._warned: set[str] = set()
+
+  # -- manager ---------------------------------------------------------------
+
+  def _options(self) -> ocp.CheckpointManagerOptions:
+    latest = ocp_managers.LatestN(
+        n=self.max_to_keep if self.max_to_keep or not self.keep_best else 1)
+    policies: list[Any] = [latest]
+    if self.keep_best:
+      policies.append(ocp_managers.BestN(
+          get_metric_fn=self._metric_of, reverse=self.best_mode == "min", n=self.keep_best,
+          keep_checkpoints_without_metrics=True))
+    # A step is one Orbax committed: a digit-named directory holding commit_success.txt
+    # (written last in both of Orbax's atomicity modes). By default Orbax takes *any*
+    # digit-named directory on a local disk as a step (and would restore or delete a
+    # user's folder "5"); validating with the commit-file class makes it look for the file.
+    # Unfinished writes are removed by _tidy, not by Orbax's cleanup_tmp_directories
+    # (which on GCS deletes every digit-named directory without the file).
+    name_format = ocp.step.standard_name_format(
+        temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath)
+    return ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=self.async_save,
+        preservation_policy=ocp_managers.AnyPreservationPolicy(policies),
+        best_fn=self._metric_of if self.best_metric else None,
+        best_mode=self.best_mode, step_name_format=name_format,
+        cleanup_tmp_directories=False, create=True,
+        # The step directory is made inside save(), so a directory that became unwritable
+        # fails there at once; made in the background, its failure is only seen after
+        # Orbax's 300 s signal time-outs (case C45).
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+
+  def _metric_of(self, metrics: dict[str, Any]) -> float:
+    assert self.best_metric is not None  # only called with one
+    return float(metrics[self.best_metric])
+
+  def _open(self) -> ocp.CheckpointManager:
+    if self._manager is None:
+      for message in _tidy(self.directory, remove=self._may_remove_unfinished()):
+        if message not in self._warned:  # once per hook, not at every reopening
+          self._warned.add(message)
+          warnings.warn(message, CheckpointWarning, stacklevel=3)
+      handlers: dict[str, Any] = {name: ocp.JsonCheckpointHandler() for name in _ITEMS}
+      handlers["state"] = ocp.StandardCheckpointHandler()
+      self._manager = ocp.CheckpointManager(self.directory, options=self._options(),
+                                            item_handlers=handlers)
+    return self._manager
+
+  def _may_remove_unfinished(self) -> bool:
+    """Whether unfinished saves are this hook's to remove: not while another live run
+    holds the directory's lock (they may be its saves in progress, case C46)."""
+    if self._lock.held or jax.process_index() != 0:
+      return True
+    holder = holder_of(self.directory)
+    if holder is None or stale_reason(holder, self._lock.stale_after_s) is not None:
+      return True
+    log.info("not removing unfinished saves in %s: it is in use by %s", self.directory,
+             describe(holder))
+    return False
+
+  def close(self) -> None:
+    """Waits for the last write (raising :class:`CheckpointError` if it failed)
+    and releases the Orbax manager; the hook reopens it when used again."""
+    if self._manager is None:
+      return
+    try:
+      self.wait_until_finished()
+    finally:
+      manager, self._manager = self._manager, None
+      try:
+        manager.close()
+      except Exception:  # pylint: disable=broad-except  # already reported above
+        log.exception("closing the checkpoint manager failed")
+
+  # -- queries ---------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Steps of the complete checkpoints in the directory, ascending."""
+    manager = self._open()
+    manager.reload()
+    return sorted(manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def best_step(self) -> int | None:
+    """The best checkpoint by ``best_metric`` (the newest if no metric is set)."""
+    manager = self._open()
+    manager.reload()
+    return manager.best_step()
+
+  # -- save ------------------------------------------------------------------
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the last asynchronous save is written.
+
+    Raises:
+      CheckpointError: that save failed (its step directory stays unfinished
+        and is removed when the directory is next opened).
+    """
+    if self._manager is None or self._in_flight is None:
+      return
+    step, self._in_flight = self._in_flight, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      self._discard(step)
+      raise CheckpointError(f"asynchronous save of step {step} to {self.directory} failed: "
+                            f"{type(e).__name__}: {e}") from e
+
+  def _discard(self, step: int) -> None:
+    """After a failed save: waits for its writers, then removes its unfinished directory."""
+    assert self._manager is not None
+    _drain_writers(self._manager)
+    _remove_failed_save(self.directory, step)
+
+  def _check_in_flight(self) -> None:
+    """Raises a finished save's error without waiting for a running save."""
+    if (self._manager is not None and self._in_flight is not None
+        and not self._manager.is_saving_in_progress()):
+      self.wait_until_finished()
+
+  def save(self, step: int, state: Any, *, ledger: Ledger, data_position: Any = None,
+           metrics: dict[str, float] | None = None,
+           hook_states: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
+           ) -> bool:
+    """Starts saving one checkpoint (returns once the arrays are off the device).
+
+    Args:
+      step: the global step (updates applied); must equal ``ledger.step``.
+      state: the train state pytree (``jax.Array`` leaves, any shardings).
+      ledger: the host ledger at ``step``.
+      data_position: the source position after the step's batch.
+      metrics: values for ranking (needs ``best_metric`` among them when set).
+      hook_states: ``{hook name: JSON-serialisable state}`` of other hooks, or
+        a function returning it, called only when the save is written (inside
+        a run, ``RunContext.hook_states``: a skipped save collects nothing).
+
+    Returns:
+      False if a checkpoint at ``step`` already exists (nothing written).
+
+    Raises:
+      CheckpointError: the previous asynchronous save failed, or this one
+        could not start.
+      ValueError: ``ledger.step != step`` or ``best_metric`` missing.
+      TypeError: a data position that is not JSON-serialisable.
+    """
+    if ledger.step != step:
+      raise ValueError(f"ledger step {ledger.step} != checkpoint step {step}")
+    manager = self._open()
+    self.wait_until_finished()
+    if step in manager.all_steps():
+      log.info("checkpoint %d already exists in %s", step, self.directory)
+      return False
+    if (self.directory / str(step)).exists():  # a folder loopkit did not write (see _tidy)
+      warnings.warn(f"loopkit: not saving step {step}: {self.directory / str(step)} exists "
+                    f"and is not a loopkit checkpoint (no {_COMMIT_FILE}); it is left as it is",
+                    CheckpointWarning, stacklevel=2)
+      return False
+    ranked = None
+    if self.best_metric is not None:
+      if not metrics or self.best_metric not in metrics:
+        raise ValueError(f"best_metric {self.best_metric!r} is not among the metrics "
+                         f"{sorted(metrics or {})}")
+      ranked = {self.best_metric: float(metrics[self.best_metric])}
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(_storable(state)),
+        leaves=ocp.args.JsonSave(_leaf_record(state)),
+        ledger=ocp.args.JsonSave(ledger.to_dict()),
+        data=ocp.args.JsonSave(_encode_positions(data_position)),
+        hooks=ocp.args.JsonSave(dict((hook_states() if callable(hook_states)
+                                      else hook_states) or {})))
+    try:
+      manager.save(step, args=args, metrics=ranked, force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      self._discard(step)
+      raise CheckpointError(f"saving step {step} to {self.directory} failed: "
+                            f"{type(e).__name__}: {e}") from e
+    self._in_flight = step
+    self.saved_steps.append(step)
+    return True
+
+  # -- restore ---------------------------------------------------------------
+
+  def restore(self, like: Any, step: int | None = None) -> RestoredCheckpoint:
+    """Reads a checkpoint into the structure and shardings of ``like``.
+
+    Args:
+      like: a state pytree whose leaves are ``jax.Array`` or
+        ``jax.ShapeDtypeStruct`` (with ``sharding`` for where to put them);
+        the restored state has exactly this tree structure (no list/tuple or
+        namedtuple drift in optimizer states).
+      step: the step to read (default: the latest).
+
+    Returns:
+      The :class:`RestoredCheckpoint`.
+
+    Raises:
+      FileNotFoundError: no (such) complete checkpoint.
+      ValueError: the checkpoint's tree, shapes or dtypes differ from
+        ``like`` (naming the first differing leaf), or its data positions were
+        saved by a different number of processes.
+    """
+    manager = self._open()
+    manager.reload()
+    steps = manager.all_steps()
+    if step is None:
+      step = max(steps) if steps else None
+    if step is None or step not in steps:
+      raise FileNotFoundError(f"no complete checkpoint{'' if step is None else f' {step}'} "
+                              f"in {self.directory} (found {sorted(steps)})")
+    if (self.directory / str(step) / "leaves").exists():
+      saved = _leaves_from_record(manager.restore(step, args=ocp.args.Composite(
+          leaves=ocp.args.JsonRestore()))["leaves"])
+    else:  # written before loopkit recorded its leaves: Orbax's metadata
+      meta = manager.item_metadata(step)["state"]
+      saved = _leaves_from_orbax(getattr(meta, "tree", meta))
+    problem = _tree_difference(saved, like)
+    if problem:
+      raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
+                       f"state: {problem}")
+    abstract = jax.tree.map(lambda x: None if _is_empty(x) else _abstract(x), like)
+    out = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), ledger=ocp.args.JsonRestore(),
+        data=ocp.args.JsonRestore(), hooks=ocp.args.JsonRestore()))
+    state = _into_structure(out["state"], like)
+    ledger = Ledger.from_dict(out["ledger"])
+    if ledger.step != step:
+      raise ValueError(f"checkpoint {step} in {self.directory} holds a ledger at step "
+                       f"{ledger.step}")
+    return RestoredCheckpoint(step=step, state=state, ledger=ledger,
+                              data_position=_decode_positions(out["data"]),
+                              hook_states=dict(out["hooks"] or {}))
+
+  # -- Hook protocol ---------------------------------------------------------
+
+  def on_run_start(self, ctx: RunContext, state: Any) -> Restore | None:
+    """Claims the directory, opens it; returns the latest checkpoint, if any, as a Restore.
+
+    Returns:
+      None (no checkpoint, or ``restore=False``) or a
+      :class:`~loopkit.core.context.Restore` of the state, ledger, data position
+      and other hooks' states, which the loop applies.
+
+    Raises:
+      CheckpointError: the directory is not writable, or another live run
+        holds it (on every process alike: see :func:`loopkit.checkpoint.lock.claim`).
+    """
+    self._ctx = ctx
+    self.restored_step = None
+    if self._manager is not None:  # a previous run ended by an exception
+      try:
+        self.close()
+      except CheckpointError as e:
+        log.warning("%s", e)
+    problem = claim(self.directory, self._lock)
+    if problem is not None:
+      raise CheckpointError(problem)
+    log.info("checkpoints in %s", self.directory)
+    try:
+      return self._resume(state)
+    except BaseException:
+      self._lock.release()
+      raise
+
+  def _resume(self, state: Any) -> Restore | None:
+    self._open()
+    if not self.restore_on_start or self.latest_step() is None:
+      return None
+    r = self.restore(state)
+    self.restored_step = r.step
+    log.info("resumed from checkpoint %d in %s", r.step, self.directory)
+    return Restore(state=r.state, ledger=r.ledger, data_position=r.data_position,
+                   hook_states=r.hook_states)
+
+  def after_each_call(self, info: LoopInfo) -> None:
+    """Raises the error of an asynchronous save that has failed meanwhile."""
+    self._check_in_flight()
+
+  def on_trigger(self, info: LoopInfo, state: Any) -> None:
+    """Saves the state at ``info.end_step`` (asynchronously).
+
+    The ledger saved is the run's (read through the context); the other hooks'
+    states come from ``ctx.hook_states()``, for which the loop first flushes
+    every other hook with ``flush()`` (the rows this checkpoint covers are on
+    disk before it is).
+    """
+    ctx = self._ctx
+    ledger = ctx.ledger.copy() if ctx is not None else None
+    if ledger is None or ledger.step != info.end_step:
+      ledger = Ledger(step=info.end_step, examples_seen=info.examples_seen,
+                      loop_index=info.loop_index + 1,
+                      steps_per_epoch=ctx.steps_per_epoch if ctx is not None else None)
+    self.save(info.end_step, state, ledger=ledger, data_position=info.data_position,
+              metrics=info.metrics, hook_states=ctx.hook_states if ctx is not None else None)
+    return None
+
+  def on_run_end(self, ctx: RunContext, state: Any) -> None:
+    """Waits for the last write (raises :class:`CheckpointError` if it failed); releases
+    the directory's lock."""
+    try:
+      self.close()
+    finally:
+      self._lock.release()
+    return None
+
+  def on_run_error(self, ctx: RunContext, error: BaseException) -> None:
+    """The run ends by ``error``: lets the in-flight save commit, then releases the directory.
+
+    If that save fails too, its failure is logged (``error`` is what ``run``
+    raises) and its unfinished directory is removed (on several processes once
+    every process got there, or at the next run's start: see
+    :func:`loopkit.checkpoint.files._remove_failed_save`), so that a new hook on
+    the directory (in this process or another) resumes from the last committed
+    step. Then the directory's lock is released.
+    """
+    try:
+      self.close()
+    except CheckpointError as e:
+      log.warning("while the run raised %s: %s", type(error).__name__, e)
+    finally:
+      self._lock.release()

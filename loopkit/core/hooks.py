@@ -1,0 +1,255 @@
+"""Hooks: host code that runs only at loop boundaries.
+
+A hook sees a :class:`LoopInfo` (the call's step range, epoch, metrics already on
+the host) and, if it asks for it, the train state. Hooks are called in the order
+given, always in step order. Two entry points:
+
+* :meth:`Hook.after_each_call` after *every* device call (cheap host bookkeeping; may
+  run one loop late, after the next call was dispatched);
+* :meth:`Hook.on_trigger` when the hook's :class:`~loopkit.core.triggers.Trigger`
+  fires. The step-based marks of the trigger are landed on exactly by the
+  planner. A hook with ``needs_state=True`` gets the state and may return a
+  replacement (same structure, shapes, dtypes and shardings); the loop then
+  synchronises at that boundary. Hooks with ``needs_state=False`` get
+  ``state=None`` and never stall the next dispatch.
+
+Early stop and preemption: when a run stops before its planned end
+(``loop.request_stop(reason)``, or a SIGTERM/SIGINT that the processes agree on
+at a boundary, see :mod:`loopkit.core.preemption`), the loop stops *before*
+dispatching the next call; hooks whose trigger has ``at_end`` and that did not
+fire on the last call then fire with that boundary's state and
+``info.is_last=True`` (this is how a checkpoint lands off its cadence at a
+preemption), then ``on_run_end`` runs and ``loop.status`` is the reason
+(``"preempted"``).
+
+Every decision to fire is the same on every process: step marks are
+deterministic, and the wall-clock part of a trigger (``every_secs``), stop
+requests and preemption flags are agreed at each boundary
+(:mod:`loopkit.core.agreement`). A run that makes no device call (stopped before the
+first one, or started at its target) fires its ``at_end`` hooks that have a
+mark once with an empty :class:`LoopInfo` (``num_steps == 0``, no metrics).
+
+What a hook may touch (:mod:`loopkit.core.context`): it reads its
+:class:`LoopInfo` and a read-only :class:`~loopkit.core.context.RunContext` (``ctx``,
+given to ``on_run_start`` / ``on_run_end`` / ``on_run_error``), and *returns*
+what it changes: a new state, a :class:`~loopkit.core.context.Restore` (state,
+ledger and data position together) from ``on_run_start``, or a
+:class:`~loopkit.core.context.LedgerAdjustment` from ``adjust_ledger``. It may ask
+for a stop (``ctx.request_stop``, ``ctx.preemption.request()``); it may write
+its own attributes and files. Only the run writes the ledger, the data
+position, the status and the state.
+
+Hooks are not thread-safe; on multi-host every process runs every hook (a hook
+that writes files should write on process 0 only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from loopkit import metrics as metrics_lib
+from loopkit.core.context import LedgerAdjustment, RunContext
+from loopkit.core.ledger import Bucket
+from loopkit.core.triggers import Trigger
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopInfo:
+  """Record of one device call, on the host.
+
+  Attributes:
+    start_step: global step before the call.
+    end_step: global step after the call (= state step = optimizer count).
+    loop_index: 0-based index of this device call in the whole training (resumes
+      included).
+    epoch: 0-based epoch the call's steps belong to (a call never crosses an
+      epoch end); 0 if ``steps_per_epoch`` is unknown.
+    step_in_epoch: steps done in the epoch after the call (== steps_per_epoch
+      at an epoch end).
+    examples_seen: training examples consumed after the call.
+    metrics: metric values for the call (float): ``compute()`` of ``metric_values``.
+    metric_values: the call's per-step values folded in step order (mergeable float32
+      values, numpy scalars): ``fold_steps(step_values[name])``.
+    traces: per-step values, float32 arrays ``[end_step - start_step]``.
+    is_last: the last call of this ``run``.
+    data_position: the source position after this call's last batch (what a
+      checkpoint must store to resume with the next unconsumed batch).
+    step_values: the per-step mergeable values, fields ``[end_step - start_step]``
+      (float32 numpy). A value over several calls that must not depend on K continues
+      the fold, ``fold_steps(info.step_values[name], running)``, as
+      :class:`LoggingHook` does; merging ``metric_values`` across calls instead
+      associates the sums by call, which changes the last bits with K (case C50).
+  """
+
+  start_step: int
+  end_step: int
+  loop_index: int
+  epoch: int
+  step_in_epoch: int
+  examples_seen: int
+  metrics: dict[str, float]
+  metric_values: dict[str, metrics_lib.Metric]
+  traces: dict[str, np.ndarray]
+  is_last: bool = False
+  data_position: Any = None
+  step_values: dict[str, metrics_lib.Metric] = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_steps(self) -> int:
+    return self.end_step - self.start_step
+
+
+class Hook:
+  """Base class of hooks.
+
+  Args:
+    every_steps, every_epochs, at_steps, every_secs, at_end: the hook's
+      trigger (see :class:`loopkit.core.triggers.Trigger`); none set = every call.
+      ``at_end`` also covers early stops and preemption (module docstring).
+
+  A hook whose own state must survive a resume may define
+  ``checkpoint_state() -> dict`` (JSON-serialisable) and
+  ``restore_checkpoint_state(d: dict)``; :class:`loopkit.checkpoint.CheckpointHook`
+  saves it with each checkpoint, keyed by the hook's stable name
+  (``hook_name``, default the class name, ``#2``... for repeats; see
+  :func:`loopkit.core.hook_state.hook_names`), and the loop hands it back on a restore.
+  A hook with ``flush()`` is flushed by the loop before a checkpoint is saved.
+
+  Attributes:
+    needs_state: the hook reads the state in ``on_trigger`` (the loop then
+      synchronises at its boundaries).
+    time_bucket: the ledger bucket its time goes to (:class:`~loopkit.core.ledger.Bucket`).
+    hook_name: stable name for its saved state (None: the class name).
+  """
+
+  needs_state: bool = True
+  time_bucket: str = Bucket.HOOKS
+  hook_name: str | None = None
+
+  def __init__(self, *, every_steps: int | None = None, every_epochs: float | None = None,
+               at_steps: Sequence[int] | None = None, every_secs: float | None = None,
+               at_end: bool = True):
+    self.trigger = Trigger(every_steps=every_steps, every_epochs=every_epochs,
+                           at_steps=at_steps, every_secs=every_secs, at_end=at_end)
+
+  def on_run_start(self, ctx: RunContext, state: Any) -> Any | None:
+    """Called once per ``run`` before the first call, in hook order.
+
+    Args:
+      ctx: the run's read-only :class:`~loopkit.core.context.RunContext`
+        (``ctx.ledger`` is at the state's step, or at a restore by an earlier hook).
+      state: the state the run starts from.
+
+    Returns:
+      None; a replacement state at the same step; or a
+      :class:`~loopkit.core.context.Restore` (state, ledger and data position
+      together, e.g. from a checkpoint), which the loop applies.
+    """
+
+  def adjust_ledger(self, ctx: RunContext) -> LedgerAdjustment | None:
+    """Called once per ``run`` after every ``on_run_start`` (restores applied).
+
+    Returns:
+      None or a :class:`~loopkit.core.context.LedgerAdjustment` for the loop to
+      apply (e.g. :class:`~loopkit.observe.goodput.GoodputHook`'s work lost to restarts).
+    """
+    del ctx
+    return None
+
+  def after_each_call(self, info: LoopInfo) -> None:
+    """Called after every device call, in step order."""
+
+  def on_trigger(self, info: LoopInfo, state: Any) -> Any | None:
+    """Called when the trigger fires; return a new state or None."""
+    return None
+
+  def on_run_end(self, ctx: RunContext, state: Any) -> Any | None:
+    """Called once at the end of ``run`` (also after a stop or preemption).
+
+    ``ctx.ledger.seconds["total"]`` is current (up to this call). May return a
+    replacement state.
+    """
+    return None
+
+  def on_run_error(self, ctx: RunContext, error: BaseException) -> None:
+    """Called once when ``run`` leaves by an exception, if this hook's ``on_run_start`` ran.
+
+    Every hook whose ``on_run_start`` was called gets it, in hook order: all
+    of them for an error after the start; when an ``on_run_start`` raises,
+    the hooks before it and that hook itself (it may have half-opened
+    something), not the hooks after it, which never started. For cleanup that
+    must finish before the error reaches the caller, e.g. waiting for a
+    background write (:class:`~loopkit.checkpoint.CheckpointHook` waits for
+    its in-flight save and releases its directory). ``on_run_end`` is not
+    called then; the loop keeps the work done in ``loop.last_state``.
+    Exceptions raised here are logged, not raised: ``run`` raises ``error``.
+
+    Args:
+      ctx: the run's :class:`~loopkit.core.context.RunContext`.
+      error: the exception that ends the run (any ``BaseException``, e.g. a
+        ``KeyboardInterrupt``).
+    """
+
+
+class CallbackHook(Hook):
+  """Calls ``fn(info, state)`` when the trigger fires; ``fn`` may return a new state.
+
+  Args:
+    fn: the callback.
+    needs_state: pass False when ``fn`` ignores the state (then it gets None and
+      the loop does not synchronise for it).
+    **trigger: see :class:`Hook`.
+  """
+
+  def __init__(self, fn: Callable[[LoopInfo, Any], Any], *, needs_state: bool = True,
+               **trigger):
+    super().__init__(**trigger)
+    self.fn = fn
+    self.needs_state = needs_state
+
+  def on_trigger(self, info, state):
+    return self.fn(info, state)
+
+
+class NonFiniteError(FloatingPointError):
+  """A metric became NaN or Inf; the message names the metric and the step."""
+
+
+class NonFiniteWarning(RuntimeWarning):
+  """A metric became NaN or Inf in a run without :class:`NanCheckHook` (once per run; the
+  message names the metric and the first such step)."""
+
+
+class NanCheckHook(Hook):
+  """Stops training when a metric is NaN or Inf, naming the first bad step.
+
+  Checks every call's per-step traces (so the exact step is known) and raises
+  :class:`NonFiniteError` with the metric name, that step and the call's step
+  range. Runs one loop late (it needs no state).
+
+  Args:
+    metric_names: metrics to check (default: all).
+  """
+
+  needs_state = False
+
+  def __init__(self, metric_names: Sequence[str] | None = None):
+    super().__init__()
+    self.metric_names = metric_names
+
+  def after_each_call(self, info: LoopInfo) -> None:
+    names = self.metric_names if self.metric_names is not None else sorted(info.traces)
+    for name in names:
+      trace = info.traces[name]
+      if np.isfinite(trace).all():
+        continue
+      bad = np.flatnonzero(~np.isfinite(trace))
+      if bad.size:
+        step = info.start_step + int(bad[0]) + 1
+        raise NonFiniteError(
+            f"metric {name!r} is {trace[bad[0]]} at step {step} (device call "
+            f"{info.loop_index} ran steps {info.start_step + 1}..{info.end_step})")

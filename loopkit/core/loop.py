@@ -1,0 +1,365 @@
+"""TrainLoop: K train steps per device call, host accounting and hooks at boundaries.
+
+The loop holds the configuration: the compiled program, the hooks, the mesh
+and the planner's inputs; it does no array math. Each ``run`` is a
+:class:`loopkit.core.run.Run`, the only writer of run state (ledger, data position,
+status): per device call it dispatches the program, advances the ledger, and
+(one call late, unless a hook needs the state now) fetches the call's reduced
+metrics and ``[K]`` traces with one ``jax.device_get``. Hooks get a read-only
+:class:`loopkit.core.context.RunContext` and return what they change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from loopkit._internal.checks import (
+  check_global_batch_size,
+  check_iterations_per_loop,
+  default_step_of,
+)
+from loopkit._internal.logs import install_default_handler
+from loopkit._internal.mesh import resolve_mesh
+from loopkit.core.hook_state import hook_names
+from loopkit.core.hooks import Hook
+from loopkit.core.ledger import Bucket, Ledger
+from loopkit.core.planner import TimeBasedK, parse_duration
+from loopkit.core.preemption import DEFAULT_SIGNALS, PreemptionWatcher
+from loopkit.core.program import MultiStepProgram, StepStyle
+from loopkit.core.run import DataExhaustedWarning, Run, renew_preemption
+from loopkit.data.sources import steps_per_epoch_of
+
+__all__ = ["DataExhaustedWarning", "TrainLoop"]
+
+log = logging.getLogger("loopkit")
+
+GPU_WHILE_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+
+
+def _warn_gpu_while_dispatch(mesh: Mesh) -> None:
+  """On GPU, says once how to keep dispatch asynchronous.
+
+  The program's loop has a traced trip count; without XLA command buffers for
+  while loops, the GPU runtime evaluates its condition on the host, so a
+  dispatch returns only when the call has finished (measured on an H200: 2.96 s
+  of a 3.24 s run spent in dispatch, 0.08 s with the flag). The prefetch
+  thread still hides input work; the flag restores host/device overlap.
+  """
+  platforms = {d.platform for d in mesh.devices.flat}
+  if "gpu" in platforms or "cuda" in platforms or "rocm" in platforms:
+    if "+WHILE" not in os.environ.get("XLA_FLAGS", ""):
+      log.warning("loopkit on GPU: set XLA_FLAGS=%s before JAX starts so device calls "
+                  "dispatch asynchronously (see docs/tuning.md)", GPU_WHILE_FLAG)
+
+
+def _warn_logging_after_checkpoint(hooks: Sequence[Hook]) -> None:
+  """Warns when a LoggingHook comes after a checkpoint hook in ``hooks``.
+
+  Hooks fire in list order; a checkpoint saves every hook's ``checkpoint_state``
+  when it runs. A LoggingHook after it, firing at the same boundary, is saved
+  with the running average *before* its row, so a resumed run's first row would
+  average again steps that the row already covered.
+  """
+  seen_checkpoint = None
+  for h in hooks:
+    if getattr(h, "time_bucket", None) == Bucket.CHECKPOINT and seen_checkpoint is None:
+      seen_checkpoint = h
+    elif seen_checkpoint is not None and type(h).__name__ == "LoggingHook":
+      warnings.warn(
+          f"hooks: LoggingHook comes after {type(seen_checkpoint).__name__}; at a step where "
+          "both fire, the checkpoint would hold the running average before the row is "
+          "written and a resumed run would average those steps again: put the LoggingHook "
+          "before the checkpoint hook", UserWarning, stacklevel=3)
+      return
+
+
+class TrainLoop:
+  """Runs ``iterations_per_loop`` train steps per device call.
+
+  Example:
+    >>> loop = loopkit.TrainLoop(train_step, iterations_per_loop=100)  # doctest: +SKIP
+    >>> state = loop.run(state, batches, num_steps=1000)                # doctest: +SKIP
+
+  Args:
+    train_step: ``(state, batch) -> (state, metrics)``, pure. ``state`` is a
+      pytree with a scalar int step counter (``state.step`` / ``state["step"]``,
+      or ``step_of``) that the step increments by one; ``metrics`` is a dict of
+      scalar arrays or :mod:`loopkit.metrics` values.
+    iterations_per_loop: K, the most steps per device call (int >= 1); or a
+      duration ``"30s"`` / ``"5m"`` / ``"1h"`` (TPUEstimator's form) or a
+      :class:`~loopkit.core.planner.TimeBasedK`: steps per call are then chosen to
+      take about that long, from the measured step time, with one compiled
+      program of ``max_iterations_per_loop`` slots.
+    max_iterations_per_loop: slot count for a duration ``iterations_per_loop``
+      (default 100; calls shorter than it transfer padding batches).
+    hooks: :class:`loopkit.core.hooks.Hook` objects, called in order at boundaries.
+    mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices).
+    data_axis: name of the mesh axis the batch is split over.
+    step_style: ``"global"`` (the step sees global arrays) or ``"per_device"``
+      (pmap style: the step sees its device's slice and uses collectives over
+      ``data_axis``).
+    steps_per_epoch: steps in one epoch; calls never cross an epoch end.
+      ``"auto"``: the length of the source given to each ``run`` (one epoch;
+      :func:`loopkit.data.sources.steps_per_epoch_of`: ``len``, tf.data
+      cardinality, ``ArraySource.steps_per_epoch``).
+    global_batch_size: if given, checked now against the data-parallel size, and
+      at ``run`` against the first batch: every leaf must be ``[B, ...]``
+      (``[B / processes, ...]`` on multi-host), else a ValueError names the leaf
+      and its shape (pmap layout ``[devices, B / devices, ...]``,
+      ``prefetch_to_device`` output) before any step. Without it the batch size
+      is the first batch's, and a pmap-looking layout only warns.
+    prefetch: chunks prepared ahead by a background thread (0 = none).
+    step_of: returns the state's step counter (default ``state.step``).
+    preemption_signals: signals that stop the run at the next boundary with
+      ``status == "preempted"`` (default SIGTERM, SIGINT; ``()`` for none); see
+      :mod:`loopkit.core.preemption`. Caught only while ``run`` runs, in the main thread.
+    canonical_convs: relay out the step's convolution gradients for XLA:CPU's
+      fast kernels inside the loop body (:mod:`loopkit.conv_layout`); None
+      (default) = on when the mesh is on CPU devices.
+
+  Raises:
+    ValueError: K < 1 or not an int or duration; a duration K on several
+      processes; ``max_iterations_per_loop`` with an int K;
+      ``global_batch_size`` not divisible by the data-parallel size;
+      ``steps_per_epoch`` < 1; a hook's ``every_epochs`` that is not a
+      whole number of steps (or, at ``run``, without ``steps_per_epoch``).
+
+  Attributes:
+    status: ``"completed"``, ``"data_exhausted"``, ``"preempted"`` or ``"stopped"``
+      (or the reason given to :meth:`request_stop`) after ``run``.
+    preemption: the run's :class:`~loopkit.core.preemption.PreemptionWatcher`
+      (``loop.preemption.request()`` preempts as a signal would, also before
+      ``run``); after ``run`` it still tells what stopped the run
+      (``signal_received``), and the next ``run`` starts with a fresh one.
+    program: the :class:`~loopkit.core.program.MultiStepProgram`.
+    iterations_per_loop: the compiled slot count K (the cap, for time-based K).
+    time_based_k: the :class:`~loopkit.core.planner.TimeBasedK`, or None.
+    target_step: the global step the current ``run`` ends at.
+
+  A ``run`` that raises keeps the work done: :attr:`last_state` is then the
+  state at its last completed boundary, at step ``ledger.step`` (the state
+  given to ``run`` was donated).
+
+  Not thread-safe. Multi-host: every process runs the same loop.
+  """
+
+  def __init__(self, train_step: Callable, *, iterations_per_loop: int | str | TimeBasedK,
+               max_iterations_per_loop: int | None = None,
+               hooks: Sequence[Hook] = (), mesh: Mesh | None = None,
+               data_axis: str = "data", step_style: StepStyle = "global",
+               steps_per_epoch: int | str | None = None, global_batch_size: int | None = None,
+               prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
+               preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
+               canonical_convs: bool | None = None):
+    self.time_based_k: TimeBasedK | None = None
+    if isinstance(iterations_per_loop, str):
+      iterations_per_loop = TimeBasedK(
+          parse_duration(iterations_per_loop),
+          max_iterations_per_loop=100 if max_iterations_per_loop is None
+          else max_iterations_per_loop)
+    elif max_iterations_per_loop is not None:
+      raise ValueError("max_iterations_per_loop is only for a duration iterations_per_loop "
+                       f"such as '30s', got iterations_per_loop={iterations_per_loop!r}")
+    if isinstance(iterations_per_loop, TimeBasedK):
+      if jax.process_count() > 1:  # a host-local decision the boundary agreement cannot carry
+        raise ValueError(
+            f"iterations_per_loop={iterations_per_loop!r} chooses call lengths from this "
+            f"process's clock, ahead of time (the feeder plans prefetched calls), so "
+            f"{jax.process_count()} processes would run calls of different lengths and "
+            "their collectives would not match: pass an int K on several processes (measure "
+            "one with `python -m loopkit.tools.tune` on one process)")
+      self.time_based_k = iterations_per_loop
+      iterations_per_loop = iterations_per_loop.max_iterations_per_loop
+    iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
+    self._auto_steps_per_epoch = steps_per_epoch == "auto"  # from the source, at each run
+    if self._auto_steps_per_epoch:
+      steps_per_epoch = None
+    elif steps_per_epoch is not None and (isinstance(steps_per_epoch, str)
+                                          or steps_per_epoch < 1):
+      raise ValueError(f"steps_per_epoch must be >= 1 or 'auto', got {steps_per_epoch!r}")
+    assert not isinstance(steps_per_epoch, str)
+    self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
+    if global_batch_size is not None:
+      check_global_batch_size(global_batch_size, self.data_parallel_size)
+    self.iterations_per_loop = iterations_per_loop
+    self.hooks = list(hooks)
+    for h in self.hooks:
+      missing = [a for a in ("trigger", "needs_state", "on_run_start", "after_each_call",
+                                "on_trigger",
+                             "on_run_end") if not hasattr(h, a)]
+      if missing:
+        raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
+                        "(or wrap a function in loopkit.CallbackHook)")
+    _warn_logging_after_checkpoint(self.hooks)
+    hook_names(self.hooks)  # raises now for a hook_name given twice
+    self.steps_per_epoch: int | None = steps_per_epoch
+    if steps_per_epoch is not None:
+      self._check_triggers()
+    self.prefetch = prefetch
+    self.step_of = step_of
+    self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
+                                    mesh=self.mesh, data_axis=data_axis, style=step_style,
+                                    step_of=step_of, canonical_convs=canonical_convs)
+    install_default_handler()  # a plain script shows loopkit's lines (loopkit._internal.logs)
+    _warn_gpu_while_dispatch(self.mesh)
+    self._run: Run | None = None  # the current (or last) run: the only writer of run state
+    self.status: str | None = None
+    self._stop_reason: str | None = None
+    self.preemption_signals = tuple(preemption_signals)
+    self.preemption = PreemptionWatcher(self.preemption_signals)
+    self._preemption_used = False
+    self._global_batch_size = global_batch_size
+    self.target_step: int | None = None
+
+  # -- public ----------------------------------------------------------------
+
+  def request_stop(self, reason: str = "stopped") -> None:
+    """Asks the loop to stop at the next boundary (hooks: ``ctx.request_stop``).
+
+    A request, not a state change: the run stops at the next boundary, after
+    the processes agreed on it (:mod:`loopkit.core.agreement`).
+    """
+    self._stop_reason = reason
+
+  def run(self, state: Any, batches: Iterable, *, num_steps: int | None = None,
+          num_epochs: int | None = None) -> Any:
+    """Trains until global step ``num_steps`` (or ``num_epochs * steps_per_epoch``).
+
+    Args:
+      state: the train state pytree (donated to the device calls).
+      batches: iterable of batches, pytrees of numpy arrays ``[B, ...]`` (the
+        process-local part on multi-host), at least as many as steps to run.
+      num_steps: the global step to stop at (absolute, like TPUEstimator's
+        ``max_steps``: a state restored at step 10 asked for 15 runs 5 steps).
+      num_epochs: alternatively, the epoch count to stop at (needs
+        ``steps_per_epoch``).
+
+    Returns:
+      The final state, whose step equals ``self.ledger.step``.
+
+    Raises:
+      ValueError: bad arguments, batch shape/dtype changes (naming the leaf),
+        a step that changes the state's structure/shape/dtype, a step counter
+        that does not advance by one per step. Whatever ``run`` raises (also a
+        hook's or the source's exception, a ``KeyboardInterrupt``), the work
+        done is kept: :attr:`last_state` is the state at the last completed
+        boundary, at step ``self.ledger.step``.
+
+    Warns:
+      DataExhaustedWarning: ``batches`` ran out; the run stops after the last
+      full step, hooks see only steps that ran, ``status == "data_exhausted"``.
+    """
+    if self._auto_steps_per_epoch:
+      self.steps_per_epoch = steps_per_epoch_of(batches)
+    target = self._target(num_steps, num_epochs)
+    self.target_step = target
+    if self.time_based_k is not None:
+      self.time_based_k.start()
+    renew_preemption(self)
+    prior = self.ledger
+    run = Run(self, Ledger(), target, num_epochs)  # its ledger is set once the step is known
+    state = run.admit(state, None)
+    counter = self.step_of(state)
+    if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
+      replicated = np.ndim(counter) == 1 and np.shape(counter)[0] in (
+          self.data_parallel_size, jax.local_device_count())
+      raise ValueError(f"the state's step counter must be a scalar integer array, got shape "
+                       f"{np.shape(counter)} dtype {counter.dtype}" + (
+                           "; this looks like a state replicated for pmap (flax.jax_utils."
+                           "replicate): pass the unreplicated state (jax_utils.unreplicate, "
+                           "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
+                           "itself" if replicated else ""))
+    step0 = int(jax.device_get(counter))  # "nothing to run" is told after restores (Run.start)
+    last = self._run
+    fresh = prior is None or last is None or prior.step != step0
+    ledger = Ledger(step=step0) if fresh or prior is None else prior
+    ledger.steps_per_epoch = self.steps_per_epoch
+    run.set_ledger(ledger)
+    # examples_seen = step0 x B at the first chunk (case C52), also when the last run of
+    # this loop ended before its first chunk
+    run.examples_unknown = step0 > 0 and (fresh or last is None or last.examples_unknown)
+    self.status = None
+    self._stop_reason = None
+    self._run = run
+    return run.execute(state, batches, step0)
+
+  # -- read-only views of the current run -------------------------------------
+
+  @property
+  def ledger(self) -> Ledger | None:
+    """The current (or last) run's :class:`~loopkit.core.ledger.Ledger`; None before any run.
+
+    Written only by the run; read it, do not change it.
+    """
+    return self._run.ledger if self._run is not None else None
+
+  @property
+  def data_position(self) -> Any:
+    """Source position after the last consumed chunk of the current (or last) run.
+
+    After ``run`` raised: the position after the last batch :attr:`last_state` has seen.
+    """
+    return self._run.data_position if self._run is not None else None
+
+  @property
+  def last_state(self) -> Any:
+    """The state at the last completed boundary of the last run; None before any run.
+
+    After ``run`` returned: the state it returned. After ``run`` raised (a
+    batch of the wrong shape, a hook's or the source's exception, a
+    ``KeyboardInterrupt``), the state to continue from, since the state given
+    to ``run`` was donated: the output of the latest device call (or a hook's
+    replacement of it), whose step equals ``self.ledger.step``; no later call
+    consumed it, so its arrays are live (``loop.run(loop.last_state, ...)``
+    goes on). The run does not wait for that call when it raises: the arrays
+    are ready once it finishes. Exceptions:
+
+    * the device call itself failed (an XLA runtime error, e.g. out of
+      memory): the state is that call's output, or depends on it, and reading
+      it raises the call's error; there is no earlier state, each call's input
+      having been donated to it;
+    * ``run`` raised before it took the state (its arguments, or a state it
+      refuses): this property, :attr:`ledger` and :attr:`data_position` are
+      still the previous run's, and the state given is intact (not donated);
+    * None when the error deleted the state's buffers (a call that failed
+      while taking its donated input).
+
+    Read it, do not change it; it belongs to the run until the next ``run``.
+    """
+    return self._run.state if self._run is not None else None
+
+  # -- internals -------------------------------------------------------------
+
+  def _target(self, num_steps: int | None, num_epochs: int | None) -> int:
+    if (num_steps is None) == (num_epochs is None):
+      raise ValueError("pass exactly one of num_steps or num_epochs")
+    name, value = ("num_epochs", num_epochs) if num_epochs is not None else ("num_steps", num_steps)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+      raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if num_epochs is not None:
+      if self.steps_per_epoch is None:
+        raise ValueError("num_epochs needs steps_per_epoch")
+      return int(num_epochs) * self.steps_per_epoch
+    assert num_steps is not None
+    return int(num_steps)
+
+  def _check_triggers(self) -> None:
+    """Every hook's marks are whole steps for this loop's ``steps_per_epoch`` (case C31).
+
+    Raises:
+      ValueError: naming the hook, ``every_epochs`` and ``steps_per_epoch``.
+    """
+    for h in self.hooks:
+      try:
+        h.trigger.epoch_period(self.steps_per_epoch)
+      except ValueError as e:
+        raise ValueError(f"{type(h).__name__}: {e}") from None
+

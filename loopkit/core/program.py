@@ -1,0 +1,495 @@
+"""The compiled multi-step program: up to K train steps in one device call.
+
+One ``jax.jit`` program takes the state, a chunk of stacked batches ``[K, B, ...]``
+(B = global batch, sharded on the data axis) and a run length ``n`` (int32
+scalar, 1 <= n <= K), and runs ``n`` train steps in a ``lax.fori_loop`` whose
+trip count is a traced value (an XLA while loop). Every call length therefore
+reuses one executable: the planner can cut calls anywhere without a recompile.
+
+Cost of the mechanism (documented, measured in ``benchmarks/``): a call of
+``n < K`` steps computes only ``n`` steps, but its input chunk still has K slots,
+so ``K - n`` batches of padding cross to the device for that call; calls are
+only shorter than K at events, epoch ends and the tail. A dynamic trip count
+also keeps XLA from unrolling the loop, which (with the slot padding below)
+is why the step is compiled identically for every K and final parameters are
+bitwise equal across K.
+
+Two step styles:
+  * ``"global"``: ``train_step`` sees global arrays (the batch sharded on the
+    data axis); the program is ``jit(fori_loop(step))``.
+  * ``"per_device"``: pmap style; ``train_step`` sees its device's slice
+    ``[B / D, ...]`` and may use collectives over the data axis, e.g.
+    ``lax.pmean(grads, "data")``; the program is
+    ``jit(shard_map(fori_loop(step)))`` with the state replicated.
+
+The step compiles alike for every K. A chunk of K = 1 has a size-1 slot axis, and XLA
+folds a dynamic slice of a size-1 axis into a plain reshape: the batch becomes
+loop-invariant, while-loop invariant code motion hoists the step's batch-only work out
+of the loop (one-hot labels, the input's f32 conversion, the batch statistics of a
+BatchNorm on the input) and the body left behind is fused differently, which in
+float16/bfloat16 changes results in the last bits (issue 13, case C38: a Flax ResNet-18
+at K = 1 differed from K = 2, 3, 4, 13 and ``jax.pmap``, which agree bitwise). So the
+body is compiled for at least ``MIN_SLOTS = 2`` slots: the feeder forms K = 1 chunks
+with one zero slot on the host (``[2, B, ...]``; the slot is never run), the program
+keeps a 2-slot metric trace and returns its first slot, and a ``[1, B, ...]`` chunk
+given to the program directly is padded on the device (:func:`pad_slots`, a copy of one
+batch per call). The K = 1 loop body is then the K = 2 body, instruction for instruction
+(``tests/test_k_invariance.py`` compares the optimized HLO).
+``lax.optimization_barrier`` around the step was not used: it stops the hoisting but
+XLA:CPU expands barriers before fusion, so the slot slice still fused differently at
+K = 1, and it cost a dispatch-bound step about 30% at K = 100
+(``benchmarks/k1_slot_cost.py`` has the padding's cost).
+
+The state is donated and its shardings pinned (output shardings = input).
+The user's step is traced exactly once per compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from loopkit import conv_layout, metrics as metrics_lib
+from loopkit._internal.checks import (
+  MIN_SLOTS,
+  RecompileWarning,
+  call_signature,
+  check_iterations_per_loop,
+  check_step_style,
+  default_step_of,
+  signature_change,
+  tree_mismatch,
+)
+from loopkit._internal.compat import lowering_count
+from loopkit._internal.mesh import is_cpu_mesh
+
+StepStyle = Literal["global", "per_device"]
+
+
+
+def pad_slots(chunk: Any) -> Any:
+  """A traced chunk ``[K, ...]`` with zero slots appended up to ``MIN_SLOTS`` slots.
+
+  For a ``fori_loop`` over a chunk's slots inside ``jit``: the loop body then
+  never slices a size-1 slot axis, which XLA would fold away and compile the
+  body differently for K = 1 (see the module docstring). The appended slots
+  are never run (the trip count is at most K).
+
+  Args:
+    chunk: pytree of traced arrays with leading axis K (all leaves alike).
+
+  Returns:
+    The chunk with leading axis ``max(K, MIN_SLOTS)``.
+  """
+  def pad(x):
+    extra = MIN_SLOTS - x.shape[0]
+    if extra <= 0:
+      return x
+    return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+  return jax.tree.map(pad, chunk)
+
+
+def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
+              init: Any) -> Any:
+  """``carry = body(i, chunk[i], carry)`` for ``i < num_steps``: the loop of every loopkit program.
+
+  A ``lax.fori_loop`` with a traced trip count over a chunk's slots (so every call length
+  reuses one executable), the chunk padded to ``MIN_SLOTS`` slots first (:func:`pad_slots`) so
+  that K = 1 compiles the body of K = 2. The training program and the
+  :class:`~loopkit.evaluation.Evaluator` both run their step through it.
+
+  Args:
+    body: ``(i, slot, carry) -> carry``; ``slot`` is the chunk's leaves at slot ``i``
+      (``[B, ...]``).
+    chunk: traced pytree of ``[K, B, ...]`` leaves.
+    num_steps: traced int32 scalar, ``1 <= num_steps <= K``.
+    init: the initial carry.
+
+  Returns:
+    The final carry.
+  """
+  chunk = pad_slots(chunk)
+
+  def step(i, carry):
+    return body(i, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
+                                chunk), carry)
+
+  return jax.lax.fori_loop(0, num_steps, step, init)
+
+
+def build_program(loop: Callable, *, mesh: Mesh, data_axis: str, style: StepStyle,
+                  **jit_kwargs: Any) -> Any:
+  """``jax.jit`` of ``loop(state, chunk, num_steps)``, the builder of every loopkit program.
+
+  ``"global"`` style: ``jit(loop)``. ``"per_device"``: ``jit(shard_map(loop))`` with the state
+  and ``num_steps`` replicated, the chunk ``[K, B, ...]`` split on ``data_axis`` and every
+  output replicated (the loop reduces over the data axis itself).
+
+  Args:
+    loop: the traced function, usually a :func:`run_slots` over a step.
+    mesh: the device mesh.
+    data_axis: the mesh axis the batch is split over.
+    style: ``"global"`` or ``"per_device"``.
+    **jit_kwargs: passed to ``jax.jit`` (shardings, ``donate_argnums``).
+
+  Returns:
+    The ``jax.jit``-wrapped program.
+  """
+  fn = loop
+  if style == "per_device":
+    fn = jax.shard_map(loop, mesh=mesh, in_specs=(P(), P(None, data_axis), P()),
+                       out_specs=P(), check_vma=False)
+  return jax.jit(fn, **jit_kwargs)
+
+
+def strong_typed(tree: Any) -> Any:
+  """``tree`` with its weak-typed leaves made strong, same dtype and placement.
+
+  A Python scalar or ``jnp.asarray(1.0)`` is a *weak-typed* float32; most
+  steps return such a leaf strong (``jnp.float32`` arithmetic with a strong
+  operand), and a jitted program is specialised on weak types, so a weak leaf
+  in the state compiles the program a second time on the next call.
+
+  Args:
+    tree: a pytree of arrays and scalars.
+
+  Returns:
+    The pytree with every weak-typed leaf (Python scalars included) replaced
+    by a strong array of the dtype JAX gives it (``jnp.asarray(1.0)`` ->
+    float32); other leaves unchanged (the same objects).
+  """
+  def strong(x):
+    if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
+      x = jnp.asarray(x)
+    if getattr(x, "weak_type", False):
+      return jax.lax.convert_element_type(x, x.dtype)
+    return x
+  return jax.tree.map(strong, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOutput:
+  """What one device call returns besides the state (all replicated, on device).
+
+  The call's metrics are not reduced over its steps here: the host folds the traces in step
+  order (:func:`loopkit.metrics.fold_steps`), so a reported value does not depend on where
+  the calls were cut (case C50).
+
+  Attributes:
+    traces: the step's metrics per step, leaves ``[K]`` float32 (reduced over the devices in
+      each step, for per-device steps); entries at index >= n hold zeros.
+    nonfinite: int32 ``[M]``, per metric in ``sorted(traces)`` order, the 1-based index in
+      the call of its first step with a NaN or infinite field, or 0
+      (:func:`loopkit.metrics.first_nonfinite`; fetched with ``step`` at every call).
+    step: int scalar, the state's step counter after the call.
+  """
+
+  traces: dict[str, metrics_lib.Metric]
+  nonfinite: jax.Array
+  step: jax.Array
+
+
+jax.tree_util.register_dataclass(CallOutput, data_fields=["traces", "nonfinite", "step"],
+                                 meta_fields=[])
+
+
+def _describe_output(x: Any) -> str:
+  """A short description of a traced step output: its type, and shape/dtype if an array."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} dtype {x.dtype}"
+  if isinstance(x, dict):
+    return f"a dict with keys {sorted(map(str, x))[:6]}"
+  return f"a {type(x).__name__}"
+
+
+def unpack_step_output(out: Any, state: Any) -> tuple[Any, dict]:
+  """Checks what ``train_step`` returned: ``(new_state, metrics: dict)``.
+
+  Raises:
+    TypeError: naming what was returned and what is expected, for the first
+      mistakes people make: the state alone, a 1-tuple, ``(state, loss)``
+      with a bare loss, or ``(loss, state)`` in the wrong order.
+  """
+  expected = ("train_step must return (new_state, metrics) with metrics a dict of "
+              "scalars, e.g. `return new_state, {'loss': loss}`")
+  if not isinstance(out, tuple) or len(out) != 2:
+    if isinstance(out, tuple):
+      got = f"a tuple of {len(out)}: ({', '.join(_describe_output(x) for x in out[:4])})"
+    elif jax.tree.structure(out) == jax.tree.structure(state):  # type: ignore[operator]
+      got = "only a state (no metrics)"
+    else:
+      got = _describe_output(out)
+    raise TypeError(f"{expected}; it returned {got}")
+  new_state, metrics = out
+  state_def = jax.tree.structure(state)
+  if (jax.tree.structure(metrics) == state_def  # type: ignore[operator]
+      and jax.tree.structure(new_state) != state_def):  # type: ignore[operator]
+    raise TypeError(f"{expected}; the state and the metrics look swapped: its first element is "
+                    f"{_describe_output(new_state)} and its second has the state's structure")
+  if not isinstance(metrics, dict):
+    hint = ""
+    if hasattr(metrics, "shape") and not getattr(metrics, "shape", (1,)):
+      hint = " (a bare scalar: wrap it, {'loss': loss})"
+    raise TypeError(f"{expected}; its second element is {_describe_output(metrics)}{hint}")
+  return new_state, metrics
+
+
+def leaf_fingerprint(x: jax.Array) -> jax.Array:
+  """Two uint32 words that summarise the bits of an array (any dtype, typed PRNG keys too).
+
+  Word 0 is ``sum(u[i] * (2 i + 1))`` and word 1 ``sum((u[i] ^ (u[i] >> 15)) *
+  (2654435761 i | 1))``, modulo 2**32, over the array's bits ``u`` as uint32
+  (8- and 16-bit elements widened, 64-bit ones split in two words). Equal arrays
+  give equal words; a change of any element changes word 0 unless it is a
+  multiple of 2**32 apart in that weighted sum, and both words collide only by
+  accident (the weights differ per position, so permutations are caught too).
+  Traceable (used inside :meth:`MultiStepProgram.diverged_leaves`).
+  """
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  width = jnp.dtype(x.dtype).itemsize
+  u = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+                                       8: jnp.uint32}[width]).astype(jnp.uint32).reshape(-1)
+  i = jax.lax.iota(jnp.uint32, u.size)
+  w0 = i * jnp.uint32(2) + jnp.uint32(1)
+  w1 = (i * jnp.uint32(2654435761)) | jnp.uint32(1)
+  return jnp.stack([jnp.sum(u * w0, dtype=jnp.uint32),
+                    jnp.sum((u ^ (u >> jnp.uint32(15))) * w1, dtype=jnp.uint32)])
+
+
+class MultiStepProgram:
+  """Builds and runs the compiled multi-step program for one train step.
+
+  Args:
+    train_step: ``(state, batch) -> (state, metrics)``, pure.
+    iterations_per_loop: K >= 1, slots per chunk.
+    mesh: device mesh; the batch axis is sharded over ``data_axis``.
+    data_axis: name of the data-parallel mesh axis.
+    style: ``"global"`` or ``"per_device"`` (see module docstring).
+    step_of: returns the state's scalar step counter.
+    canonical_convs: rewrite the step's non-canonical convolutions (the
+      gradient convolutions of conv layers) into canonical layout inside the
+      loop body (:mod:`loopkit.conv_layout`): XLA:CPU otherwise runs them with
+      a naive kernel in a loop body, 10-40x slower. None (default): only when
+      the mesh's devices are CPUs.
+
+  Not thread-safe; multi-host-safe (every process builds the same program).
+  """
+
+  def __init__(self, train_step: Callable, *, iterations_per_loop: int, mesh: Mesh,
+               data_axis: str = "data", style: StepStyle = "global",
+               step_of: Callable[[Any], jax.Array] = default_step_of,
+               canonical_convs: bool | None = None):
+    check_step_style(style)
+    self.train_step = train_step
+    self.k = check_iterations_per_loop(iterations_per_loop)
+    self.mesh = mesh
+    self.data_axis = data_axis
+    self.style = style
+    self.step_of = step_of
+    if canonical_convs is None:
+      canonical_convs = is_cpu_mesh(mesh)
+    self.canonical_convs = bool(canonical_convs)
+    self.trace_count = 0
+    self._jitted = None
+    self._replica_check: Callable[[Any], Any] | None = None
+    self._first_signature: list[tuple[str, tuple]] | None = None
+    self._compiles = 0  # calls that compiled (lowering_count)
+    self.state_shardings = None
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """Sharding of a chunk leaf ``[K, B, ...]``: B split over the data axis."""
+    return NamedSharding(self.mesh, P(None, self.data_axis))
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  def state_sharding_for(self, state: Any) -> Any:
+    """Pinned shardings for a state: kept if already on this mesh, else replicated."""
+    def pick(x):
+      sh = getattr(x, "sharding", None)
+      if (self.style == "global" and isinstance(sh, NamedSharding)
+          and sh.mesh == self.mesh and getattr(x, "committed", True)):
+        return sh
+      return self.replicated
+    return jax.tree.map(pick, state)
+
+  # -- tracing ---------------------------------------------------------------
+
+  def _loop(self, state, batches, num_steps):
+    """The traced body: fori_loop over the step with a dynamic trip count."""
+    self.trace_count += 1
+    batch0 = jax.tree.map(lambda x: x[0], batches)
+
+    def step_fn(s, b):
+      new_s, m = unpack_step_output(self.train_step(s, b), state)
+      out = {}
+      for k, v in m.items():
+        try:
+          out[k] = metrics_lib.as_metric(v)
+        except ValueError as e:
+          raise ValueError(f"train_step metric {k!r}: {e}") from None
+      return new_s, out
+
+    try:
+      closed, (out_state_shape, metric_shape) = jax.make_jaxpr(
+          step_fn, return_shape=True)(state, batch0)
+    except NameError as e:  # a collective over an axis that is not the data axis
+      if "unbound axis name" not in str(e):
+        raise
+      raise NameError(f"{e}\nloopkit: the train step uses a collective over an axis the "
+                      f"program does not map; its data axis is {self.data_axis!r} "
+                      f"(style {self.style!r}): pass data_axis=<the step's axis name> "
+                      "(e.g. 'batch' for Flax's pmap examples) and step_style='per_device', "
+                      "with a mesh that has that axis") from e
+    problem = tree_mismatch(state, out_state_shape,
+                            what="train_step returned a state unlike the one it received")
+    if problem:
+      raise ValueError(problem)
+    run_step = (conv_layout.canonicalize_convs(closed) if self.canonical_convs
+                else jax.extend.core.jaxpr_as_fun(closed))
+    out_def = jax.tree.structure((out_state_shape, metric_shape))
+
+    slots = max(self.k, MIN_SLOTS)  # see the module docstring: K = 1 compiles as K = 2
+    traces0 = jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), metric_shape)
+
+    def body(i, b, carry):
+      s, traces = carry
+      flat = run_step(*jax.tree.leaves((s, b)))
+      new_s, m = jax.tree.unflatten(out_def, flat)
+      if self.style == "per_device":  # in the step: the same reduction for every K
+        m = metrics_lib.reduce_devices(m, self.data_axis)
+      traces = jax.tree.map(lambda buf, v: buf.at[i].set(v), traces, m)
+      return new_s, traces
+
+    state, traces = run_slots(body, batches, num_steps, (state, traces0))
+    traces = jax.tree.map(lambda t: t[:self.k], traces)
+    return state, CallOutput(traces=traces,
+                             nonfinite=metrics_lib.first_nonfinite(traces),
+                             step=self.step_of(state))
+
+  def _build(self, state):
+    self.state_shardings = self.state_sharding_for(state)
+    self._jitted = build_program(
+        self._loop, mesh=self.mesh, data_axis=self.data_axis, style=self.style,
+        donate_argnums=(0,),
+        in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
+        out_shardings=(self.state_shardings, self.replicated))
+
+  def place_state(self, state: Any) -> Any:
+    """Puts ``state`` on the mesh with the pinned shardings (explicit transfer).
+
+    Weak-typed leaves (from Python scalars: ``jnp.asarray(1.0)``, Flax's
+    ``DynamicScale()`` defaults) become strong arrays of the same dtype
+    (:func:`strong_typed`), the type the compiled loop returns, so the second
+    call does not compile the program again. Leaves that are one and the same
+    array get separate buffers (the state is donated, and a buffer can be
+    donated once)."""
+    state = strong_typed(state)
+    if self._jitted is None:
+      self._build(state)
+    placed = jax.device_put(state, self.state_shardings)
+    # A leaf that is the same array as an earlier one ({"params": p, "ema": p}) would be
+    # donated twice, which XLA refuses: give it a buffer of its own.
+    leaves, treedef = jax.tree.flatten(placed)
+    seen: set[int] = set()
+    for i, x in enumerate(leaves):
+      if isinstance(x, jax.Array):
+        if id(x) in seen:
+          leaves[i] = jax.device_put(x, x.sharding, may_alias=False)
+        seen.add(id(x))
+    return jax.tree.unflatten(treedef, leaves)
+
+  def __call__(self, state: Any, batches: Any, num_steps: jax.Array) -> tuple[Any, CallOutput]:
+    """Runs ``num_steps`` steps (device int32 scalar) over ``batches`` ``[K, B, ...]``.
+
+    Dispatches asynchronously; ``state`` is donated.
+
+    Warns:
+      RecompileWarning: this call compiled the program again (a run should
+        compile once); names every state/batch leaf whose shape, dtype, weak
+        type or sharding differs from the first call's.
+    """
+    if self._jitted is None:
+      self._build(state)
+    assert self._jitted is not None
+    lowered = lowering_count()
+    out = self._jitted(state, batches, num_steps)
+    if lowering_count() > lowered:  # read from the (donated) arrays' metadata
+      self._compiles += 1
+      signature = call_signature(state, batches, num_steps)
+      if self._first_signature is None:
+        self._first_signature = signature
+      else:
+        warnings.warn(RecompileWarning(
+            f"the train program was compiled again (compilation {self._compiles}): "
+            f"{signature_change(self._first_signature, signature)}"), stacklevel=2)
+    return out
+
+  def diverged_leaves(self, state: Any) -> list[str]:
+    """Paths of the state's leaves whose copies differ between devices on the data axis.
+
+    For the ``"per_device"`` style, whose state is replicated: a step that
+    forgets ``lax.pmean(grads, data_axis)`` trains each device's copy apart
+    without any error. Each device reduces every leaf's bits to a fingerprint
+    (:func:`leaf_fingerprint`, two uint32 words); one all-reduce (``pmax`` and
+    ``pmin``) of those ``[leaves, 2]`` words compares them, so the cost is one
+    read of the state per device, not an all-reduce of the whole state.
+    Compiled once; blocks until ``state`` is ready. Bitwise comparison: NaNs
+    with the same bits agree.
+
+    Returns:
+      ``jax.tree_util.keystr`` paths, in leaf order; empty when all agree.
+    """
+    if self._replica_check is None:
+      axis = self.data_axis
+
+      def differs(s):
+        prints = jnp.stack([leaf_fingerprint(x) for x in jax.tree.leaves(s)])  # [L, 2]
+        bad = jnp.any(jax.lax.pmax(prints, axis) != jax.lax.pmin(prints, axis), axis=1)
+        return jax.tree.unflatten(jax.tree.structure(s), list(bad))
+
+      self._replica_check = jax.jit(jax.shard_map(
+          differs, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    flags = jax.device_get(self._replica_check(state))
+    return [jax.tree_util.keystr(path) or "<root>"
+            for path, bad in jax.tree_util.tree_flatten_with_path(flags)[0] if bad]
+
+  def lower(self, state: Any, batches: Any) -> jax.stages.Lowered:
+    """Lowers the program a call would run, without running it (ahead of time).
+
+    Args:
+      state: the state pytree: arrays or ``jax.ShapeDtypeStruct`` (its shardings
+        pinned as for a call: see :meth:`state_sharding_for`).
+      batches: the chunk ``[K, B, ...]``: arrays or ``jax.ShapeDtypeStruct``.
+
+    Returns:
+      ``jax.stages.Lowered`` for ``(state, batches, num_steps: int32 scalar)``;
+      ``.compile()`` builds the executable (:func:`loopkit.tools.aot.compile_for`).
+    """
+    if self._jitted is None:
+      self._build(state)
+    assert self._jitted is not None
+    return self._jitted.lower(state, batches, jax.ShapeDtypeStruct((), jnp.int32))
+
+  def compile_count(self) -> int:
+    """Number of times a call compiled this program (1 in a healthy run).
+
+    Counted from JAX's lowering events during this program's calls
+    (:func:`loopkit._internal.compat.lowering_count`), not from ``jit``'s dispatch cache, which
+    can hold
+    two entries for one executable (seen with typed PRNG keys in the state).
+    """
+    return self._compiles

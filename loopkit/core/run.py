@@ -1,0 +1,621 @@
+"""One ``TrainLoop.run``: the run object, the only writer of run state.
+
+A :class:`Run` lives for one call of :meth:`loopkit.TrainLoop.run`. It owns the
+ledger, the data position, the status and the per-run bookkeeping (the train
+state's spec, the replica check, the hooks' names and contexts), and goes
+through three named steps:
+
+* :meth:`Run.dispatch`: one agreed boundary decision, one device call, the
+  ledger advanced, a :class:`Boundary` recorded;
+* :meth:`Run.boundary`: the call's outputs fetched (one ``device_get``, one
+  call late unless a firing hook needs the state), a
+  :class:`~loopkit.core.hooks.LoopInfo` built, hooks see it and fire;
+* :meth:`Run.stop`: the status, the ``at_end`` hooks that did not fire on the
+  last call, ``on_run_end``.
+
+Hooks read a :class:`~loopkit.core.context.RunContext` and return what they change
+(:mod:`loopkit.core.context`); only this module applies it. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from loopkit import metrics as metrics_lib
+from loopkit._internal.checks import tree_mismatch, warn_if_pmap_layout
+from loopkit._internal.mesh import is_cpu_mesh
+from loopkit.core.agreement import agree_with_reason
+from loopkit.core.context import LedgerAdjustment, Restore, RunContext
+from loopkit.core.hook_state import collect_hook_states, give_hook_states, hook_names
+from loopkit.core.hooks import Hook, LoopInfo, NonFiniteWarning
+from loopkit.core.ledger import Bucket, Ledger, LedgerView, epoch_of
+from loopkit.core.planner import plan_calls
+from loopkit.core.preemption import PreemptionWatcher
+from loopkit.data.feeding import Chunk, ChunkFeeder
+from loopkit.data.sources import open_source
+
+if TYPE_CHECKING:
+  from loopkit.core.loop import TrainLoop
+
+log = logging.getLogger("loopkit")
+
+
+class DataExhaustedWarning(UserWarning):
+  """The batch iterator ran out before ``num_steps``; the run stopped at the last full step."""
+
+
+def _fetch(tree: Any, copy_async: bool) -> Any:
+  """``jax.device_get`` of a pytree of ``jax.Array``: numpy copies that own their memory.
+
+  ``copy_async`` starts every leaf's host copy before reading any (as
+  ``jax.device_get``: it overlaps transfers on accelerators, but costs about
+  10-30 us per leaf on CPU devices, whose buffers the host reads directly).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if copy_async:
+    for x in leaves:
+      x.copy_to_host_async()
+  # np.array, not np.asarray: on CPU devices asarray is a view that keeps the
+  # device buffer alive for as long as a hook keeps the value (case C37).
+  return jax.tree.unflatten(treedef, [np.array(x) for x in leaves])
+
+
+@dataclasses.dataclass
+class Boundary:
+  """The end of one device call, as the run records it.
+
+  Attributes:
+    start, end: the call's step range ``(start, end]``.
+    loop_index: 0-based index of the call.
+    epoch, step_in_epoch: of step ``end`` (:func:`loopkit.core.ledger.epoch_of`).
+    examples_seen: after the call.
+    out: the call's device outputs (state step, reduced metrics, traces), not
+      fetched until :meth:`Run.boundary`.
+    firing: indices (into the loop's hooks) of the hooks whose trigger fired.
+    is_last: the run's planned last call (target reached or data exhausted).
+    position: the source position after the call's last batch.
+    info: the :class:`~loopkit.core.hooks.LoopInfo`, once built (None without hooks).
+  """
+
+  start: int
+  end: int
+  loop_index: int
+  epoch: int
+  step_in_epoch: int
+  examples_seen: int
+  out: Any
+  firing: list[int]
+  is_last: bool
+  position: Any
+  info: LoopInfo | None = None
+
+
+class Run:
+  """One run of a :class:`~loopkit.core.loop.TrainLoop` (created by ``TrainLoop.run``).
+
+  Args:
+    loop: the loop (its configuration: program, hooks, mesh, planner inputs).
+    ledger: the ledger to continue (the loop's previous one, if at this step).
+    target: the global step to end at.
+    num_epochs: the ``num_epochs`` asked for (for messages), or None.
+
+  Attributes:
+    ledger: the run's :class:`~loopkit.core.ledger.Ledger` (written only here).
+    ledger_view: its read-only view, for hooks.
+    data_position: source position after the last consumed call.
+    state: the latest state (the output of the latest dispatched call, or a
+      hook's replacement), at the ledger's step; what ``TrainLoop.last_state``
+      hands back when ``run`` raises (:meth:`fail`).
+    names: the hooks' stable names (:func:`loopkit.core.hook_state.hook_names`).
+    started: how many hooks' ``on_run_start`` were called (they get
+      ``on_run_error``).
+  """
+
+  def __init__(self, loop: TrainLoop, ledger: Ledger, target: int, num_epochs: int | None):
+    self.loop = loop
+    self.hooks: list[Hook] = loop.hooks
+    self.names = hook_names(self.hooks)
+    self.buckets = [getattr(h, "time_bucket", Bucket.HOOKS) for h in self.hooks]
+    self.contexts = [RunContext(self, i, self._hook_states) for i in range(len(self.hooks))]
+    self.ledger = ledger
+    self.ledger_view = LedgerView(ledger)
+    self.target = target
+    self.num_epochs = num_epochs
+    self.data_position: Any = None
+    self.state: Any = None
+    self.state_position: Any = None  # the source position after self.state's last batch
+    self.started = 0
+    self.last: Boundary | None = None  # the last boundary whose hooks ran
+    self.state_spec: Any = None
+    # A ledger made from the state's step alone (no checkpoint, not the loop's last
+    # ledger): its examples_seen is taken at the first chunk, as step x the chunk's
+    # global batch, whatever the loop's constructor arguments or earlier runs (case C52).
+    self.examples_unknown = False
+    self.replicas_checked_at: int | None = None
+    self.copy_async = not is_cpu_mesh(loop.mesh)  # see _fetch
+    self.nonfinite_step: int | None = None  # the run's first step with a NaN/Inf metric
+    self.t_mark = time.perf_counter()
+
+  # -- ledger writes --------------------------------------------------------
+
+  def set_ledger(self, ledger: Ledger) -> None:
+    self.ledger = ledger
+    self.ledger_view = LedgerView(ledger)
+
+  def tick_total(self) -> None:
+    """Adds the wall time since the last tick to ``seconds["total"]`` (kept current
+    at every boundary and before every ``on_run_end``, so a checkpoint saved by
+    a hook, or a summary at the end, includes it)."""
+    now = time.perf_counter()
+    self.ledger.add_time(Bucket.TOTAL, now - self.t_mark)
+    self.t_mark = now
+
+  def call_hook(self, i: int, fn: Any, *args: Any) -> Any:
+    """Calls ``fn(*args)`` for hook ``i`` and adds its time to the hook's bucket."""
+    t0 = time.perf_counter()
+    try:
+      return fn(*args)
+    finally:
+      self.ledger.add_time(self.buckets[i], time.perf_counter() - t0)
+
+  # -- start ----------------------------------------------------------------
+
+  def start(self, state: Any, batches: Iterable, step0: int) -> tuple[Any, ChunkFeeder]:
+    """``on_run_start`` of every hook (applying restores), then the plan and the feeder.
+
+    Args:
+      state: the admitted initial state.
+      batches: the source.
+      step0: the state's step.
+
+    Returns:
+      ``(state, feeder)``.
+    """
+    loop = self.loop
+    for i, h in enumerate(self.hooks):
+      self.started = i + 1
+      new = self.call_hook(i, h.on_run_start, self.contexts[i], state)
+      if new is None:
+        continue
+      if isinstance(new, Restore):
+        state = self.apply_restore(new, i)
+      else:  # a state (e.g. a hook that edits the state before training)
+        state = self.admit(new, i)
+        step = int(jax.device_get(loop.step_of(state)))
+        if step != self.ledger.step:
+          raise ValueError(
+              f"{type(h).__name__}.on_run_start returned a state at step {step} but the "
+              f"ledger is at step {self.ledger.step}: to restore, return "
+              "loopkit.core.Restore(state, ledger, data_position)")
+        self.state = state
+      step0 = self.ledger.step
+    for i, h in enumerate(self.hooks):
+      adjust = getattr(h, "adjust_ledger", None)
+      if adjust is not None:
+        change = self.call_hook(i, adjust, self.contexts[i])
+        if change is not None:
+          if not isinstance(change, LedgerAdjustment):
+            raise TypeError(f"{type(h).__name__}.adjust_ledger returned {change!r}, not a "
+                            "loopkit.core.LedgerAdjustment or None")
+          change.apply_to(self.ledger)
+    if step0 >= self.target:  # after restores: a checkpoint past the target too (case C47)
+      log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
+                  self.target)
+    loop._check_triggers()
+    for h in self.hooks:
+      h.trigger.start_clock()
+    source, start_position = open_source(batches, self.data_position, step0)
+    if self.data_position is None:  # the position of a boundary before any call
+      get_state = getattr(source, "get_state", None)
+      self.data_position = get_state() if callable(get_state) else start_position
+    plan = plan_calls(step0, iterations_per_loop=loop.time_based_k or loop.iterations_per_loop,
+                      num_steps=self.target, steps_per_epoch=loop.steps_per_epoch,
+                      triggers=[h.trigger for h in self.hooks])
+    # A preemption abandons the chunk being formed (feeding.py): the loop then
+    # stops at this boundary after the same agreement as any other.
+    feeder = ChunkFeeder(source, plan, iterations_per_loop=loop.iterations_per_loop,
+                         batch_sharding=loop.program.batch_sharding,
+                         replicated=loop.program.replicated,
+                         data_parallel_size=loop.data_parallel_size, prefetch=loop.prefetch,
+                         start_position=start_position, first_step=step0,
+                         interrupt=loop.preemption.event,
+                         global_batch_size=loop._global_batch_size)
+    return state, feeder
+
+  def apply_restore(self, r: Restore, i: int) -> Any:
+    """Takes a hook's :class:`~loopkit.core.context.Restore`: state, ledger, position, hook
+    states."""
+    h = self.hooks[i]
+    state = self.admit(r.state, i)
+    step = int(jax.device_get(self.loop.step_of(state)))
+    if not isinstance(r.ledger, Ledger) or r.ledger.step != step:
+      got = r.ledger.step if isinstance(r.ledger, Ledger) else repr(r.ledger)
+      raise ValueError(f"{type(h).__name__} restored a state at step {step} with a ledger at "
+                       f"step {got}: a Restore's ledger must be a loopkit.core.Ledger at the "
+                       "state's step")
+    ledger = r.ledger.copy()
+    ledger.steps_per_epoch = self.loop.steps_per_epoch
+    self.set_ledger(ledger)
+    self.examples_unknown = False
+    self.state, self.data_position = state, r.data_position
+    unmatched = give_hook_states(r.hook_states, self.hooks, self.names, i)
+    if unmatched:
+      log.warning("%s: the restored hook states %s match no hook of this loop (hooks: %s); "
+                  "they are not restored", type(h).__name__, ", ".join(sorted(unmatched)),
+                  ", ".join(self.names))
+    return state
+
+  def _hook_states(self, caller: int) -> dict[str, Any]:
+    """For ``ctx.hook_states()``: flushes the other hooks, collects their states by name."""
+    return collect_hook_states(self.hooks, self.names, caller)
+
+  # -- the run --------------------------------------------------------------
+
+  def execute(self, state: Any, batches: Iterable, step0: int) -> Any:
+    """Runs to the target (or a stop); returns the final state.
+
+    If it raises, :attr:`state` is the work kept and the hooks whose
+    ``on_run_start`` was called get ``on_run_error`` (:meth:`fail`).
+    """
+    loop = self.loop
+    self.state = state
+    try:
+      state, feeder = self.start(state, batches, step0)
+    except BaseException as error:
+      self.fail(error)
+      raise
+    self.state_position = self.data_position
+    pending: Boundary | None = None  # the last dispatched call, not yet finished
+    returning = False  # False while an exception propagates: close without waiting
+    checked_layout = False
+    try:
+      loop.preemption.install()
+      while True:
+        if loop._stop_reason is not None and jax.process_count() == 1:
+          break  # a hook asked to stop: no need to form (or wait for) another chunk
+        t0 = time.perf_counter()
+        chunk = feeder.next()
+        self.ledger.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
+        if chunk is None or (chunk.length == 0 and not chunk.interrupted):
+          if chunk is not None:
+            self.warn_exhausted()
+          break
+        if not checked_layout and not chunk.interrupted:
+          checked_layout = True
+          if loop._global_batch_size is None:  # if given, the feeder checked the batch (C49)
+            warn_if_pmap_layout(chunk.batches, loop.data_parallel_size)
+        if self.examples_unknown and not chunk.interrupted:
+          self.examples_unknown = False
+          self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
+        stop, time_due = self.agree()  # one agreement per call, all processes alike
+        if stop is not None:  # stop before dispatching: at_end hooks fire
+          loop._stop_reason = stop  # with this boundary's state (see stop)
+          break
+        if chunk.interrupted:  # only when this process's flag is set, so the stop is agreed
+          raise RuntimeError("loopkit: a chunk was abandoned without a preemption")
+        state, b = self.dispatch(state, chunk, time_due)
+        if pending is not None:  # one call late: the next call is already dispatched
+          self.boundary(pending, None)
+        pending = b
+        if any(self.hooks[i].needs_state for i in b.firing):  # before the next call donates it
+          state = self.boundary(b, state)
+          pending = None
+        if chunk.exhausted:
+          self.warn_exhausted()
+          break
+        if b.is_last:
+          break
+      if pending is not None:  # the run's last boundary
+        state = self.boundary(pending, state)
+      state = self.stop(state)
+      returning = True
+    except BaseException as error:
+      self.data_position = self.state_position  # the position of the state kept
+      self.fail(error)
+      raise
+    finally:
+      loop.preemption.uninstall()
+      loop._preemption_used = True  # kept for reading (signal_received); the next run renews it
+      feeder.close(wait_secs=None if returning else 0.0)
+      self.tick_total()
+    return state
+
+  def dispatch(self, state: Any, chunk: Chunk, time_due: dict[int, bool]) -> tuple[Any, Boundary]:
+    """Dispatches one device call over ``chunk`` and records its :class:`Boundary`."""
+    loop, ledger = self.loop, self.ledger
+    start = ledger.step
+    t0 = time.perf_counter()
+    first_call = loop.program.compile_count() == 0
+    state, out = loop.program(state, chunk.batches, chunk.num_steps)
+    self.state, self.state_position = state, chunk.position  # its input was donated
+    ledger.add_time(Bucket.COMPILE if first_call else Bucket.DISPATCH, time.perf_counter() - t0)
+    ledger.advance(chunk.length, chunk.global_batch_size)
+    end = ledger.step
+    if first_call:
+      self.check_replicas(state, f"after the first device call (steps {start + 1}..{end})")
+    is_last = end >= self.target or chunk.exhausted
+    epoch, in_epoch = epoch_of(end, loop.steps_per_epoch)
+    return state, Boundary(start, end, ledger.loop_index - 1, epoch, in_epoch,
+                           ledger.examples_seen, out, self.firing(start, end, is_last, time_due),
+                           is_last, chunk.position)
+
+  def boundary(self, b: Boundary, state: Any) -> Any:
+    """Fetches a call's outputs (one device_get) and runs its hooks.
+
+    Args:
+      b: the call's :class:`Boundary`.
+      state: the state after the call when a firing hook needs it, else None.
+
+    Returns:
+      The state, possibly replaced by a hook.
+    """
+    hooks, ledger = self.hooks, self.ledger
+    t0 = time.perf_counter()
+    if not hooks:  # nobody reads the metrics: only the step counter and the non-finite flags
+      if self.copy_async:  # (as _fetch, without its tree walk: a few us per call)
+        b.out.step.copy_to_host_async()
+        b.out.nonfinite.copy_to_host_async()
+      out_step, nonfinite = np.asarray(b.out.step), np.asarray(b.out.nonfinite)
+    else:
+      out = _fetch(b.out, self.copy_async)
+      out_step, nonfinite = out.step, out.nonfinite
+    ledger.add_time(Bucket.DEVICE_WAIT, time.perf_counter() - t0)
+    if int(out_step) != b.end:
+      raise ValueError(
+          f"the state's step counter is {int(out_step)} after device call {b.loop_index} "
+          f"(steps {b.start + 1}..{b.end}); train_step must increment it by exactly 1 per "
+          f"step, and it must equal the loop's step {b.end}")
+    self.data_position = b.position
+    self.tick_total()
+    self.last = b
+    time_based_k = self.loop.time_based_k
+    if not hooks:  # no LoopInfo to build: no hook observes, fires or fires at the end
+      self.warn_nonfinite(b, nonfinite)
+      if time_based_k is not None:
+        time_based_k.record(b.end)
+      return state
+    n = b.end - b.start
+    steps = (out.traces if n == self.loop.program.k else  # the call's steps, fields [n]
+             {k: jax.tree.map(lambda x: x[:n], v) for k, v in out.traces.items()})
+    values = {k: metrics_lib.fold_steps(v) for k, v in steps.items()}  # in step order (C50)
+    info = b.info = LoopInfo(
+        start_step=b.start, end_step=b.end, loop_index=b.loop_index, epoch=b.epoch,
+        step_in_epoch=b.step_in_epoch, examples_seen=b.examples_seen,
+        metrics={k: metrics_lib.compute(v) for k, v in values.items()},
+        metric_values=values, traces={k: metrics_lib.compute_traces(v) for k, v in steps.items()},
+        is_last=b.is_last, data_position=b.position, step_values=steps)
+    buckets = self.buckets
+    for i, h in enumerate(hooks):  # call_hook inlined: every hook, every call
+      t0 = time.perf_counter()
+      try:
+        h.after_each_call(info)
+      finally:
+        ledger.add_time(buckets[i], time.perf_counter() - t0)
+    self.warn_nonfinite(b, nonfinite)  # after after_each_call: a NanCheckHook raises first
+    state = self.fire(b.firing, info, state)
+    if time_based_k is not None:
+      time_based_k.record(b.end)
+    return state
+
+  def fire(self, firing: list[int], info: LoopInfo, state: Any) -> Any:
+    """Calls ``on_trigger`` of the hooks ``firing``; admits the states they return."""
+    readers = [type(self.hooks[i]).__name__ for i in firing if self.hooks[i].needs_state]
+    if state is not None and readers:
+      self.check_replicas(state, f"at step {info.end_step}, before the state goes to "
+                          f"{', '.join(readers)},")
+    for i in firing:
+      h = self.hooks[i]
+      new = self.call_hook(i, h.on_trigger, info, state if h.needs_state else None)
+      if new is not None and h.needs_state:
+        state = self.state = self.admit(new, i)
+    return state
+
+  def stop(self, state: Any) -> Any:
+    """Sets the status, fires the ``at_end`` hooks still due, then ``on_run_end``."""
+    loop = self.loop
+    if loop._stop_reason is not None:
+      loop.status = loop._stop_reason
+    elif loop.status is None:
+      if self.ledger.step < self.target:  # invariant: "completed" means the target was reached
+        raise RuntimeError(
+            f"loopkit: the run ended at step {self.ledger.step} without reaching its target "
+            f"step {self.target} and without a stop, preemption or end of data; this is a "
+            "bug, please report it with the TrainLoop arguments")
+      loop.status = "completed"
+    state = self.fire_at_end(state)
+    for i, h in enumerate(self.hooks):
+      self.tick_total()  # seconds["total"] is current for each on_run_end (a summary)
+      new = self.call_hook(i, h.on_run_end, self.contexts[i], state)
+      if new is not None:
+        state = self.state = self.admit(new, i)
+    return state
+
+  # -- errors ----------------------------------------------------------------
+
+  def fail(self, error: BaseException) -> None:
+    """When the run raises ``error``: keeps the work done, then ``on_run_error``.
+
+    Keeps :attr:`state` for ``TrainLoop.last_state`` (case C43): it is the
+    state of the last completed boundary, the output of the latest dispatched
+    call (or a hook's replacement of it), at the ledger's step, which no later
+    call has consumed. It is not waited for here (an interrupt is not held up
+    by the device): it is ready once that call finishes, and if the call itself
+    failed, reading it raises the call's error. A state whose buffers were
+    deleted (a call that failed while taking its donated input) is dropped:
+    :attr:`state` becomes None.
+
+    Then calls ``on_run_error`` of every hook whose ``on_run_start`` was
+    called, the one that raised included (invariant 5: no save left in
+    flight); their own failures are logged, ``error`` propagates.
+    """
+    leaves = jax.tree.leaves(self.state)
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+      self.state = None
+    for i, h in enumerate(self.hooks[:self.started]):
+      try:
+        getattr(h, "on_run_error", lambda ctx, e: None)(self.contexts[i], error)
+      except Exception:  # pylint: disable=broad-except  # the run's own error propagates
+        log.exception("%s.on_run_error failed", type(h).__name__)
+
+  # -- boundary helpers ----------------------------------------------------
+
+  def warn_exhausted(self) -> None:
+    self.loop.status = "data_exhausted"
+    target, spe = self.target, self.loop.steps_per_epoch
+    asked = (f"num_epochs={self.num_epochs} (x steps_per_epoch={spe} = {target} steps)"
+             if self.num_epochs is not None else f"num_steps={target}")
+    warnings.warn(
+        f"the batch iterator ran out at step {self.ledger.step} before {asked}; stopping after "
+        "the last full step. The batches are read once, as one stream: for more epochs repeat "
+        "them (itertools.chain.from_iterable(itertools.repeat(batches, n)), tf.data's "
+        ".repeat(), or loopkit.ArraySource)", DataExhaustedWarning, stacklevel=4)
+
+  def warn_nonfinite(self, b: Boundary, nonfinite: np.ndarray) -> None:
+    """Warns, once per run, naming the first step whose metric had a NaN or Inf (case C53).
+
+    Args:
+      b: the call's boundary.
+      nonfinite: its fetched :attr:`~loopkit.core.program.CallOutput.nonfinite` (int32 ``[M]``).
+    """
+    if self.nonfinite_step is not None or not any(nonfinite.tobytes()):
+      return  # all zeros: every metric finite (cheaper than nonfinite.any() for a few bytes)
+    first = int(nonfinite[nonfinite > 0].min())
+    names = [repr(k) for k, i in zip(sorted(b.out.traces), nonfinite.tolist()) if i == first]
+    self.nonfinite_step = b.start + first
+    warnings.warn(NonFiniteWarning(
+        f"metric{'s' * (len(names) > 1)} {', '.join(names)} "
+        f"{'are' if len(names) > 1 else 'is'} NaN or infinite at step {self.nonfinite_step}, the "
+        f"first such step of this run (device call {b.loop_index} ran steps "
+        f"{b.start + 1}..{b.end}); training goes on and the state may hold NaNs: add "
+        "loopkit.NanCheckHook() to stop there"), stacklevel=5)
+
+  def agree(self) -> tuple[str | None, dict[int, bool]]:
+    """Takes every host-local decision of one boundary, agreed across processes.
+
+    Once before each dispatch: this process's preemption flag, a requested stop
+    (its reason) and each ``every_secs`` clock go into one
+    :func:`loopkit.core.agreement.agree_with_reason`. A time mark read here counts for
+    the call about to be dispatched.
+
+    Returns:
+      ``(stop, time_due)``: the stop reason, the same on every process (a
+      requested one: the lowest-index requesting process's reason,
+      :func:`loopkit.core.agreement.agree_with_reason`; else ``"preempted"``) or
+      None to go on; and ``{hook index: bool}`` for the hooks with ``every_secs``.
+    """
+    loop = self.loop
+    timed = [i for i, h in enumerate(self.hooks) if h.trigger.every_secs is not None]
+    agreed, reason = agree_with_reason(
+        [loop.preemption.requested] + [self.hooks[i].trigger.time_due() for i in timed],
+        loop._stop_reason)
+    time_due = dict(zip(timed, agreed[1:]))
+    if reason is not None:
+      return reason, time_due
+    return ("preempted" if agreed[0] else None), time_due
+
+  def firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[int]:
+    """The hooks that fire after the call ``(start, end]``; records their firing."""
+    spe = self.loop.steps_per_epoch
+    firing = [i for i, h in enumerate(self.hooks)
+              if h.trigger.should_fire(start, end, steps_per_epoch=spe, is_last=is_last,
+                                       time_due=time_due.get(i, False))]
+    for i in firing:
+      self.hooks[i].trigger.fired()
+    return firing
+
+  def fire_at_end(self, state: Any) -> Any:
+    """Fires the ``at_end`` hooks with a mark that did not fire on the run's last call.
+
+    After an early stop, with the last call's info (``is_last=True``); after no
+    call at all, once with an empty :class:`LoopInfo` at the current step (see
+    :mod:`loopkit.core.hooks`: a preempted run still saves, a finished run re-run
+    still evaluates once).
+    """
+    last = self.last
+    due = [i for i, h in enumerate(self.hooks) if h.trigger.at_end and not h.trigger.every_call]
+    if last is None or last.info is None:
+      if last is not None:  # no hooks: nothing fires
+        return state
+      step = self.ledger.step
+      epoch, in_epoch = epoch_of(step, self.loop.steps_per_epoch)
+      info = LoopInfo(start_step=step, end_step=step, loop_index=self.ledger.loop_index - 1,
+                      epoch=epoch, step_in_epoch=in_epoch,
+                      examples_seen=self.ledger.examples_seen, metrics={}, metric_values={},
+                      traces={}, is_last=True, data_position=self.data_position)
+    elif last.is_last:
+      return state
+    else:
+      info = dataclasses.replace(last.info, is_last=True)
+      due = [i for i in due if i not in last.firing]
+    return self.fire(due, info, state)
+
+  def check_replicas(self, state: Any, when: str) -> None:
+    """For per-device steps: every device's copy of the state must agree (case C34).
+
+    Runs after the first call and whenever the state is handed to hooks (to be
+    saved or evaluated), at most once per step.
+    """
+    program = self.loop.program
+    if (program.style != "per_device" or self.loop.data_parallel_size == 1
+        or self.replicas_checked_at == self.ledger.step):
+      return
+    t0 = time.perf_counter()
+    jax.block_until_ready(state)  # the call's own device time is device_wait, not the check's
+    t1 = time.perf_counter()
+    self.ledger.add_time(Bucket.DEVICE_WAIT, t1 - t0)
+    diverged = program.diverged_leaves(state)
+    # The first check of a run includes compiling the check program.
+    self.ledger.add_time(Bucket.COMPILE if self.replicas_checked_at is None
+                         else Bucket.REPLICA_CHECK, time.perf_counter() - t1)
+    self.replicas_checked_at = self.ledger.step
+    if diverged:
+      axis = program.data_axis
+      raise ValueError(
+          f"{when} the devices' copies of "
+          f"state leaves {', '.join(diverged[:5])}{' ...' if len(diverged) > 5 else ''} "
+          f"differ across the {axis!r} axis: a step_style='per_device' train_step must keep "
+          f"the state identical on every device, e.g. average gradients with "
+          f"jax.lax.pmean(grads, {axis!r}) before the update (and BatchNorm statistics with "
+          f"axis_name={axis!r})")
+
+  def admit(self, state: Any, hook: int | None) -> Any:
+    """The one way a state enters the compiled program (case C29).
+
+    The run's initial state, a hook's replacement (``on_trigger``), a restore
+    (``on_run_start``) and an ``on_run_end`` replacement all pass here: checked
+    against the train state (structure, shapes, dtypes, naming the leaf), then
+    placed with the program's pinned shardings and de-duplicated buffers
+    (:meth:`MultiStepProgram.place_state`).
+
+    Args:
+      state: the state pytree.
+      hook: index of the hook that returned it, or None for the initial state
+        (which becomes the train state the others are checked against).
+
+    Raises:
+      ValueError: a replacement unlike the train state.
+    """
+    if hook is not None:
+      problem = tree_mismatch(self.state_spec, state, what=(
+          f"{type(self.hooks[hook]).__name__} returned a state unlike the train state"))
+      if problem:
+        raise ValueError(problem)
+    placed = self.loop.program.place_state(state)
+    if hook is None:
+      self.state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
+    return placed
+
+
+def renew_preemption(loop: TrainLoop) -> None:
+  """A request made since the last run (or before the first) counts; then a fresh watcher."""
+  if loop._preemption_used:
+    loop.preemption = PreemptionWatcher(loop.preemption_signals)
+    loop._preemption_used = False

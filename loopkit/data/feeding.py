@@ -1,0 +1,474 @@
+"""Feeding device calls: stack batches into chunks ``[K, B, ...]`` and prefetch them.
+
+A source yields batches: pytrees of numpy arrays with a leading batch axis (the global
+batch on one process, the process-local part on multi-host). For each planned call of
+``n`` steps the feeder takes ``n`` batches, stacks them to ``[n, B, ...]``, pads to
+``[max(K, MIN_SLOTS), B, ...]`` with zeros (padding slots are never computed on; K = 1
+chunks carry one zero slot so the program runs the K = 2 loop body without padding on
+the device, see :mod:`loopkit.core.program`) and places the chunk on the mesh with
+``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis). A
+background thread does this ``prefetch`` chunks ahead, so the host prepares and
+transfers the next chunk while the current call runs. A step-indexed source with
+``chunk_at(step, n)`` (:class:`loopkit.ArraySource`) gives the ``n`` batches already
+stacked, in one call: no Python object per batch, one copy into the chunk.
+
+Each chunk records the source position *after* its last batch; the loop saves
+the position of the last consumed chunk, never the prefetched one (case C25).
+A count position is derived from steps, ``start_position + steps formed``, so it
+always equals the batches of the chunks formed so far.
+
+Stopping. Given an ``interrupt`` event (the loop passes its preemption flag),
+the feeder abandons the chunk it is forming once the event is set: it pulls no
+batch after the one in flight (user code cannot be interrupted) and ``next``
+returns an ``interrupted`` chunk within about 50 ms of the event, while the
+batch is still being read. The abandoned batches are never dispatched and never
+counted in a position, so a resume re-reads them. After ``close`` (or an
+interrupt) the producer thread touches no JAX API again: a daemon thread inside
+JAX's C++ code when the interpreter finalizes is killed by a forced unwind that
+jaxlib's bindings catch and swallow, and glibc aborts the process ("FATAL:
+exception not rethrown", exit code 134). A producer still inside the source's
+``next`` after ``close``'s wait is joined again (bounded) at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import operator
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from loopkit._internal.checks import (
+  MIN_SLOTS,
+  check_batch_layout,
+  check_global_batch_size,
+  partial_batch_hint,
+  tree_mismatch,
+)
+from loopkit._internal.mesh import is_cpu_mesh
+from loopkit.data.placement import Placer as _Placer, empty_host_buffer
+
+log = logging.getLogger("loopkit")
+
+# Moved to loopkit._internal.checks / loopkit.data.sources; kept importable from here.
+_DONE = object()
+_POLL_SECS = 0.05  # how often a waiting ``next`` looks at the interrupt event
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+CLOSE_TIMEOUT_SECS = 5.0
+"""Default seconds ``ChunkFeeder.close`` (and interpreter exit) wait for a producer
+thread to leave the source's ``next``."""
+
+# Producer threads still inside a source's ``next`` after ``close``:
+# (thread, source name, seconds to wait for it at interpreter exit).
+_STRANDED: list[tuple[threading.Thread, str, float]] = []
+_STRANDED_LOCK = threading.Lock()
+
+
+def _join_stranded_at_exit() -> None:
+  """At interpreter exit, waits (bounded) for producers stuck in a source.
+
+  A producer that leaves the source finds its stop event set and returns
+  without touching JAX, so after this wait no producer is inside JAX's C++ code
+  while the interpreter finalizes (which would abort the process, see the
+  module docstring). One still inside the source after the wait is named in a
+  warning; it is killed at a Python or C frame of the source.
+  """
+  with _STRANDED_LOCK:
+    stranded = [s for s in _STRANDED if s[0].is_alive()]
+    _STRANDED.clear()
+  if not stranded:
+    return
+  deadline = time.monotonic() + max(wait for _, _, wait in stranded)
+  for thread, name, wait in stranded:
+    thread.join(timeout=max(0.0, min(wait, deadline - time.monotonic())))
+    if thread.is_alive():
+      log.warning("at exit, the prefetch thread is still inside next() of the data "
+                  "source %s; the interpreter exits with it there", name)
+
+
+atexit.register(_join_stranded_at_exit)
+
+
+@dataclasses.dataclass
+class Chunk:
+  """One call's input.
+
+  Attributes:
+    batches: pytree of ``jax.Array`` ``[max(K, MIN_SLOTS), B, ...]`` on the mesh (slots
+      after ``length`` are zeros).
+    num_steps: int32 scalar ``jax.Array`` (replicated): real batches in the chunk.
+    length: the same as a Python int.
+    position: source position after the chunk's last batch (batches consumed
+      from the source since it was given, or the source's ``get_state()``).
+    exhausted: the source ran out while forming this chunk (``length`` may then
+      be less than planned, or 0).
+    global_batch_size: B.
+    interrupted: the chunk was abandoned because the feeder's ``interrupt``
+      event was set; ``batches``, ``num_steps`` and ``position`` are None,
+      ``length`` is 0, and it must not be dispatched.
+  """
+
+  batches: Any
+  num_steps: Any
+  length: int
+  position: Any
+  exhausted: bool
+  global_batch_size: int
+  interrupted: bool = False
+
+
+class ChunkFeeder:
+  """Forms, places and prefetches chunks for a known sequence of call lengths.
+
+  Args:
+    source: iterable of batches (pytrees of numpy arrays, leading axis B_local).
+    plan: iterator of call lengths (from :func:`loopkit.core.planner.plan_calls`).
+    iterations_per_loop: K; a chunk has ``max(K, MIN_SLOTS)`` slots (K = 1 chunks
+      carry one zero slot: the program's loop body then never meets a size-1 slot axis,
+      :mod:`loopkit.core.program`, case C38, and the program pads nothing on the device).
+    batch_sharding: sharding of a chunk leaf ``[K, B, ...]``.
+    replicated: sharding for the run-length scalar.
+    data_parallel_size: number of shards of the batch axis; B must divide by it.
+    prefetch: chunks prepared ahead by a background thread (0 = synchronous).
+    start_position: position count of the source when given (for resumes).
+    first_step: the global step of the first batch.
+    close_timeout_secs: seconds ``close`` (and interpreter exit, when ``close``
+      did not wait) wait for the producer thread to leave the source (default
+      :data:`CLOSE_TIMEOUT_SECS`); one still blocked inside the source's
+      ``next`` is then left behind as a daemon, with a warning naming the source.
+    interrupt: an event (e.g. :attr:`loopkit.core.preemption.PreemptionWatcher.event`)
+      at which the chunk being formed is abandoned (see the module docstring);
+      the event must stay set once set.
+    global_batch_size: B as the loop was told it (None: the first batch's); every
+      leaf of the first batch must then be ``[B / processes, ...]``
+      (:func:`loopkit._internal.checks.check_batch_layout`, case C49).
+
+  Thread-safety: ``next``/``close`` from one consumer thread only.
+  Raises (from ``next``): ValueError for a batch whose structure, shapes or
+  dtypes differ from the first one (naming the leaf and step), or whose global
+  batch does not divide by the data-parallel size or is not ``global_batch_size``; any exception
+  raised by the
+  source, re-raised in the consumer thread.
+  """
+
+  def __init__(self, source: Iterable, plan: Iterator[int], *, iterations_per_loop: int,
+               batch_sharding: NamedSharding, replicated: NamedSharding,
+               data_parallel_size: int, prefetch: int = 2, start_position: int = 0,
+               first_step: int = 0, close_timeout_secs: float | None = None,
+               interrupt: threading.Event | None = None,
+               global_batch_size: int | None = None):
+    self._close_timeout_secs = (CLOSE_TIMEOUT_SECS if close_timeout_secs is None
+                                else close_timeout_secs)
+    self._interrupt = interrupt
+    self._it = iter(source)
+    name = repr(self._it)
+    self._source_name = name if len(name) <= 200 else name[:197] + "..."
+    self._plan = plan
+    self._k = max(iterations_per_loop, MIN_SLOTS)  # slots per chunk
+    self._batch_sharding = batch_sharding
+    self._replicated = replicated
+    self._dp = data_parallel_size
+    self._expected_batch = global_batch_size
+    self._start_position = start_position
+    self._first_step = first_step
+    self._step = first_step
+    self._spec = None
+    self._spec_def: Any = None  # the first batch's structure (set by _check)
+    self._nums: dict[int, jax.Array] = {}
+    self._place = _Placer(batch_sharding)
+    self._align = is_cpu_mesh(batch_sharding.mesh)
+    self._list_defs: dict[int, Any] = {}  # n -> structure of n first batches (_check_chunk)
+    # A step-indexed source with chunk_at (loopkit.ArraySource): a chunk in one call.
+    self._takes_chunks = bool(getattr(self._it, "takes_chunks", False))
+    self._stop = threading.Event()
+    self._queue: queue.Queue | None = None
+    self._thread = None
+    if prefetch > 0:
+      self._queue = queue.Queue(maxsize=prefetch)
+      self._thread = threading.Thread(target=self._produce, daemon=True,
+                                      name="loopkit-prefetch")
+      self._thread.start()
+
+  def _position(self) -> Any:
+    get_state = getattr(self._it, "get_state", None)
+    if callable(get_state):
+      return get_state()
+    return self._start_position + (self._step - self._first_step)  # batches formed
+
+  def _interrupted_chunk(self) -> Chunk:
+    return Chunk(None, None, 0, None, False, getattr(self, "global_batch_size", 0),
+                 interrupted=True)
+
+  def _check(self, batch: Any, step: int) -> list:
+    """Checks a batch against the first one; returns its leaves (flattened once)."""
+    if self._spec is None:
+      leaves = jax.tree.leaves(batch)
+      if not leaves:
+        raise ValueError("a batch must have at least one array leaf")
+      if self._expected_batch is not None:
+        check_batch_layout(batch, self._expected_batch, process_count=jax.process_count())
+      b_local = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
+      for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if np.ndim(x) == 0 or np.shape(x)[0] != b_local:
+          raise ValueError(
+              f"batch leaf {jax.tree_util.keystr(path)} has shape {np.shape(x)}; every "
+              f"leaf needs the same leading batch dimension ({b_local})")
+      b_global = b_local * jax.process_count()
+      check_global_batch_size(b_global, self._dp)
+      self._spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                batch)
+      spec_leaves, self._spec_def = jax.tree.flatten(self._spec)
+      self._leaf_specs = [(s.shape, s.dtype) for s in spec_leaves]
+      self.global_batch_size = b_global
+      return jax.tree.leaves(batch)
+    # Fast path (per batch, on the prefetch thread): one flatten along the first
+    # batch's structure (raises on any other node type or key set; a subtree where
+    # the first batch had a leaf has no array shape) and a shape and dtype compare
+    # per leaf; tree_mismatch only to word the error.
+    try:
+      leaves = self._spec_def.flatten_up_to(batch)
+    except (ValueError, TypeError):
+      pass
+    else:
+      try:  # numpy's dtypes of built-in types are singletons: `is` first, then ==
+        for x, (shape, dtype) in zip(leaves, self._leaf_specs):
+          if x.shape != shape or (x.dtype is not dtype and x.dtype != dtype):
+            break
+        else:
+          return leaves
+      except AttributeError:  # a leaf that is not an array
+        pass
+    problem = tree_mismatch(self._spec, jax.tree.map(np.asarray, batch),
+                            what=f"batch for step {step + 1} differs from the first batch")
+    if problem:
+      raise ValueError(problem + partial_batch_hint(self._spec, batch))
+    return jax.tree.leaves(batch)
+
+  def _check_chunk(self, got: list, step: int) -> list[list]:
+    """Checks a chunk's batches against the first batch; returns each leaf's arrays.
+
+    The fast path checks the whole chunk at once: one flatten of the list of
+    batches (in C++), compared with the structure of a list of that many first
+    batches (a ``None``, a missing or extra key, another node type all change
+    it), and one set of ``(shape, dtype)`` per leaf. Anything else goes batch by
+    batch through :meth:`_check`, which raises for the first batch that differs,
+    naming its step and leaf, as when each batch was checked as it came.
+
+    Args:
+      got: the chunk's batches, in order (at least one).
+      step: the global step before the first of them.
+
+    Returns:
+      Per leaf (in the first batch's flattening order), the ``n`` batches' arrays.
+    """
+    if self._spec is None:
+      self._check(got[0], step)
+    n = len(got)
+    treedef = self._list_defs.get(n)
+    if treedef is None:
+      treedef = self._list_defs[n] = jax.tree.structure([self._spec] * n)
+    leaves, got_def = jax.tree.flatten(got)
+    if got_def == treedef:
+      width = len(self._leaf_specs)
+      cols = [leaves[j::width] for j in range(width)]
+      try:  # map(attrgetter) reads the attributes without a bytecode loop (half the cost)
+        if all(set(map(_SHAPE_DTYPE, col)) == {spec} for col, spec in zip(cols, self._leaf_specs)):
+          return cols
+      except AttributeError:  # a leaf that is not an array
+        pass
+    return [list(col) for col in zip(*[self._check(b, step + i) for i, b in enumerate(got)])]
+
+  def _check_stacked(self, stacked: Any, count: int, step: int) -> list[np.ndarray]:
+    """Checks ``count`` stacked batches (leaves ``[count, B, ...]``) against the first batch.
+
+    Returns:
+      The leaves, in the first batch's flattening order.
+
+    Raises:
+      ValueError: naming the first batch of the chunk and the leaf that differs.
+    """
+    if self._spec is None:
+      self._check(jax.tree.map(lambda x: x[0], stacked), step)
+    try:
+      leaves = self._spec_def.flatten_up_to(stacked)
+      if all(isinstance(x, np.ndarray) and x.shape == (count,) + shape and x.dtype == dtype
+             for x, (shape, dtype) in zip(leaves, self._leaf_specs)):
+        return leaves
+    except (ValueError, TypeError):
+      pass
+    first = jax.tree.map(lambda x: np.asarray(x)[0], stacked)
+    problem = tree_mismatch(self._spec, first, what=(
+        f"chunk_at({step}, {count}) returned batches that differ from the first batch"))
+    raise ValueError(problem or f"chunk_at({step}, {count}) must return leaves [{count}, B, ...] "
+                     "with the first batch's shapes and dtypes")
+
+  def _empty_leaf(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised chunk leaf ``[K, B, ...]``, a fresh buffer for every chunk
+    (:func:`loopkit.data.placement.empty_host_buffer`)."""
+    return empty_host_buffer(shape, dtype, aligned=self._align)
+
+  def _form(self, n: int) -> Chunk | None:
+    """Forms a chunk of ``n`` batches; None when halted (nothing placed or counted)."""
+    got: list[Any] = []
+    exhausted = False
+    # Halted (closing or interrupted): the chunk being formed is dropped. Per batch only
+    # the source and that check (its two lookups bound once; bool() is False: no
+    # interrupt event); the batches are checked together once pulled (_check_chunk).
+    stopped = self._stop.is_set
+    interrupted = self._interrupt.is_set if self._interrupt is not None else bool
+    it = self._it
+    cols: list
+    if self._takes_chunks:  # a source with chunk_at: the n batches stacked in one call
+      if stopped() or interrupted():
+        return None
+      stacked, count, fresh = it.take(n)  # type: ignore[attr-defined]
+      exhausted = count < n
+      if stopped() or interrupted():
+        return None
+      cols = self._check_stacked(stacked, count, self._step) if count else []
+    else:
+      fresh = False
+      for _ in range(n):
+        if stopped() or interrupted():
+          return None
+        try:
+          got.append(next(it))
+        except StopIteration:
+          exhausted = True
+          break
+      if stopped() or interrupted():  # checked before any JAX call (see the module docstring)
+        return None
+      count = len(got)
+      cols = self._check_chunk(got, self._step) if got else []
+    self._step += count
+    position = self._position()
+    if not count:
+      return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0))
+
+    def stack(xs, spec):
+      # [n * B, ...] by concatenation into [K, B, ...]: half the cost of np.stack
+      # for many small batches (every leaf has a leading batch axis); a stacked
+      # leaf [n, B, ...] (chunk_at) is one copy.
+      shape, dtype = spec
+      if fresh and count == self._k and xs.flags.c_contiguous:
+        return xs  # a new array the source keeps no reference to: the chunk leaf itself
+      arr = self._empty_leaf((self._k,) + shape, dtype)
+      if isinstance(xs, np.ndarray):
+        arr[:count] = xs
+      else:
+        np.concatenate(xs, out=arr[:count].reshape((count * shape[0],) + shape[1:]))
+      if count < self._k:  # a short call: zero padding slots
+        arr[count:] = 0
+      return arr
+
+    arrays = [stack(xs, spec) for xs, spec in zip(cols, self._leaf_specs)]
+    if jax.process_count() == 1:  # one batched transfer (no cross-process check on 1 process)
+      placed = self._place(arrays)
+    else:
+      placed = [jax.make_array_from_process_local_data(
+          self._batch_sharding, a, (self._k, a.shape[1] * jax.process_count()) + a.shape[2:])
+                for a in arrays]
+    batches = jax.tree.unflatten(self._spec_def, placed)
+    # Not jax.device_put: on several processes, device_put of a host value to a
+    # global sharding runs a cross-process equality check (a collective); from
+    # this thread it would interleave with the main thread's collectives (e.g.
+    # the preemption all-gather) in a different order on each process.
+    num = self._nums.get(count)
+    if num is None:  # one placed scalar per distinct length (never donated, so reusable)
+      n_scalar = np.int32(count)
+      num = self._nums[count] = jax.make_array_from_callback((), self._replicated,
+                                                             lambda _: n_scalar)
+    return Chunk(batches, num, count, position, exhausted, self.global_batch_size)
+
+  def _produce(self) -> None:
+    try:
+      for n in self._plan:
+        chunk = self._form(n)
+        if chunk is None or not self._put(chunk) or chunk.exhausted:
+          return  # halted: the consumer sees the interrupt event or has closed
+      self._put(_DONE)
+    except BaseException as e:  # surfaced in the consumer thread
+      self._put(e)
+
+  def _put(self, item: Any) -> bool:
+    assert self._queue is not None  # the producer thread runs only with prefetch > 0
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def next(self) -> Chunk | None:
+    """The next chunk, or None when the plan is done.
+
+    Returns a chunk with ``interrupted=True`` when the ``interrupt`` event is
+    set and no formed chunk is waiting: at once with ``prefetch`` > 0 (even while
+    the producer is inside the source), after the batch in flight without.
+    """
+    if self._queue is None:
+      n = next(self._plan, None)
+      if n is None:
+        return None
+      chunk = self._form(n)
+      return self._interrupted_chunk() if chunk is None else chunk
+    poll = 1.0 if self._interrupt is None else _POLL_SECS
+    while True:
+      try:
+        item = self._queue.get(timeout=poll)
+        break
+      except queue.Empty:
+        if self._interrupt is not None and self._interrupt.is_set():
+          return self._interrupted_chunk()
+        if self._thread is not None and not self._thread.is_alive() and self._queue.empty():
+          raise RuntimeError("loopkit prefetch thread ended without a result") from None
+    if item is _DONE:
+      return None
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  def close(self, wait_secs: float | None = None) -> None:
+    """Stops the producer; never hangs.
+
+    Drops the prefetched chunks (freeing their device buffers) and waits for
+    the thread, which stops at its next check: right after the source's
+    ``next`` returns (without touching JAX again), or within 0.1 s when blocked
+    on a full queue. A thread still inside the source after the wait is left
+    behind as a daemon, with a warning naming the source (when the wait was not
+    0), and waited for again at interpreter exit.
+
+    Args:
+      wait_secs: how long to wait for the thread, in seconds (default
+        ``close_timeout_secs``; 0 to return at once, e.g. while an exception
+        propagates).
+    """
+    self._stop.set()
+    if self._queue is not None:
+      while True:
+        try:
+          self._queue.get_nowait()
+        except queue.Empty:
+          break
+    if self._thread is None:
+      return
+    wait = self._close_timeout_secs if wait_secs is None else wait_secs
+    self._thread.join(timeout=wait)
+    if self._thread.is_alive():
+      if wait > 0:
+        log.warning("the data source %s is still inside next() %.1f s after the run "
+                    "stopped; its prefetch thread ends when next() returns (interpreter exit "
+                    "waits up to %.1f s for it)", self._source_name, wait,
+                    self._close_timeout_secs)
+      with _STRANDED_LOCK:
+        _STRANDED[:] = [s for s in _STRANDED if s[0].is_alive()]
+        _STRANDED.append((self._thread, self._source_name, self._close_timeout_secs))

@@ -1,0 +1,45 @@
+"""Watching a run: metric writers, the logging hook, goodput, progress, profiling.
+
+Writers share one protocol (:class:`MetricWriter`: ``write_scalars`` and
+friends) and accept CLU's and Flax's writers through :func:`as_writer`.
+:class:`LoggingHook` writes metric rows, :class:`GoodputHook` splits the job's
+wall time, :class:`ProgressHook` draws one progress frame per loop boundary,
+:class:`ProfilerHook` captures a JAX profile over chosen steps.
+
+Imports :mod:`loopkit.core` and ``loopkit._internal`` only.
+"""
+
+from loopkit.observe.goodput import GoodputHook, GoodputSummary
+from loopkit.observe.logging_hook import LoggingHook
+from loopkit.observe.profiler import ProfilerHook
+from loopkit.observe.progress import ProgressHook
+from loopkit.observe.writers import (
+  AsyncWriter,
+  ConsoleWriter,
+  FlaxSummaryWriter,
+  JsonlWriter,
+  MetricWriter,
+  MultiWriter,
+  NullWriter,
+  TensorBoardWriter,
+  as_writer,
+  create_default_writer,
+)
+
+__all__ = [
+    "AsyncWriter",
+    "ConsoleWriter",
+    "FlaxSummaryWriter",
+    "GoodputHook",
+    "GoodputSummary",
+    "JsonlWriter",
+    "LoggingHook",
+    "MetricWriter",
+    "MultiWriter",
+    "NullWriter",
+    "ProfilerHook",
+    "ProgressHook",
+    "TensorBoardWriter",
+    "as_writer",
+    "create_default_writer",
+]
