@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit.tools import aot
+from loopkit.tools import aot, topology
 
 # A matmul model whose FLOPs are known: per step and device, the forward
 # x[b, N] @ w[N, M] and the gradient of w (x^T @ dy) are 2 * b * N * M each.
@@ -40,7 +40,7 @@ def test_resnet_smoke_compiles_for_v5e_2x2():
   config = smoke.get_config()
   config.iterations_per_loop = 4
   report = train.compile_only(config, "v5e:2x2", with_eval=False)  # eval: tested below
-  v5e = aot.CHIPS["v5e"]
+  v5e = topology.CHIPS["v5e"]
   assert (report.topology, report.chip, report.num_devices, report.num_processes,
           report.mesh_shape) == ("v5e:2x2", v5e, 4, 1, {"data": 4})
   assert set(report.programs) == {"train"}
@@ -135,13 +135,13 @@ def test_unknown_topology_lists_the_known_ones():
     aot.compile_for(loopkit.TrainLoop(_train_step, iterations_per_loop=2), _state(),
                     _batch(16), topology="v9z:2x2")
   with pytest.raises(ValueError, match=r"unknown TPU topology 'v5e'"):
-    aot.topology_devices("v5e")
+    topology.topology_devices("v5e")
   with pytest.raises(ValueError, match=r"libtpu refused the TPU topology 'v5e:3x3'"):
-    aot.topology_devices("v5e:3x3")
-  assert aot.parse_topology("v4-32") == (aot.CHIPS["v4"], "v4:2x2x4")
-  assert aot.parse_topology("v5litepod-32") == (aot.CHIPS["v5e"], "v5e:4x8")
-  assert len(aot.topology_devices("v4-32")) == 16  # megacore: one device per chip
-  assert {d.process_index for d in aot.topology_devices("v5e:4x8")} == set(range(8))
+    topology.topology_devices("v5e:3x3")
+  assert topology.parse_topology("v4-32") == (topology.CHIPS["v4"], "v4:2x2x4")
+  assert topology.parse_topology("v5litepod-32") == (topology.CHIPS["v5e"], "v5e:4x8")
+  assert len(topology.topology_devices("v4-32")) == 16  # megacore: one device per chip
+  assert {d.process_index for d in topology.topology_devices("v5e:4x8")} == set(range(8))
 
 
 def test_does_not_fit_names_the_numbers():

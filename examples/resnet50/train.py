@@ -513,9 +513,9 @@ def compile_only(config: ml_collections.ConfigDict, topology: str, *,
     ValueError: unknown topology, a batch the topology cannot split, or a
       program that does not fit (:class:`loopkit.tools.aot.ProgramDoesNotFitError`).
   """
-  from loopkit.tools import aot
+  from loopkit.tools import aot, topology as topology_lib
 
-  devices = jax.devices() if topology == "local" else aot.topology_devices(topology)
+  devices = jax.devices() if topology == "local" else topology_lib.topology_devices(topology)
   mesh = make_mesh(devices)
   num_processes = len({d.process_index for d in devices})
   # steps_per_epoch as input_pipeline.TrainBatches computes it on the target's processes
