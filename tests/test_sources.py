@@ -10,7 +10,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
-from loopkit.data.sources import open_source
 from loopkit.data.sources import (
   ArraySource,
   TfDataSource,
@@ -18,6 +17,7 @@ from loopkit.data.sources import (
   eval_batches_per_process,
   grain_shard_for_process,
   grain_shard_options,
+  open_source,
   process_shard_bounds,
   shard_for_process,
   tfds_split_for_process,
