@@ -43,7 +43,7 @@ different number of devices, and the program is not recompiled) and returned
 with its ledger, data position and hooks' states as one
 :class:`~loopkit.core.context.Restore`; the loop applies it and hands each hook its
 state by name (checkpoints keyed ``"<index>:<Class>"``, written before hook
-names, still restore: see :func:`loopkit.core.context.match_hook_states`). A
+names, still restore: see :func:`loopkit.core.hook_state.match_hook_states`). A
 checkpoint whose tree, shapes or dtypes differ from the live state raises
 ``ValueError`` naming the first differing leaf before anything changes.
 
@@ -147,7 +147,7 @@ class RestoredCheckpoint:
     ledger: the saved :class:`~loopkit.core.ledger.Ledger`.
     data_position: this process's data position (int, iterator state or None).
     hook_states: ``{hook name: state}`` of the other hooks that had one
-      (:func:`loopkit.core.context.hook_names`; ``"<index>:<HookClass>"`` in
+      (:func:`loopkit.core.hook_state.hook_names`; ``"<index>:<HookClass>"`` in
       checkpoints written before hook names).
   """
 
