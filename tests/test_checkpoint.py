@@ -266,7 +266,7 @@ def test_c21_unfinished_save_is_invisible_and_removed(tmp_path, mode, monkeypatc
   assert first.all_steps() == [4, 8]
   with monkeypatch.context() as m:
     _fail_ledger_write_at(m, 12)
-    m.setattr(loopkit.checkpoint, "_remove_failed_save", lambda directory, step: None)
+    m.setattr(loopkit.checkpoint.hook, "_remove_failed_save", lambda directory, step: None)
     with pytest.raises(CheckpointError, match="save of step 12"):
       make_loop(4, [CheckpointHook(tmp_path, every_steps=4)]).run(toy.init_state(), data,
                                                                    num_steps=12)

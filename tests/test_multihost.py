@@ -73,7 +73,7 @@ def test_cpu_devices_fixture(cpu_devices):  # noqa: F811
 
 
 def test_fake_cpu_devices_in_a_fresh_process():
-  code = ("import jax; from loopkit import testing; testing.set_cpu_device_count(3); "
+  code = ("import jax; from loopkit.tools import testing; testing.set_cpu_device_count(3); "
           "a = jax.device_count(); d = testing.fake_cpu_devices(2); "
           "print(a, len(d), jax.devices()[0].platform)")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
