@@ -46,10 +46,10 @@ _LAZY_NAMES = {"CheckpointHook": "checkpoint"}
 
 
 def __getattr__(name):
-  if name in _LAZY_NAMES:
-    return getattr(__getattr__(_LAZY_NAMES[name]), name)
+  from loopkit._internal.extras import require  # pylint: disable=g-import-not-at-top
+  if name in _LAZY_NAMES:  # the ImportError names what was asked for: loopkit.CheckpointHook
+    return getattr(require(f"loopkit.{_LAZY_NAMES[name]}", f"loopkit.{name}"), name)
   if name in _LAZY_MODULES:
-    from loopkit._internal.extras import require  # pylint: disable=g-import-not-at-top
     return require(f"loopkit.{name}", f"loopkit.{name}")
   raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
 
