@@ -147,7 +147,7 @@ class RestoredCheckpoint:
     ledger: the saved :class:`~loopkit.core.ledger.Ledger`.
     data_position: this process's data position (int, iterator state or None).
     hook_states: ``{hook name: state}`` of the other hooks that had one
-      (:func:`loopkit.core.context.hook_names`; ``"<index>:<HookClass>"`` in
+      (:func:`loopkit.core.hook_state.hook_names`; ``"<index>:<HookClass>"`` in
       checkpoints written before hook names).
   """
 
