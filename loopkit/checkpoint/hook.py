@@ -4,17 +4,17 @@
 four things a run needs to continue exactly where it stopped, and a record of
 the state's leaves:
 
-====== ================================= ====================================
-item   content                           Orbax args
-====== ================================= ====================================
-state  the train state (sharded arrays)  ``StandardSave`` / ``StandardRestore``
-leaves each leaf's path, shape, dtype    ``JsonSave`` / ``JsonRestore``
+====== ======================================= ====================================
+item   content                                 Orbax args
+====== ======================================= ====================================
+state  the train state (sharded arrays)        ``StandardSave`` / ``StandardRestore``
+leaves each leaf's path, shape, dtype          ``JsonSave`` / ``JsonRestore``
        (and PRNG key impl)
-ledger :class:`~loopkit.core.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
-data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
-hooks  other hooks' ``checkpoint_state`` ``JsonSave`` / ``JsonRestore``
+ledger :class:`~loopkit.core.ledger.Ledger`    ``JsonSave`` / ``JsonRestore``
+data   the data position (see below)           ``JsonSave`` / ``JsonRestore``
+hooks  other hooks' ``checkpoint_state``       ``JsonSave`` / ``JsonRestore``
        by hook name
-====== ================================= ====================================
+====== ======================================= ====================================
 
 **Leaf kinds.** Every leaf kind round-trips bitwise (case C28, tested in a
 fresh process): typed PRNG keys (``jax.random.key``, any impl, also inside
