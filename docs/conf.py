@@ -37,3 +37,40 @@ else:
 html_static_path = ["_static"]
 nitpicky = False
 suppress_warnings = ["myst.xref_missing"]
+
+
+def _resolve_reexport(app, env, node, contnode):
+  """Links a re-exported name (``loopkit.TrainLoop``) to where the API page documents it.
+
+  The API page documents each object under the module that defines it
+  (``loopkit.core.loop.TrainLoop``); docstrings and pages also name it by its shorter
+  import path (the front door, a subpackage's ``__init__``).
+  """
+  target = node.get("reftarget", "")
+  if node.get("refdomain") != "py" or not target.startswith("loopkit."):
+    return None
+  import importlib  # pylint: disable=g-import-not-at-top
+  parts = target.split(".")
+  for i in range(len(parts) - 1, 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:i]))
+      break
+    except ImportError:
+      continue
+  else:
+    return None
+  obj = getattr(obj, parts[i], None)
+  module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+  if not module or not qualname:
+    return None
+  resolved = ".".join([module, qualname, *parts[i + 1:]])
+  if resolved == target:
+    return None
+  retry = node.deepcopy()
+  retry["reftarget"] = resolved
+  return env.get_domain("py").resolve_xref(env, node["refdoc"], app.builder, node["reftype"],
+                                          resolved, retry, contnode)
+
+
+def setup(app):
+  app.connect("missing-reference", _resolve_reexport)
