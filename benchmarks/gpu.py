@@ -34,14 +34,16 @@ own worker process):
   loopkit K = 1, 10, 100 (and K=100 without the prefetch thread), the per-step
   ``jit`` loops, and the tail/event mechanism.
 
+Target machine of the ``h200`` plan: one NVIDIA H200 (141 GB of HBM3e, about
+139 GiB visible to JAX), 16 CPU cores, 128 GiB of host memory.
+
 Time budget: the whole run is planned to end within ``--budget-s`` (default 450 s
-for the H200 plan; the device tool allows 10 minutes per command and 15 minutes of
-device time per session, start-up included). The flag settings share what is
-left in turn; each worker estimates every variant's cost (compile + warm-up +
-timed steps, refined by what it has measured) before starting it and records it
-as skipped, with the reason, where it would not fit; the parent kills a variant
-that runs past its timeout or past the total budget, records that, and starts a
-fresh worker for the variants left. Any variant's failure is a row of the
+for the H200 plan). The flag settings share what is left in turn; each worker
+estimates every variant's cost (compile + warm-up + timed steps, refined by what
+it has measured) before starting it and records it as skipped, with the
+reason, where it would not fit; the parent kills a variant that runs past its
+timeout or past the total budget, records that, and starts a fresh worker for
+the variants left. Any variant's failure is a row of the
 report, never the end of the run. The report is written with the date, the
 exact command, package versions and the device to ``--out``; ``--json`` keeps
 the raw rows.
@@ -83,7 +85,7 @@ FLAG_SETTINGS = ("on", "off")  # the order the workers run in
 # Peak dense bf16 tensor-core rate by device kind. NVIDIA's H200 datasheet (nvidia.com/h200,
 # "H200 SXM": BF16 Tensor Core 1,979 TFLOPS *with sparsity*) halves to 989 TFLOP/s dense; the
 # H200 shares the H100's compute engine (same figure on the H100 SXM datasheet). A bf16
-# 8192^3 matmul reached 769-798 TFLOP/s on this workplace's H200s (device KINDS.md).
+# 8192^3 matmul reaches 769-798 TFLOP/s on the H200 machine described in the module docstring.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12}
 PACKAGES = ["jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
             "jax-cuda12-pjrt", "flax", "optax", "numpy", "ml_collections", "loopkit"]

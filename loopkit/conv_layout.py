@@ -8,10 +8,9 @@ canonical, but inside a ``while`` body (loopkit's ``fori_loop``, or any
 ``lax.scan``) the two *gradient* convolutions JAX emits for a conv layer keep
 their non-canonical dimension numbers (batch and feature swapped for the kernel
 gradient, input and output features swapped for the input gradient) and fall
-back to a naive loop nest: one 3x3 conv's kernel gradient on ``[32, 32, 32, 16]``
-took 8.6 ms as a plain ``jit`` and 876 ms per iteration in ``fori_loop`` with
-jax 0.10.2 (jax-ml/jax#12868, "Convolution is significantly slower inside a loop
-body (CPU)", open).
+back to a naive loop nest, 10-100x slower (jax-ml/jax#12868,
+"Convolution is significantly slower inside a loop body (CPU)"; figures in
+docs/tuning.md).
 
 :func:`canonicalize_convs` rewrites a traced step: every
 ``conv_general_dilated`` whose dimension numbers are not canonical becomes

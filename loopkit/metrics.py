@@ -2,14 +2,14 @@
 
 A train step returns ``metrics``: a dict whose values are either scalar arrays
 or one of the mergeable values below. Every value is cast to float32 first, so
-nothing accumulates in a low-precision dtype (case C12: a bf16 accumulator
-stalls at 256). Inside a device call each step's value is reduced over the
+nothing accumulates in a low-precision dtype (a bf16 accumulator stalls at
+256). Inside a device call each step's value is reduced over the
 devices in that step (per-device steps only) and stored in ``[K]`` traces; the
 host then *folds* the steps that ran in step order: ``s1.merge(s2).merge(s3)...``
 (:func:`fold_steps`), and a :class:`loopkit.LoggingHook` row continues the same
 fold over the calls since its last row.
 
-Exactness (case C50): a row, and every value a hook sees, is a function of the
+Exactness: a row, and every value a hook sees, is a function of the
 per-step values in step order only, never of where the device calls were cut,
 so it is bitwise the same for every ``iterations_per_loop`` (K), as the
 parameters are. No float32 sum spans a device call's steps in another order:
@@ -76,7 +76,7 @@ class Metric:
   registered by name for :func:`from_json` (``Mean``, ..., and ``module.QualName`` for
   others), so a checkpointed running value comes back as the same kind.
 
-  Exactness (case C50): every value loopkit reports is the left fold of the per-step values
+  Exactness: every value loopkit reports is the left fold of the per-step values
   in step order, ``merge(merge(s1, s2), s3)...`` (:meth:`fold_steps`), so it is the same for
   every ``iterations_per_loop``. For that, ``merge`` must be a pure function of its two
   values (no state, no clock) computed in float32 numpy on the host; a kind that overrides
@@ -356,7 +356,7 @@ def to_json(m: Metric) -> dict[str, Any]:
 
   Exact: every field is a float32 scalar, which a JSON (float64) number holds
   exactly; :func:`from_json` gives back the same bits. Used to checkpoint
-  running accumulators (e.g. :class:`loopkit.LoggingHook`'s, case C42). A user's
+  running accumulators (e.g. :class:`loopkit.LoggingHook`'s). A user's
   metric kind is named ``module.QualName``.
   """
   fields = dataclasses.fields(m)  # type: ignore[arg-type]  # every kind is a dataclass

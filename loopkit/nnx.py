@@ -32,9 +32,9 @@ batch)`` (batch means into an ``nnx.MultiMetric``) over a whole eval set with
 :class:`loopkit.Evaluator`'s padding and masking: every example is evaluated
 as its own batch of one (``jax.vmap``), its metric increments are summed with
 padded rows masked out, and ``metrics.compute()`` then gives the exact
-per-example mean (cases C15, C18). It evaluates in inference mode (the
-structure of ``model.eval()``, from a clone; the user's model keeps its mode,
-case C48) unless told ``eval_mode=False``.
+per-example mean. It evaluates in inference mode (the structure of
+``model.eval()``, from a clone; the user's model keeps its mode) unless told
+``eval_mode=False``.
 
 Per-device style (``step_style="per_device"``): the step sees its device's
 slice of the batch; it averages gradients itself (``jax.lax.pmean(grads,
@@ -261,7 +261,7 @@ class NnxTrainLoop:
     return state
 
   def _keep_work(self, before: Any) -> None:
-    """After ``run`` raised: the objects take the loop's last completed state (case C43).
+    """After ``run`` raised: the objects take the loop's last completed state.
 
     Args:
       before: ``loop.last_state`` before the run (still the same object if the
@@ -296,7 +296,7 @@ class NnxTrainLoop:
 
 
 def _refuse_training_mode(model: Any) -> None:
-  """Raises for a module that per-example evaluation in training mode gets wrong (case C48).
+  """Raises for a module that per-example evaluation in training mode gets wrong.
 
   Each example is evaluated as a batch of one: a BatchNorm with
   ``use_running_average=False`` normalises it by its own statistics, and a

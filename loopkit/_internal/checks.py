@@ -125,7 +125,7 @@ def _device_axis_leaf(x: Any) -> bool:
 
 
 def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int = 1) -> None:
-  """Checks a batch against the loop's ``global_batch_size`` (case C49).
+  """Checks a batch against the loop's ``global_batch_size``.
 
   Given ``global_batch_size=B``, every leaf of a batch must be ``[B / P, ...]``
   (P processes, each feeding its part). A batch in ``jax.pmap``'s layout
@@ -172,7 +172,7 @@ def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int
 
 
 def partial_batch_hint(first: Any, batch: Any) -> str:
-  """A hint for a batch that differs from the first one only by fewer rows (item 8 of issue 24).
+  """A hint for a batch that differs from the first one only by fewer rows.
 
   A dataset batched without dropping its remainder ends with a partial batch
   (``N % B`` rows); training needs every step's batch at ``[B, ...]``.
@@ -200,11 +200,11 @@ def partial_batch_hint(first: Any, batch: Any) -> str:
 
 
 class BatchLayoutWarning(UserWarning):
-  """Batches look like ``jax.pmap`` input ``[devices, B / devices, ...]`` (case C40)."""
+  """Batches look like ``jax.pmap`` input ``[devices, B / devices, ...]``."""
 
 
 def warn_if_pmap_layout(batches: Any, data_parallel_size: int) -> bool:
-  """Warns when a chunk's batches look like pmap-layout input (case C40).
+  """Warns when a chunk's batches look like pmap-layout input.
 
   loopkit takes *global* batches ``[B, ...]`` and splits B over the data axis
   itself, for both step styles. A user coming from ``jax.pmap`` may pass

@@ -2,7 +2,7 @@
 
 A step directory counts only if Orbax finalized it (``commit_success.txt``).
 :func:`_tidy` removes only this hook's own unfinished writes and names, in
-warnings, what it leaves alone (cases C21, C35, C41). Used by
+warnings, what it leaves alone. Used by
 :mod:`loopkit.checkpoint`; not thread-safe.
 """
 
@@ -89,10 +89,10 @@ def _tidy(directory: epath.Path, remove: bool = True) -> list[str]:
   """Removes this hook's unfinished saves; returns warnings about what loopkit does not read.
 
   Runs on process 0, then syncs the processes. Only :func:`_unfinished_write`
-  entries are deleted (case C21), and only if ``remove`` (process 0's decision:
-  not while another live run holds the directory, C46); digit-named folders
-  that are not complete checkpoints (C35) and other programs' checkpoints (C41)
-  are left in place, each kind named in one message.
+  entries are deleted, and only if ``remove`` (process 0's decision: not while
+  another live run holds the directory); digit-named folders that are not
+  complete checkpoints and other programs' checkpoints are left in place, each
+  kind named in one message.
   """
   messages = []
   if jax.process_index() == 0 and directory.exists():

@@ -4,20 +4,20 @@
 four things a run needs to continue exactly where it stopped, and a record of
 the state's leaves:
 
-====== ================================= ====================================
-item   content                           Orbax args
-====== ================================= ====================================
-state  the train state (sharded arrays)  ``StandardSave`` / ``StandardRestore``
-leaves each leaf's path, shape, dtype    ``JsonSave`` / ``JsonRestore``
+====== ======================================= ====================================
+item   content                                 Orbax args
+====== ======================================= ====================================
+state  the train state (sharded arrays)        ``StandardSave`` / ``StandardRestore``
+leaves each leaf's path, shape, dtype          ``JsonSave`` / ``JsonRestore``
        (and PRNG key impl)
-ledger :class:`~loopkit.core.ledger.Ledger`   ``JsonSave`` / ``JsonRestore``
-data   the data position (see below)     ``JsonSave`` / ``JsonRestore``
-hooks  other hooks' ``checkpoint_state`` ``JsonSave`` / ``JsonRestore``
+ledger :class:`~loopkit.core.ledger.Ledger`    ``JsonSave`` / ``JsonRestore``
+data   the data position (see below)           ``JsonSave`` / ``JsonRestore``
+hooks  other hooks' ``checkpoint_state``       ``JsonSave`` / ``JsonRestore``
        by hook name
-====== ================================= ====================================
+====== ======================================= ====================================
 
-**Leaf kinds.** Every leaf kind round-trips bitwise (case C28, tested in a
-fresh process): typed PRNG keys (``jax.random.key``, any impl, also inside
+**Leaf kinds.** Every leaf kind round-trips bitwise (tested in a fresh
+process, ``tests/test_leaf_kinds.py``): typed PRNG keys (``jax.random.key``, any impl, also inside
 Flax NNX ``nnx.Rngs``; Orbax stores their key data and impl and wraps them
 back), bool, int8, uint32, int64/uint64 under x64, bfloat16, 0-d, zero-size
 (Orbax refuses them: they are saved as None and re-made from the live state's
@@ -33,7 +33,7 @@ partial directory is removed; the hook stays usable and later saves work.
 When ``run`` ends by an exception (a hook raised, say),
 :meth:`CheckpointHook.on_run_error` first lets the save in
 flight commit (or removes it, if it failed), so nothing is written after
-``run`` raised and a new hook on the directory resumes (case C33).
+``run`` raised and a new hook on the directory resumes.
 
 **Resume.** ``TrainLoop.run`` calls :meth:`CheckpointHook.on_run_start`, which
 restores the latest complete checkpoint, if any (the checkpoint wins over the
@@ -55,26 +55,26 @@ atomic-rename mode, used on local disks), or a ``<step>`` directory without
 the commit file that holds nothing but loopkit's items and Orbax's
 ``_CHECKPOINT_METADATA`` (commit-file mode, used on GCS, writes in place; a
 kill during a retention delete leaves part of a checkpoint). It never deletes
-anything else (case C35): another digit-named folder (a user's ``5``, an older
+anything else: another digit-named folder (a user's ``5``, an older
 Orbax's complete checkpoint without the commit file, an empty folder) is left
 in place, not read, and a save at its step is skipped,
 with a :class:`CheckpointWarning`; so are other programs' checkpoints, e.g.
-``checkpoint_50`` from ``flax.training.checkpoints`` (case C41). Only one run
+``checkpoint_50`` from ``flax.training.checkpoints``. Only one run
 may write a directory: ``on_run_start`` refuses an unwritable directory and one
 whose lock another live run holds, before any step
-(:mod:`loopkit.checkpoint.lock`, cases C45, C46); a failed save removes its
+(:mod:`loopkit.checkpoint.lock`); a failed save removes its
 partial directory.
 
 **Data position.** The position stored is ``LoopInfo.data_position``: the
-source's position after the last *consumed* chunk, never a prefetched one
-(case C25). It is an int (a counted skip for plain iterables, or the next step
+source's position after the last *consumed* chunk, never a prefetched one.
+It is an int (a counted skip for plain iterables, or the next step
 for ``batch_at(step)`` sources) or the iterator's own ``get_state()`` (Grain);
 see :func:`loopkit.data.sources.open_source`. States must be JSON-serialisable or
 ``bytes``. On several processes each process's position is gathered and saved.
 
 **Retention.** ``max_to_keep`` keeps the newest N; ``keep_best`` additionally
 keeps the best N by ``best_metric``. The newest checkpoint is always kept
-(Orbax's own ``best_fn`` + ``max_to_keep`` may delete it, case C19).
+(Orbax's own ``best_fn`` + ``max_to_keep`` may delete it).
 
 Multi-host: every process runs the hook (Orbax coordinates the writes); the
 directory must be shared. Not thread-safe.
@@ -222,7 +222,7 @@ class CheckpointHook(Hook):
     if best_mode not in ("min", "max"):
       raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
     path = epath.Path(directory)
-    if "://" not in str(path) and not path.is_absolute():  # case C45: resolved once, here
+    if "://" not in str(path) and not path.is_absolute():  # resolved once, here
       path = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
     self.directory = path
     self._lock = DirectoryLock(self.directory)
@@ -265,7 +265,7 @@ class CheckpointHook(Hook):
         cleanup_tmp_directories=False, create=True,
         # The step directory is made inside save(), so a directory that became unwritable
         # fails there at once; made in the background, its failure is only seen after
-        # Orbax's 300 s signal time-outs (case C45).
+        # Orbax's 300 s signal time-outs.
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
 
   def _metric_of(self, metrics: dict[str, Any]) -> float:
@@ -286,7 +286,7 @@ class CheckpointHook(Hook):
 
   def _may_remove_unfinished(self) -> bool:
     """Whether unfinished saves are this hook's to remove: not while another live run
-    holds the directory's lock (they may be its saves in progress, case C46)."""
+    holds the directory's lock (they may be its saves in progress)."""
     if self._lock.held or jax.process_index() != 0:
       return True
     holder = holder_of(self.directory)

@@ -2,13 +2,13 @@
 
 :func:`claim` runs in :meth:`loopkit.CheckpointHook.on_run_start`, before
 any step and before the hook removes unfinished saves (which would otherwise
-delete a live run's save in progress, case C46):
+delete a live run's save in progress):
 
 * every process creates the directory if missing and writes (then removes) one
   small file in it, so an unwritable directory (read-only, a path under a
   regular file, no permission, a full disk) fails in milliseconds, naming the
   path and the reason, instead of at the first save (where Orbax waits out its
-  300 s signal time-outs, case C45);
+  300 s signal time-outs);
 * process 0 takes the lock ``.loopkit-lock.json``: a JSON record of the
   holder's host, pid, process start time, the time it took the lock and a
   heartbeat, created atomically (written to a temporary file, then

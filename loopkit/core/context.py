@@ -15,7 +15,7 @@ and *returns* what it changes; the run (:mod:`loopkit.core.run`) applies it:
 a hook returns                      the loop
 =================================== =====================================================
 a state (``on_trigger``,            checks it against the train state (structure,
-``on_run_start``, ``on_run_end``)   shapes, dtypes) and places it (one door, case C29)
+``on_run_start``, ``on_run_end``)   shapes, dtypes) and places it (one door)
 :class:`Restore` (``on_run_start``) takes its state, ledger and data position together and
                                     hands each hook its saved state by the hook's name
 :class:`LedgerAdjustment`           applies it to the ledger once, after every

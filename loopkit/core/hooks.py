@@ -82,7 +82,7 @@ class LoopInfo:
       (float32 numpy). A value over several calls that must not depend on K continues
       the fold, ``fold_steps(info.step_values[name], running)``, as
       :class:`LoggingHook` does; merging ``metric_values`` across calls instead
-      associates the sums by call, which changes the last bits with K (case C50).
+      associates the sums by call, which changes the last bits with K.
   """
 
   start_step: int

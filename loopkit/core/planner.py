@@ -2,8 +2,7 @@
 
 Each call runs ``min(K, steps to the next hook event, steps to the epoch end,
 steps left)`` steps (K = ``iterations_per_loop``), so every requested event
-lands exactly on its step and no call crosses an epoch end (policy of
-``shared/cases/CASES.md``: cases C01-C04). Calls shorter than K reuse the same
+lands exactly on its step and no call crosses an epoch end. Calls shorter than K reuse the same
 compiled program (see :mod:`loopkit.core.program`).
 
 Time-based K (:class:`TimeBasedK`, TPUEstimator's ``iterations_per_loop="30s"``)

@@ -27,7 +27,7 @@ folds a dynamic slice of a size-1 axis into a plain reshape: the batch becomes
 loop-invariant, while-loop invariant code motion hoists the step's batch-only work out
 of the loop (one-hot labels, the input's f32 conversion, the batch statistics of a
 BatchNorm on the input) and the body left behind is fused differently, which in
-float16/bfloat16 changes results in the last bits (issue 13, case C38: a Flax ResNet-18
+float16/bfloat16 changes results in the last bits (a Flax ResNet-18
 at K = 1 differed from K = 2, 3, 4, 13 and ``jax.pmap``, which agree bitwise). So the
 body is compiled for at least ``MIN_SLOTS = 2`` slots: the feeder forms K = 1 chunks
 with one zero slot on the host (``[2, B, ...]``; the slot is never run), the program
@@ -181,7 +181,7 @@ class CallOutput:
 
   The call's metrics are not reduced over its steps here: the host folds the traces in step
   order (:func:`loopkit.metrics.fold_steps`), so a reported value does not depend on where
-  the calls were cut (case C50).
+  the calls were cut.
 
   Attributes:
     traces: the step's metrics per step, leaves ``[K]`` float32 (reduced over the devices in

@@ -21,7 +21,7 @@ Grain loaders and datasets need no adapter: pass them to ``TrainLoop.run``
 as they are. For exact resumes a source must replay the same sequence when
 re-opened (fixed seeds; tf.data with deterministic ordering).
 
-Per-process input on multi-host (case C27): :func:`process_shard_bounds`,
+Per-process input on multi-host: :func:`process_shard_bounds`,
 :func:`shard_for_process`, :func:`tfds_split_for_process` and
 :func:`grain_shard_for_process` all split N examples the same way: contiguous,
 disjoint, complete, sizes differing by at most one, the first ``N % P``
@@ -174,7 +174,7 @@ def eval_batches_per_process(num_examples: int, global_batch_size: int,
   With shards from :func:`process_shard_bounds` the largest shard has
   ``ceil(N / P)`` examples and each process feeds ``B / P`` per batch, so
   every process runs ``ceil(ceil(N / P) / (B / P))`` batches; shorter shards
-  end with padded, fully masked batches (case C27).
+  end with padded, fully masked batches.
 
   Args:
     num_examples: N, examples in the whole eval set.

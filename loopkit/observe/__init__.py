@@ -6,7 +6,7 @@ friends) and accept CLU's and Flax's writers through :func:`as_writer`.
 wall time, :class:`ProgressHook` draws one progress frame per loop boundary,
 :class:`ProfilerHook` captures a JAX profile over chosen steps.
 
-Imports :mod:`loopkit.core` and ``loopkit._internal`` only.
+Imports :mod:`loopkit.core`, :mod:`loopkit.metrics` and ``loopkit._internal`` only.
 """
 
 from loopkit.observe.goodput import GoodputHook, GoodputSummary

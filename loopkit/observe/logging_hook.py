@@ -40,7 +40,7 @@ class LoggingHook(Hook):
 
   A row is the fold of the per-step values in step order (:func:`loopkit.metrics.fold_steps`
   of ``LoopInfo.step_values``), so its values are bitwise the same for every
-  ``iterations_per_loop`` (case C50).
+  ``iterations_per_loop``.
 
   Args:
     writer: optional object with ``write_scalars(step: int, scalars: dict)``
@@ -134,7 +134,7 @@ class LoggingHook(Hook):
     """The running accumulator (metrics merged since the last row), for checkpoints.
 
     Restored by :meth:`restore_checkpoint_state`, so after a kill and resume
-    the first row averages the same steps as without the kill (case C42): a
+    the first row averages the same steps as without the kill: a
     row at step 20 with a checkpoint at 12 covers steps 11..20, bitwise the
     same values. (The loop has called :meth:`flush` just before: the rows a
     checkpoint covers survive a kill.)
