@@ -360,15 +360,15 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
   hbm = hbm_bytes if hbm_bytes is not None else (chip.hbm_bytes if chip else None)
   where = f"on {topology or 'the local devices'}"
 
-  target = MultiStepProgram(program.train_step, iterations_per_loop=program.k, mesh=mesh,
+  target = MultiStepProgram(program.train_step, iterations_per_loop=program.iterations_per_loop, mesh=mesh,
                             data_axis=data_axis, style=program.style, step_of=program.step_of,
                             canonical_convs=canonical_convs)
   b = _batch_size(batch, "train")
   check_global_batch_size(b, dp)
-  chunk = _chunk(batch, program.k)
+  chunk = _chunk(batch, program.iterations_per_loop)
   state_spec = _onto(state, mesh)
   lowered = target.lower(state_spec, chunk)
-  train = _report("train", lowered, target, k=program.k, batch_size=b, dp=dp,
+  train = _report("train", lowered, target, k=program.iterations_per_loop, batch_size=b, dp=dp,
                   chunk_bytes=_nbytes(chunk, dp), prefetch=prefetch, chip=chip, hbm_bytes=hbm)
   programs = {"train": train}
   if check_fits:
@@ -376,16 +376,16 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
 
   if evaluator is not None:
     be = _batch_size(eval_batch, "eval")
-    ev = Evaluator(evaluator.eval_step, iterations_per_loop=evaluator.k, mesh=mesh,
+    ev = Evaluator(evaluator.eval_step, iterations_per_loop=evaluator.iterations_per_loop, mesh=mesh,
                    data_axis=evaluator.data_axis, step_style=evaluator.step_style,
                    global_batch_size=be, prefetch=evaluator.prefetch)
-    echunk = {"batch": _chunk(eval_batch, ev.k),
-              "mask": jax.ShapeDtypeStruct((max(ev.k, MIN_SLOTS), be), np.bool_)}
+    echunk = {"batch": _chunk(eval_batch, ev.iterations_per_loop),
+              "mask": jax.ShapeDtypeStruct((max(ev.iterations_per_loop, MIN_SLOTS), be), np.bool_)}
     # eval_step sees the train state as the loop placed it (EvalHook), unless told otherwise.
     estate = (_onto(eval_state, mesh) if eval_state is not None else jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         state_spec, target.state_shardings))
-    programs["eval"] = _report("eval", ev.lower(estate, echunk), ev, k=ev.k, batch_size=be, dp=dp,
+    programs["eval"] = _report("eval", ev.lower(estate, echunk), ev, k=ev.iterations_per_loop, batch_size=be, dp=dp,
                                chunk_bytes=_nbytes(echunk, dp), prefetch=evaluator.prefetch,
                                chip=chip, hbm_bytes=hbm)
     if check_fits:
