@@ -128,16 +128,15 @@ class TrainLoop:
       whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
   Attributes:
-    status: ``"completed"``, ``"data_exhausted"``, ``"preempted"`` or ``"stopped"``
-      (or the reason given to :meth:`request_stop`) after ``run``.
-    preemption: the run's :class:`~loopkit.core.preemption.PreemptionWatcher`
-      (``loop.preemption.request()`` preempts as a signal would, also before
-      ``run``); after ``run`` it still tells what stopped the run
-      (``signal_received``), and the next ``run`` starts with a fresh one.
-    program: the :class:`~loopkit.core.program.MultiStepProgram`.
-    iterations_per_loop: the compiled slot count K (the cap, for time-based K).
-    time_based_k: the :class:`~loopkit.core.planner.TimeBasedK`, or None.
+    hooks: the hooks, in order.
+    steps_per_epoch: steps in one epoch (for ``"auto"``: the last ``run``'s source), or None.
     target_step: the global step the current ``run`` ends at.
+
+  Read-only properties: the configuration (:attr:`program`,
+  :attr:`iterations_per_loop`, :attr:`time_based_k`, :attr:`mesh`, ...) and the
+  current (or last) run's :attr:`status`, :attr:`stop_reason`,
+  :attr:`preemption`, :attr:`ledger`, :attr:`data_position` and
+  :attr:`last_state`.
 
   A ``run`` that raises keeps the work done: :attr:`last_state` is then the
   state at its last completed boundary, at step ``ledger.step`` (the state
