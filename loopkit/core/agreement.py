@@ -1,4 +1,4 @@
-"""Boundary agreement: every host-local decision is taken once per boundary, together.
+"""Agreement: every host-local decision is taken once per boundary, by all processes together.
 
 On a multi-host run every process runs the same loop, and every process must
 take the same decision at the same loop boundary: fire a hook (a checkpoint save
@@ -7,8 +7,7 @@ something local to one process: a wall clock (``every_secs`` triggers), a
 signal (preemption), a hook's own memory (``loop.request_stop`` from a hook
 that ran on process 0 only). Two processes reading their own clocks 10 ms apart
 fire on different steps, and the first collective that one of them enters
-alone fails or hangs (case C30 in the project's cases: "Gloo AllGather
-failed").
+alone fails or hangs (on CPU: "Gloo AllGather failed").
 
 :func:`agree` turns a vector of local yes/no answers into the same vector on
 every process: the logical OR over processes (one process asking is enough,
@@ -24,10 +23,9 @@ and 1 both asking, process 0's).
 
 Cost: on one process no communication (the local vector is the answer). On
 several processes one ``multihost_utils.process_allgather`` of a few int32s,
-which blocks until every process reaches the boundary (measured on this
-2-core CPU machine in ``tests/test_boundary_agreement.py``; see docs/multihost.md). At the
-one boundary where a stop was requested, a second ``process_allgather`` carries the
-reason's bytes.
+which blocks until every process reaches the boundary (the wall-clock hooks
+test of ``tests/test_multihost.py`` prints its cost). At the one boundary where
+a stop was requested, a second ``process_allgather`` carries the reason's bytes.
 
 Multi-host-safe by construction: every process must call :func:`agree` at the
 same boundaries with vectors of the same length. Thread-safety: call from the
