@@ -72,7 +72,7 @@ def _warn_logging_after_checkpoint(hooks: Sequence[Hook]) -> None:
           f"hooks: LoggingHook comes after {type(seen_checkpoint).__name__}; at a step where "
           "both fire, the checkpoint would hold the running average before the row is "
           "written and a resumed run would average those steps again: put the LoggingHook "
-          "before the checkpoint hook", UserWarning, stacklevel=3)
+          "before the checkpoint hook", UserWarning, stacklevel=4)
       return
 
 
