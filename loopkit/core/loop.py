@@ -225,7 +225,8 @@ class TrainLoop:
       config.time_based_k.start()
     last = self._run
     if last is not None and last.preemption_spent and last.preemption is self._preemption:
-      self._preemption = PreemptionWatcher(self.preemption_signals)  # a request since counts
+      # the last run spent it (still readable until now): this run starts unflagged
+      self._preemption = PreemptionWatcher(self.preemption_signals)
     prior = self.ledger
     run = Run(config, self.hooks, steps_per_epoch=self.steps_per_epoch, target=target,
               num_epochs=num_epochs, preemption=self._preemption)
