@@ -12,9 +12,9 @@ function of the real path, wrapped by a timer for the measurement only
   list of numpy batches here), checking each against the first, stacking ``[K, B, ...]``;
 - ``place``: ``loopkit.data.placement.Placer`` (the host-to-device transfer of the chunk's leaves);
 - ``handoff``: the rest of ``ChunkFeeder.next`` (the queue; with prefetch, waiting for it);
-- ``agree``: ``Run.agree`` (the boundary agreement; no communication on 1 process);
+- ``agree``: ``Run.agree`` (the agreement; no communication on 1 process);
 - ``dispatch``: ``MultiStepProgram.__call__`` (the jitted call, asynchronous);
-- ``finish``: ``Run.boundary``: the one-late fetch (with no hooks, of the step
+- ``finish``: ``Run.finish_call``: the one-late fetch (with no hooks, of the step
   counter and the non-finite flags only), the step check, ``LoopInfo`` and the hooks
   (none in this workload);
 - ``ledger``: ``Ledger.advance`` and ``Ledger.add_time``;
@@ -111,7 +111,7 @@ class Phases:
     self.patch(feeding._Placer, "__call__", "place")
     self.patch(run_lib.Run, "agree", "agree")
     self.patch(program_lib.MultiStepProgram, "__call__", "dispatch")
-    self.patch(run_lib.Run, "boundary", "finish")
+    self.patch(run_lib.Run, "finish_call", "finish")
     self.patch(ledger_lib.Ledger, "advance", "ledger")
     self.patch(ledger_lib.Ledger, "add_time", "ledger")
 

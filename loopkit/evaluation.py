@@ -15,8 +15,8 @@ one compiled program per chunk that computes each batch's ``sum(mask * value)``
 (float32) and ``sum(mask)``. Padded rows never count, even when their values are
 NaN. The program sums across devices (for per-device steps with ``psum``), and
 the host adds the per-batch sums in float64 in batch order, so a metric is
-``total / count`` over the real examples, never a mean of batch or device means
-(cases C15, C18), and the same bits for every K: the program runs the training
+``total / count`` over the real examples, never a mean of batch or device means,
+and the same bits for every K: the program runs the training
 program's loop (:func:`loopkit.core.program.run_slots`), so K = 1 compiles the
 K = 2 body, and no float32 sum spans batches. Every call length and every eval
 run reuses one executable.
@@ -29,7 +29,7 @@ step that updates an ``nnx.MultiMetric`` runs through
 Multi-host: every process must run the same number of batches (a process
 that stops early would leave the others waiting at a collective): pass
 ``num_batches=loopkit.data.sources.eval_batches_per_process(...)``; processes with
-fewer examples are padded with fully masked batches (case C27).
+fewer examples are padded with fully masked batches.
 
 :class:`EvalHook` runs an evaluator from a ``TrainLoop`` every N steps or
 every epoch.
@@ -119,7 +119,7 @@ class Evaluator:
                mesh: Mesh | None = None, data_axis: str = "data",
                step_style: Literal["global", "per_device"] = "global",
                global_batch_size: int | None = None, prefetch: int = 2):
-    self.k = check_iterations_per_loop(iterations_per_loop)
+    self.iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
     check_step_style(step_style)
     self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
     self.eval_step = eval_step
@@ -167,11 +167,12 @@ class Evaluator:
                 for k in totals}
       return totals, count.at[i].set(jnp.sum(m.astype(jnp.int32)))
 
-    slots = max(self.k, MIN_SLOTS)
+    slots = max(self.iterations_per_loop, MIN_SLOTS)
     init = ({k: jnp.zeros((slots,), jnp.float32) for k in shapes}, jnp.zeros((slots,), jnp.int32))
     # The training program's loop: K = 1 compiles the K = 2 body (program.run_slots).
     totals, count = run_slots(body, chunk, num_batches, init)
-    totals, count = jax.tree.map(lambda t: t[:self.k], (totals, count))  # [K] per-batch sums
+    k = self.iterations_per_loop
+    totals, count = jax.tree.map(lambda t: t[:k], (totals, count))  # [K] per-batch sums
     if self.step_style == "per_device":
       totals, count = jax.lax.psum((totals, count), self.data_axis)
     return totals, count
@@ -251,19 +252,36 @@ class Evaluator:
       # when shards are uneven (10 examples over 4 processes: 3 vs 2 local).
       raise ValueError("on multi-host, give the Evaluator global_batch_size (the same on every "
                        "process): it cannot be inferred from uneven per-process batches")
-    it = iter(batches)
-    if self.global_batch_size is None:
-      first = next(it, None)
-      if first is None:
-        return EvalResult({}, {}, 0, 0, 0)
-      b = np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count()
-      dp = self.data_parallel_size
-      self._set_batch_size(max(dp, -(-b // dp) * dp))
-      self._batch_from_first = True
-      it = itertools.chain([first], it)
-    feeder = ChunkFeeder(self._padded(it, num_batches), itertools.repeat(self.k),
-                         iterations_per_loop=self.k, batch_sharding=self._batch_sharding,
-                         replicated=self._replicated,
+    it = self._sized(iter(batches))
+    if it is None:
+      return EvalResult({}, {}, 0, 0, 0)
+    outs, fed = self._call_all(state, self._padded(it, num_batches))
+    return _eval_result(jax.device_get(outs), fed)
+
+  def _sized(self, it: Iterator) -> Iterator | None:
+    """``it`` once the static batch size is known (from its first batch if not given);
+    None when that first batch is missing."""
+    if self.global_batch_size is not None:
+      return it
+    first = next(it, None)
+    if first is None:
+      return None
+    b = np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count()
+    dp = self.data_parallel_size
+    self._set_batch_size(max(dp, -(-b // dp) * dp))
+    self._batch_from_first = True
+    return itertools.chain([first], it)
+
+  def _call_all(self, state: Any, padded: Iterator[dict[str, Any]]) -> tuple[list[Any], int]:
+    """One device call per chunk of up to K padded batches.
+
+    Returns:
+      ``(outs, fed)``: each call's device outputs (``[K]`` per-batch sums and
+      counts) and the batches fed.
+    """
+    k = self.iterations_per_loop
+    feeder = ChunkFeeder(padded, itertools.repeat(k), iterations_per_loop=k,
+                         batch_sharding=self._batch_sharding, replicated=self._replicated,
                          data_parallel_size=self.data_parallel_size, prefetch=self.prefetch)
     outs, fed = [], 0
     try:
@@ -279,15 +297,7 @@ class Evaluator:
           break
     finally:
       feeder.close()
-    totals: dict[str, float] = {}
-    count = 0
-    for sums, n in jax.device_get(outs):  # [K] per batch; slots past the call's length are 0
-      for k, v in sums.items():
-        for x in v:
-          totals[k] = totals.get(k, 0.0) + float(x)
-      count += int(np.sum(n))
-    metrics = {k: (v / count if count else float("nan")) for k, v in totals.items()}
-    return EvalResult(metrics, totals, count, fed, len(outs))
+    return outs, fed
 
   __call__ = evaluate
 
@@ -319,6 +329,19 @@ class Evaluator:
     return self._compiles
 
 
+def _eval_result(outs: list[Any], fed: int) -> EvalResult:
+  """Adds the fetched per-batch sums in float64, in batch order, into an :class:`EvalResult`."""
+  totals: dict[str, float] = {}
+  count = 0
+  for sums, n in outs:  # [K] per batch; slots past the call's length are 0
+    for name, v in sums.items():
+      for x in v:
+        totals[name] = totals.get(name, 0.0) + float(x)
+    count += int(np.sum(n))
+  metrics = {name: (v / count if count else float("nan")) for name, v in totals.items()}
+  return EvalResult(metrics, totals, count, fed, len(outs))
+
+
 def per_example(eval_step: Callable) -> Callable:
   """Turns an eval step that returns batch means into one that returns per-example values.
 
@@ -327,8 +350,8 @@ def per_example(eval_step: Callable) -> Callable:
   count the padding rows; this wrapper runs the step on every example as a
   batch of one (``jax.vmap`` over the batch axis), so each example's value
   is its own "batch mean", and :class:`Evaluator` weights it by its mask:
-  the result is the exact per-example mean over the real examples (C15,
-  C18), whatever the batch size, padding or device count.
+  the result is the exact per-example mean over the real examples, whatever
+  the batch size, padding or device count.
 
   Example:
     >>> ev = loopkit.Evaluator(loopkit.evaluation.per_example(eval_step))  # doctest: +SKIP

@@ -502,7 +502,7 @@ def wall_clock_hooks(directory: str, repeats: int = 20, num_steps: int = 24,
   Per repeat: K = 2, 24 steps; process 0 spends ``slow_secs`` in a hook every 6
   steps; a ``CallbackHook(every_secs=0.3)`` and a ``CheckpointHook(every_secs=0.3)``
   (its own directory per repeat). Returns, per repeat, the steps each fired at
-  (on this process), and the measured cost of one boundary agreement.
+  (on this process), and the measured cost of one agreement.
   ``cache_dir``: JAX's persistent compilation cache (:func:`use_compilation_cache`):
   every repeat's new TrainLoop compiles the same programs, loaded from it from the
   second repeat on.

@@ -139,7 +139,7 @@ def _cnn_batches(n, b=8):
 
 
 def _conv_labels(program, state, batches):
-  chunk = jax.tree.map(lambda *xs: np.stack(xs), *batches[:program.k])
+  chunk = jax.tree.map(lambda *xs: np.stack(xs), *batches[:program.iterations_per_loop])
   state = program.place_state(state)
   hlo = program._jitted.lower(state, jax.device_put(chunk, program.batch_sharding),
                               jax.device_put(np.int32(1), program.replicated)).compile().as_text()

@@ -99,7 +99,7 @@ def _program(k, dtype, style, canonical_convs=False):
 def _chunk(program, batches):
   """Stacks up to K batches into a ``[K, B, ...]`` chunk (padded with the first)."""
   n = len(batches)
-  full = batches + [batches[0]] * (program.k - n)
+  full = batches + [batches[0]] * (program.iterations_per_loop - n)
   chunk = jax.tree.map(lambda *xs: np.stack(xs), *full)
   return (jax.device_put(chunk, program.batch_sharding),
           jax.device_put(np.int32(n), program.replicated))

@@ -248,7 +248,7 @@ def test_c27_shards_disjoint_complete_and_eval_exact():
       assert e["metrics"] == {"scaled": 9.0, "x": 4.5}
 
 
-# -- boundary agreement (C30) ----------------------------------------------------------------
+# -- agreement at each boundary (C30) --------------------------------------------------------
 
 
 def test_c30_wall_clock_hooks_fire_at_the_same_steps_on_every_process(tmp_path):

@@ -58,10 +58,10 @@ def test_time_based_k_errors():
 def test_string_form_on_the_loop():
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop="30s")
   assert loop.time_based_k.target_secs == 30.0
-  assert loop.iterations_per_loop == 100 == loop.program.k  # default slot cap
+  assert loop.iterations_per_loop == 100 == loop.program.iterations_per_loop  # default slot cap
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop="2m",
                            max_iterations_per_loop=16)
-  assert loop.time_based_k.target_secs == 120.0 and loop.program.k == 16
+  assert loop.time_based_k.target_secs == 120.0 and loop.program.iterations_per_loop == 16
 
 
 def test_plan_reads_the_current_choice():

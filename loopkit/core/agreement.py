@@ -1,4 +1,4 @@
-"""Boundary agreement: every host-local decision is taken once per boundary, together.
+"""Agreement: every host-local decision is taken once per boundary, by all processes together.
 
 On a multi-host run every process runs the same loop, and every process must
 take the same decision at the same loop boundary: fire a hook (a checkpoint save
@@ -24,7 +24,7 @@ and 1 both asking, process 0's).
 Cost: on one process no communication (the local vector is the answer). On
 several processes one ``multihost_utils.process_allgather`` of a few int32s,
 which blocks until every process reaches the boundary (its time on CPU
-processes: docs/concepts.md, *Boundary agreement*). At the one boundary where
+processes: docs/concepts.md, *Agreement at each boundary*). At the one boundary where
 a stop was requested, a second ``process_allgather`` carries the reason's
 bytes.
 

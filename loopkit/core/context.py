@@ -122,7 +122,7 @@ class RunContext:
 
   @property
   def status(self) -> str | None:
-    return self._run.loop.status
+    return self._run.status
 
   @property
   def target_step(self) -> int:
@@ -130,7 +130,7 @@ class RunContext:
 
   @property
   def steps_per_epoch(self) -> int | None:
-    return self._run.loop.steps_per_epoch
+    return self._run.steps_per_epoch
 
   @property
   def data_position(self) -> Any:
@@ -138,23 +138,23 @@ class RunContext:
 
   @property
   def preemption(self) -> PreemptionWatcher:
-    return self._run.loop.preemption
+    return self._run.preemption
 
   @property
   def mesh(self) -> Any:
-    return self._run.loop.mesh
+    return self._run.config.mesh
 
   @property
   def data_parallel_size(self) -> int:
-    return self._run.loop.data_parallel_size
+    return self._run.config.data_parallel_size
 
   @property
   def iterations_per_loop(self) -> int:
-    return self._run.loop.iterations_per_loop
+    return self._run.config.iterations_per_loop
 
   @property
   def time_based_k(self) -> Any:
-    return self._run.loop.time_based_k
+    return self._run.config.time_based_k
 
   @property
   def hook_name(self) -> str:
@@ -162,7 +162,7 @@ class RunContext:
 
   def request_stop(self, reason: str = "stopped") -> None:
     """Asks the loop to stop at the next boundary (agreed across processes)."""
-    self._run.loop.request_stop(reason)
+    self._run.request_stop(reason)
 
   def hook_states(self) -> dict[str, Any]:
     """The other hooks' states for a checkpoint, by hook name (for checkpoint hooks).

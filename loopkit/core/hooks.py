@@ -58,8 +58,11 @@ from loopkit.core.triggers import Trigger
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopInfo:
-  """Record of one device call, on the host.
+class CallRecord:
+  """Where one device call leaves the run: its step range and the counters after it.
+
+  The fields every record of a call has: the run's own
+  (:class:`loopkit.core.run.Boundary`) and the hooks' (:class:`LoopInfo`).
 
   Attributes:
     start_step: global step before the call.
@@ -71,18 +74,9 @@ class LoopInfo:
     step_in_epoch: steps done in the epoch after the call (== steps_per_epoch
       at an epoch end).
     examples_seen: training examples consumed after the call.
-    metrics: metric values for the call (float): ``compute()`` of ``metric_values``.
-    metric_values: the call's per-step values folded in step order (mergeable float32
-      values, numpy scalars): ``fold_steps(step_values[name])``.
-    traces: per-step values, float32 arrays ``[end_step - start_step]``.
     is_last: the last call of this ``run``.
     data_position: the source position after this call's last batch (what a
       checkpoint must store to resume with the next unconsumed batch).
-    step_values: the per-step mergeable values, fields ``[end_step - start_step]``
-      (float32 numpy). A value over several calls that must not depend on K continues
-      the fold, ``fold_steps(info.step_values[name], running)``, as
-      :class:`LoggingHook` does; merging ``metric_values`` across calls instead
-      associates the sums by call, which changes the last bits with K.
   """
 
   start_step: int
@@ -91,16 +85,41 @@ class LoopInfo:
   epoch: int
   step_in_epoch: int
   examples_seen: int
-  metrics: dict[str, float]
-  metric_values: dict[str, metrics_lib.Metric]
-  traces: dict[str, np.ndarray]
   is_last: bool = False
   data_position: Any = None
-  step_values: dict[str, metrics_lib.Metric] = dataclasses.field(default_factory=dict)
 
   @property
   def num_steps(self) -> int:
     return self.end_step - self.start_step
+
+
+def record_fields(record: CallRecord) -> dict[str, Any]:
+  """The :class:`CallRecord` fields of ``record`` (any subclass), by name."""
+  return {f.name: getattr(record, f.name) for f in dataclasses.fields(CallRecord)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopInfo(CallRecord):
+  """Record of one device call, on the host: a :class:`CallRecord` and the call's metrics.
+
+  Built by the run (keyword arguments only past the :class:`CallRecord` fields).
+
+  Attributes:
+    metrics: metric values for the call (float): ``compute()`` of ``metric_values``.
+    metric_values: the call's per-step values folded in step order (mergeable float32
+      values, numpy scalars): ``fold_steps(step_values[name])``.
+    traces: per-step values, float32 arrays ``[end_step - start_step]``.
+    step_values: the per-step mergeable values, fields ``[end_step - start_step]``
+      (float32 numpy). A value over several calls that must not depend on K continues
+      the fold, ``fold_steps(info.step_values[name], running)``, as
+      :class:`LoggingHook` does; merging ``metric_values`` across calls instead
+      associates the sums by call, which changes the last bits with K.
+  """
+
+  metrics: dict[str, float]
+  metric_values: dict[str, metrics_lib.Metric]
+  traces: dict[str, np.ndarray]
+  step_values: dict[str, metrics_lib.Metric] = dataclasses.field(default_factory=dict)
 
 
 class Hook:

@@ -21,11 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from loopkit._internal.checks import (
-  check_global_batch_size,
-  check_iterations_per_loop,
-  default_step_of,
-)
+from loopkit._internal.checks import check_global_batch_size, default_step_of
 from loopkit._internal.logs import install_default_handler
 from loopkit._internal.mesh import resolve_mesh
 from loopkit.core.hook_state import hook_names
@@ -34,7 +30,7 @@ from loopkit.core.ledger import Bucket, Ledger
 from loopkit.core.planner import TimeBasedK, parse_duration
 from loopkit.core.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.core.program import MultiStepProgram, StepStyle
-from loopkit.core.run import DataExhaustedWarning, Run, renew_preemption
+from loopkit.core.run import DataExhaustedWarning, Run, RunConfig, check_epoch_marks
 from loopkit.data.sources import steps_per_epoch_of
 
 __all__ = ["DataExhaustedWarning", "TrainLoop"]
@@ -49,9 +45,8 @@ def _warn_gpu_while_dispatch(mesh: Mesh) -> None:
 
   The program's loop has a traced trip count; without XLA command buffers for
   while loops, the GPU runtime evaluates its condition on the host, so a
-  dispatch returns only when the call has finished (measured on an H200: 2.96 s
-  of a 3.24 s run spent in dispatch, 0.08 s with the flag). The prefetch
-  thread still hides input work; the flag restores host/device overlap.
+  dispatch returns only when the call has finished (docs/tuning.md). The
+  prefetch thread still hides input work; the flag restores host/device overlap.
   """
   platforms = {d.platform for d in mesh.devices.flat}
   if "gpu" in platforms or "cuda" in platforms or "rocm" in platforms:
@@ -77,7 +72,7 @@ def _warn_logging_after_checkpoint(hooks: Sequence[Hook]) -> None:
           f"hooks: LoggingHook comes after {type(seen_checkpoint).__name__}; at a step where "
           "both fire, the checkpoint would hold the running average before the row is "
           "written and a resumed run would average those steps again: put the LoggingHook "
-          "before the checkpoint hook", UserWarning, stacklevel=3)
+          "before the checkpoint hook", UserWarning, stacklevel=4)
       return
 
 
@@ -133,16 +128,15 @@ class TrainLoop:
       whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
   Attributes:
-    status: ``"completed"``, ``"data_exhausted"``, ``"preempted"`` or ``"stopped"``
-      (or the reason given to :meth:`request_stop`) after ``run``.
-    preemption: the run's :class:`~loopkit.core.preemption.PreemptionWatcher`
-      (``loop.preemption.request()`` preempts as a signal would, also before
-      ``run``); after ``run`` it still tells what stopped the run
-      (``signal_received``), and the next ``run`` starts with a fresh one.
-    program: the :class:`~loopkit.core.program.MultiStepProgram`.
-    iterations_per_loop: the compiled slot count K (the cap, for time-based K).
-    time_based_k: the :class:`~loopkit.core.planner.TimeBasedK`, or None.
+    hooks: the hooks, in order.
+    steps_per_epoch: steps in one epoch (for ``"auto"``: the last ``run``'s source), or None.
     target_step: the global step the current ``run`` ends at.
+
+  Read-only properties: the configuration (:attr:`program`,
+  :attr:`iterations_per_loop`, :attr:`time_based_k`, :attr:`mesh`, ...) and the
+  current (or last) run's :attr:`status`, :attr:`stop_reason`,
+  :attr:`preemption`, :attr:`ledger`, :attr:`data_position` and
+  :attr:`last_state`.
 
   A ``run`` that raises keeps the work done: :attr:`last_state` is then the
   state at its last completed boundary, at step ``ledger.step`` (the state
@@ -159,64 +153,27 @@ class TrainLoop:
                prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
                preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
                canonical_convs: bool | None = None):
-    self.time_based_k: TimeBasedK | None = None
-    if isinstance(iterations_per_loop, str):
-      iterations_per_loop = TimeBasedK(
-          parse_duration(iterations_per_loop),
-          max_iterations_per_loop=100 if max_iterations_per_loop is None
-          else max_iterations_per_loop)
-    elif max_iterations_per_loop is not None:
-      raise ValueError("max_iterations_per_loop is only for a duration iterations_per_loop "
-                       f"such as '30s', got iterations_per_loop={iterations_per_loop!r}")
-    if isinstance(iterations_per_loop, TimeBasedK):
-      if jax.process_count() > 1:  # a host-local decision the boundary agreement cannot carry
-        raise ValueError(
-            f"iterations_per_loop={iterations_per_loop!r} chooses call lengths from this "
-            f"process's clock, ahead of time (the feeder plans prefetched calls), so "
-            f"{jax.process_count()} processes would run calls of different lengths and "
-            "their collectives would not match: pass an int K on several processes (measure "
-            "one with `python -m loopkit.tools.tune` on one process)")
-      self.time_based_k = iterations_per_loop
-      iterations_per_loop = iterations_per_loop.max_iterations_per_loop
-    iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
+    slots, time_based_k = _slots_and_time_based_k(iterations_per_loop, max_iterations_per_loop)
+    mesh, data_parallel_size = resolve_mesh(mesh, data_axis)
+    program = MultiStepProgram(train_step, iterations_per_loop=slots,  # checks the slot count
+                               mesh=mesh, data_axis=data_axis, style=step_style,
+                               step_of=step_of, canonical_convs=canonical_convs)
     self._auto_steps_per_epoch = steps_per_epoch == "auto"  # from the source, at each run
-    if self._auto_steps_per_epoch:
-      steps_per_epoch = None
-    elif steps_per_epoch is not None and (isinstance(steps_per_epoch, str)
-                                          or steps_per_epoch < 1):
-      raise ValueError(f"steps_per_epoch must be >= 1 or 'auto', got {steps_per_epoch!r}")
-    assert not isinstance(steps_per_epoch, str)
-    self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
+    self.steps_per_epoch: int | None = _fixed_steps_per_epoch(steps_per_epoch)
     if global_batch_size is not None:
-      check_global_batch_size(global_batch_size, self.data_parallel_size)
-    self.iterations_per_loop = iterations_per_loop
-    self.hooks = list(hooks)
-    for h in self.hooks:
-      missing = [a for a in ("trigger", "needs_state", "on_run_start", "after_each_call",
-                                "on_trigger",
-                             "on_run_end") if not hasattr(h, a)]
-      if missing:
-        raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
-                        "(or wrap a function in loopkit.CallbackHook)")
-    _warn_logging_after_checkpoint(self.hooks)
-    hook_names(self.hooks)  # raises now for a hook_name given twice
-    self.steps_per_epoch: int | None = steps_per_epoch
-    if steps_per_epoch is not None:
-      self._check_triggers()
-    self.prefetch = prefetch
-    self.step_of = step_of
-    self.program = MultiStepProgram(train_step, iterations_per_loop=iterations_per_loop,
-                                    mesh=self.mesh, data_axis=data_axis, style=step_style,
-                                    step_of=step_of, canonical_convs=canonical_convs)
+      check_global_batch_size(global_batch_size, data_parallel_size)
+    self.hooks = _checked_hooks(hooks)
+    if self.steps_per_epoch is not None:
+      check_epoch_marks(self.hooks, self.steps_per_epoch)
+    self._config = RunConfig(program=program, iterations_per_loop=program.iterations_per_loop,
+                             time_based_k=time_based_k, mesh=mesh,
+                             data_parallel_size=data_parallel_size, prefetch=prefetch,
+                             step_of=step_of, global_batch_size=global_batch_size)
     install_default_handler()  # a plain script shows loopkit's lines (loopkit._internal.logs)
-    _warn_gpu_while_dispatch(self.mesh)
+    _warn_gpu_while_dispatch(mesh)
     self._run: Run | None = None  # the current (or last) run: the only writer of run state
-    self.status: str | None = None
-    self._stop_reason: str | None = None
     self.preemption_signals = tuple(preemption_signals)
-    self.preemption = PreemptionWatcher(self.preemption_signals)
-    self._preemption_used = False
-    self._global_batch_size = global_batch_size
+    self._preemption = PreemptionWatcher(self.preemption_signals)  # the next (or current) run's
     self.target_step: int | None = None
 
   # -- public ----------------------------------------------------------------
@@ -225,9 +182,11 @@ class TrainLoop:
     """Asks the loop to stop at the next boundary (hooks: ``ctx.request_stop``).
 
     A request, not a state change: the run stops at the next boundary, after
-    the processes agreed on it (:mod:`loopkit.core.agreement`).
+    the processes agreed on it (:mod:`loopkit.core.agreement`). Outside a run
+    it has no effect (each run starts without a stop request).
     """
-    self._stop_reason = reason
+    if self._run is not None:
+      self._run.request_stop(reason)
 
   def run(self, state: Any, batches: Iterable, *, num_steps: int | None = None,
           num_epochs: int | None = None) -> Any:
@@ -261,37 +220,86 @@ class TrainLoop:
       self.steps_per_epoch = steps_per_epoch_of(batches)
     target = self._target(num_steps, num_epochs)
     self.target_step = target
-    if self.time_based_k is not None:
-      self.time_based_k.start()
-    renew_preemption(self)
-    prior = self.ledger
-    run = Run(self, Ledger(), target, num_epochs)  # its ledger is set once the step is known
-    state = run.admit(state, None)
-    counter = self.step_of(state)
-    if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
-      replicated = np.ndim(counter) == 1 and np.shape(counter)[0] in (
-          self.data_parallel_size, jax.local_device_count())
-      raise ValueError(f"the state's step counter must be a scalar integer array, got shape "
-                       f"{np.shape(counter)} dtype {counter.dtype}" + (
-                           "; this looks like a state replicated for pmap (flax.jax_utils."
-                           "replicate): pass the unreplicated state (jax_utils.unreplicate, "
-                           "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
-                           "itself" if replicated else ""))
-    step0 = int(jax.device_get(counter))  # "nothing to run" is told after restores (Run.start)
+    config = self._config
+    if config.time_based_k is not None:
+      config.time_based_k.start()
     last = self._run
+    if last is not None and last.preemption_spent and last.preemption is self._preemption:
+      # the last run spent it (still readable until now): this run starts unflagged
+      self._preemption = PreemptionWatcher(self.preemption_signals)
+    prior = self.ledger
+    run = Run(config, self.hooks, steps_per_epoch=self.steps_per_epoch, target=target,
+              num_epochs=num_epochs, preemption=self._preemption)
+    state = run.admit(state, None)
+    step0 = _initial_step(config.step_of(state), config.data_parallel_size)
     fresh = prior is None or last is None or prior.step != step0
     ledger = Ledger(step=step0) if fresh or prior is None else prior
     ledger.steps_per_epoch = self.steps_per_epoch
-    run.set_ledger(ledger)
-    # examples_seen = step0 x B at the first chunk (case C52), also when the last run of
+    # examples_seen = step0 x B at the first chunk, also when the last run of
     # this loop ended before its first chunk
-    run.examples_unknown = step0 > 0 and (fresh or last is None or last.examples_unknown)
-    self.status = None
-    self._stop_reason = None
+    run.set_ledger(ledger, examples_unknown=step0 > 0 and (
+        fresh or last is None or last.examples_unknown))
     self._run = run
-    return run.execute(state, batches, step0)
+    return run.execute(state, batches)
 
-  # -- read-only views of the current run -------------------------------------
+  # -- read-only views of the configuration and of the current run -----------
+
+  @property
+  def program(self) -> MultiStepProgram:
+    """The :class:`~loopkit.core.program.MultiStepProgram`."""
+    return self._config.program
+
+  @property
+  def iterations_per_loop(self) -> int:
+    """The compiled slot count K (the cap, for time-based K)."""
+    return self._config.iterations_per_loop
+
+  @property
+  def time_based_k(self) -> TimeBasedK | None:
+    """The :class:`~loopkit.core.planner.TimeBasedK`, or None."""
+    return self._config.time_based_k
+
+  @property
+  def mesh(self) -> Mesh:
+    """The device mesh."""
+    return self._config.mesh
+
+  @property
+  def data_parallel_size(self) -> int:
+    """Devices along the data axis."""
+    return self._config.data_parallel_size
+
+  @property
+  def prefetch(self) -> int:
+    """Chunks prepared ahead by the feeder's thread."""
+    return self._config.prefetch
+
+  @property
+  def step_of(self) -> Callable[[Any], Any]:
+    """Returns the state's step counter."""
+    return self._config.step_of
+
+  @property
+  def status(self) -> str | None:
+    """The last run's status: ``"completed"``, ``"data_exhausted"``, ``"preempted"``,
+    ``"stopped"`` or the reason given to :meth:`request_stop`; None before any run and
+    while a run runs."""
+    return self._run.status if self._run is not None else None
+
+  @property
+  def stop_reason(self) -> str | None:
+    """The stop requested (or agreed) in the current (or last) run, or None."""
+    return self._run.stop_reason if self._run is not None else None
+
+  @property
+  def preemption(self) -> PreemptionWatcher:
+    """The :class:`~loopkit.core.preemption.PreemptionWatcher` of the current (or next) run.
+
+    ``loop.preemption.request()`` preempts as a signal would, also before
+    ``run``; after ``run`` it still tells what stopped the run
+    (``signal_received``), and the next ``run`` starts with a fresh one.
+    """
+    return self._preemption
 
   @property
   def ledger(self) -> Ledger | None:
@@ -351,15 +359,82 @@ class TrainLoop:
     assert num_steps is not None
     return int(num_steps)
 
-  def _check_triggers(self) -> None:
-    """Every hook's marks are whole steps for this loop's ``steps_per_epoch`` (case C31).
 
-    Raises:
-      ValueError: naming the hook, ``every_epochs`` and ``steps_per_epoch``.
-    """
-    for h in self.hooks:
-      try:
-        h.trigger.epoch_period(self.steps_per_epoch)
-      except ValueError as e:
-        raise ValueError(f"{type(h).__name__}: {e}") from None
+def _slots_and_time_based_k(iterations_per_loop: int | str | TimeBasedK,
+                            max_iterations_per_loop: int | None) -> tuple[Any, TimeBasedK | None]:
+  """The compiled slot count (unchecked: the program checks it) and the time-based K, if any.
 
+  Raises:
+    ValueError: ``max_iterations_per_loop`` with an int K; a duration K on
+      several processes.
+  """
+  if isinstance(iterations_per_loop, str):
+    iterations_per_loop = TimeBasedK(
+        parse_duration(iterations_per_loop),
+        max_iterations_per_loop=100 if max_iterations_per_loop is None
+        else max_iterations_per_loop)
+  elif max_iterations_per_loop is not None:
+    raise ValueError("max_iterations_per_loop is only for a duration iterations_per_loop "
+                     f"such as '30s', got iterations_per_loop={iterations_per_loop!r}")
+  if not isinstance(iterations_per_loop, TimeBasedK):
+    return iterations_per_loop, None
+  if jax.process_count() > 1:  # a host-local decision the processes' agreement cannot carry
+    raise ValueError(
+        f"iterations_per_loop={iterations_per_loop!r} chooses call lengths from this "
+        f"process's clock, ahead of time (the feeder plans prefetched calls), so "
+        f"{jax.process_count()} processes would run calls of different lengths and "
+        "their collectives would not match: pass an int K on several processes (measure "
+        "one with `python -m loopkit.tools.tune` on one process)")
+  return iterations_per_loop.max_iterations_per_loop, iterations_per_loop
+
+
+def _fixed_steps_per_epoch(steps_per_epoch: int | str | None) -> int | None:
+  """``steps_per_epoch`` checked; None for ``"auto"`` (taken from the source at each run).
+
+  Raises:
+    ValueError: not ``"auto"``, None or an int >= 1.
+  """
+  if steps_per_epoch == "auto":
+    return None
+  if steps_per_epoch is not None and (isinstance(steps_per_epoch, str) or steps_per_epoch < 1):
+    raise ValueError(f"steps_per_epoch must be >= 1 or 'auto', got {steps_per_epoch!r}")
+  assert not isinstance(steps_per_epoch, str)
+  return steps_per_epoch
+
+
+def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
+  """``hooks`` as a list, after checking each has the hook methods and the names are unique.
+
+  Raises:
+    TypeError: a hook without the :class:`~loopkit.core.hooks.Hook` methods.
+    ValueError: a ``hook_name`` given twice.
+  """
+  hooks = list(hooks)
+  for h in hooks:
+    missing = [a for a in ("trigger", "needs_state", "on_run_start", "after_each_call",
+                           "on_trigger", "on_run_end") if not hasattr(h, a)]
+    if missing:
+      raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
+                      "(or wrap a function in loopkit.CallbackHook)")
+  _warn_logging_after_checkpoint(hooks)
+  hook_names(hooks)  # raises now for a hook_name given twice
+  return hooks
+
+
+def _initial_step(counter: Any, data_parallel_size: int) -> int:
+  """The step of a run's initial state, from its step counter.
+
+  Raises:
+    ValueError: the counter is not a scalar integer array (naming a state
+      replicated for pmap).
+  """
+  if np.shape(counter) != () or not np.issubdtype(counter.dtype, np.integer):
+    replicated = np.ndim(counter) == 1 and np.shape(counter)[0] in (
+        data_parallel_size, jax.local_device_count())
+    raise ValueError(f"the state's step counter must be a scalar integer array, got shape "
+                     f"{np.shape(counter)} dtype {counter.dtype}" + (
+                         "; this looks like a state replicated for pmap (flax.jax_utils."
+                         "replicate): pass the unreplicated state (jax_utils.unreplicate, "
+                         "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
+                         "itself" if replicated else ""))
+  return int(jax.device_get(counter))  # "nothing to run" is told after restores (Run.start)

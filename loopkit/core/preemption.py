@@ -28,7 +28,7 @@ A flag set before ``run`` (``loop.preemption.request()``) or by a hook's
 loop starts a fresh watcher when a run ends, so the next run starts unflagged.
 
 Cost: on one process, reading a Python bool per call. On several processes,
-one blocking all-gather per call, shared with the other boundary decisions.
+one blocking all-gather per call, shared with the other decisions agreed at each boundary.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ class MultiStepProgram:
                canonical_convs: bool | None = None):
     check_step_style(style)
     self.train_step = train_step
-    self.k = check_iterations_per_loop(iterations_per_loop)
+    self.iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
     self.mesh = mesh
     self.data_axis = data_axis
     self.style = style
@@ -362,7 +362,8 @@ class MultiStepProgram:
                 else jax.extend.core.jaxpr_as_fun(closed))
     out_def = jax.tree.structure((out_state_shape, metric_shape))
 
-    slots = max(self.k, MIN_SLOTS)  # see the module docstring: K = 1 compiles as K = 2
+    # See the module docstring: K = 1 compiles as K = 2.
+    slots = max(self.iterations_per_loop, MIN_SLOTS)
     traces0 = jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), metric_shape)
 
     def body(i, b, carry):
@@ -375,7 +376,7 @@ class MultiStepProgram:
       return new_s, traces
 
     state, traces = run_slots(body, batches, num_steps, (state, traces0))
-    traces = jax.tree.map(lambda t: t[:self.k], traces)
+    traces = jax.tree.map(lambda t: t[:self.iterations_per_loop], traces)
     return state, CallOutput(traces=traces,
                              nonfinite=metrics_lib.first_nonfinite(traces),
                              step=self.step_of(state))

@@ -1,13 +1,15 @@
 """One ``TrainLoop.run``: the run object, the only writer of run state.
 
-A :class:`Run` lives for one call of :meth:`loopkit.TrainLoop.run`. It owns the
-ledger, the data position, the status and the per-run bookkeeping (the train
-state's spec, the replica check, the hooks' names and contexts), and goes
-through three named steps:
+A :class:`Run` lives for one call of :meth:`loopkit.TrainLoop.run`. It takes the
+loop's :class:`RunConfig` (not the loop), owns the ledger, the data position,
+the status, the stop reason, the preemption watcher's use and the per-run
+bookkeeping (the train state's spec, the replica check, the hooks' names and
+contexts), and goes through three named steps:
 
-* :meth:`Run.dispatch`: one agreed boundary decision, one device call, the
-  ledger advanced, a :class:`Boundary` recorded;
-* :meth:`Run.boundary`: the call's outputs fetched (one ``device_get``, one
+* :meth:`Run.dispatch`: the processes' agreement (:mod:`loopkit.core.agreement`)
+  already taken, one device call, the ledger advanced, a :class:`Boundary`
+  recorded;
+* :meth:`Run.finish_call`: the call's outputs fetched (one ``device_get``, one
   call late unless a firing hook needs the state), a
   :class:`~loopkit.core.hooks.LoopInfo` built, hooks see it and fire;
 * :meth:`Run.stop`: the status, the ``at_end`` hooks that did not fire on the
@@ -23,8 +25,8 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -35,15 +37,13 @@ from loopkit._internal.mesh import is_cpu_mesh
 from loopkit.core.agreement import agree_with_reason
 from loopkit.core.context import LedgerAdjustment, Restore, RunContext
 from loopkit.core.hook_state import collect_hook_states, give_hook_states, hook_names
-from loopkit.core.hooks import Hook, LoopInfo, NonFiniteWarning
+from loopkit.core.hooks import CallRecord, Hook, LoopInfo, NonFiniteWarning, record_fields
 from loopkit.core.ledger import Bucket, Ledger, LedgerView, epoch_of
-from loopkit.core.planner import plan_calls
+from loopkit.core.planner import TimeBasedK, plan_calls
 from loopkit.core.preemption import PreemptionWatcher
+from loopkit.core.program import MultiStepProgram
 from loopkit.data.feeding import Chunk, ChunkFeeder
 from loopkit.data.sources import open_source
-
-if TYPE_CHECKING:
-  from loopkit.core.loop import TrainLoop
 
 log = logging.getLogger("loopkit")
 
@@ -64,69 +64,109 @@ def _fetch(tree: Any, copy_async: bool) -> Any:
     for x in leaves:
       x.copy_to_host_async()
   # np.array, not np.asarray: on CPU devices asarray is a view that keeps the
-  # device buffer alive for as long as a hook keeps the value (case C37).
+  # device buffer alive for as long as a hook keeps the value.
   return jax.tree.unflatten(treedef, [np.array(x) for x in leaves])
 
 
-@dataclasses.dataclass
-class Boundary:
-  """The end of one device call, as the run records it.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Boundary(CallRecord):
+  """The end of one device call, as the run records it: a
+  :class:`~loopkit.core.hooks.CallRecord` (``is_last``: the run's planned last
+  call, target reached or data exhausted) and what the run still has to do.
 
   Attributes:
-    start, end: the call's step range ``(start, end]``.
-    loop_index: 0-based index of the call.
-    epoch, step_in_epoch: of step ``end`` (:func:`loopkit.core.ledger.epoch_of`).
-    examples_seen: after the call.
     out: the call's device outputs (state step, reduced metrics, traces), not
-      fetched until :meth:`Run.boundary`.
+      fetched until :meth:`Run.finish_call`.
     firing: indices (into the loop's hooks) of the hooks whose trigger fired.
-    is_last: the run's planned last call (target reached or data exhausted).
-    position: the source position after the call's last batch.
-    info: the :class:`~loopkit.core.hooks.LoopInfo`, once built (None without hooks).
   """
 
-  start: int
-  end: int
-  loop_index: int
-  epoch: int
-  step_in_epoch: int
-  examples_seen: int
   out: Any
   firing: list[int]
-  is_last: bool
-  position: Any
-  info: LoopInfo | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """What a :class:`Run` needs of its loop, fixed when the loop is built.
+
+  Attributes:
+    program: the compiled :class:`~loopkit.core.program.MultiStepProgram`.
+    iterations_per_loop: the compiled slot count K (the cap, for time-based K).
+    time_based_k: the :class:`~loopkit.core.planner.TimeBasedK`, or None.
+    mesh: the device mesh.
+    data_parallel_size: devices along the data axis.
+    prefetch: chunks prepared ahead by the feeder's thread.
+    step_of: returns the state's step counter.
+    global_batch_size: the batch size to check the first batch against, or None.
+  """
+
+  program: MultiStepProgram
+  iterations_per_loop: int
+  time_based_k: TimeBasedK | None
+  mesh: Any
+  data_parallel_size: int
+  prefetch: int
+  step_of: Callable[[Any], Any]
+  global_batch_size: int | None
+
+
+def check_epoch_marks(hooks: Sequence[Hook], steps_per_epoch: int | None) -> None:
+  """Every hook's marks are whole steps for ``steps_per_epoch``.
+
+  Raises:
+    ValueError: naming the hook, ``every_epochs`` and ``steps_per_epoch``.
+  """
+  for h in hooks:
+    try:
+      h.trigger.epoch_period(steps_per_epoch)
+    except ValueError as e:
+      raise ValueError(f"{type(h).__name__}: {e}") from None
 
 
 class Run:
   """One run of a :class:`~loopkit.core.loop.TrainLoop` (created by ``TrainLoop.run``).
 
   Args:
-    loop: the loop (its configuration: program, hooks, mesh, planner inputs).
-    ledger: the ledger to continue (the loop's previous one, if at this step).
+    config: the loop's :class:`RunConfig`.
+    hooks: the loop's hooks, in order.
+    steps_per_epoch: steps in one epoch for this run, or None.
     target: the global step to end at.
     num_epochs: the ``num_epochs`` asked for (for messages), or None.
+    preemption: the :class:`~loopkit.core.preemption.PreemptionWatcher` this
+      run installs (see :attr:`preemption_spent`).
 
   Attributes:
-    ledger: the run's :class:`~loopkit.core.ledger.Ledger` (written only here).
+    ledger: the run's :class:`~loopkit.core.ledger.Ledger` (written only here;
+      set by :meth:`set_ledger` once the state's step is known).
     ledger_view: its read-only view, for hooks.
     data_position: source position after the last consumed call.
     state: the latest state (the output of the latest dispatched call, or a
       hook's replacement), at the ledger's step; what ``TrainLoop.last_state``
       hands back when ``run`` raises (:meth:`fail`).
+    status: None until the run ends; then ``"completed"``, ``"data_exhausted"``
+      or the stop reason.
+    stop_reason: the reason of a requested (or agreed) stop, or None.
+    preemption_spent: whether :meth:`execute` has installed and released the
+      watcher (it still tells ``signal_received``; the next run gets a fresh one).
     names: the hooks' stable names (:func:`loopkit.core.hook_state.hook_names`).
     started: how many hooks' ``on_run_start`` were called (they get
       ``on_run_error``).
   """
 
-  def __init__(self, loop: TrainLoop, ledger: Ledger, target: int, num_epochs: int | None):
-    self.loop = loop
-    self.hooks: list[Hook] = loop.hooks
+  def __init__(self, config: RunConfig, hooks: list[Hook], *, steps_per_epoch: int | None,
+               target: int, num_epochs: int | None, preemption: PreemptionWatcher):
+    self.config = config
+    self.program = config.program
+    self.hooks = hooks
+    self.steps_per_epoch = steps_per_epoch
+    self.preemption = preemption
+    self.preemption_spent = False
+    self.status: str | None = None
+    self.stop_reason: str | None = None
     self.names = hook_names(self.hooks)
     self.buckets = [getattr(h, "time_bucket", Bucket.HOOKS) for h in self.hooks]
     self.contexts = [RunContext(self, i, self._hook_states) for i in range(len(self.hooks))]
-    self.ledger = ledger
-    self.ledger_view = LedgerView(ledger)
+    self.ledger = Ledger()
+    self.ledger_view = LedgerView(self.ledger)
     self.target = target
     self.num_epochs = num_epochs
     self.data_position: Any = None
@@ -134,21 +174,30 @@ class Run:
     self.state_position: Any = None  # the source position after self.state's last batch
     self.started = 0
     self.last: Boundary | None = None  # the last boundary whose hooks ran
+    self.last_info: LoopInfo | None = None  # its LoopInfo (None without hooks)
     self.state_spec: Any = None
     # A ledger made from the state's step alone (no checkpoint, not the loop's last
     # ledger): its examples_seen is taken at the first chunk, as step x the chunk's
-    # global batch, whatever the loop's constructor arguments or earlier runs (case C52).
+    # global batch, whatever the loop's constructor arguments or earlier runs.
     self.examples_unknown = False
     self.replicas_checked_at: int | None = None
-    self.copy_async = not is_cpu_mesh(loop.mesh)  # see _fetch
+    self.checked_layout = False  # the first chunk's layout (next_chunk)
+    self.copy_async = not is_cpu_mesh(config.mesh)  # see _fetch
     self.nonfinite_step: int | None = None  # the run's first step with a NaN/Inf metric
     self.t_mark = time.perf_counter()
 
   # -- ledger writes --------------------------------------------------------
 
-  def set_ledger(self, ledger: Ledger) -> None:
+  def set_ledger(self, ledger: Ledger, *, examples_unknown: bool = False) -> None:
+    """Makes ``ledger`` the run's; ``examples_unknown``: its ``examples_seen`` is
+    taken at the first chunk (a ledger made from the state's step alone)."""
     self.ledger = ledger
     self.ledger_view = LedgerView(ledger)
+    self.examples_unknown = examples_unknown
+
+  def request_stop(self, reason: str = "stopped") -> None:
+    """Asks the run to stop at the next boundary, after the processes agreed on it."""
+    self.stop_reason = reason
 
   def tick_total(self) -> None:
     """Adds the wall time since the last tick to ``seconds["total"]`` (kept current
@@ -168,18 +217,28 @@ class Run:
 
   # -- start ----------------------------------------------------------------
 
-  def start(self, state: Any, batches: Iterable, step0: int) -> tuple[Any, ChunkFeeder]:
+  def start(self, state: Any, batches: Iterable) -> tuple[Any, ChunkFeeder]:
     """``on_run_start`` of every hook (applying restores), then the plan and the feeder.
 
     Args:
-      state: the admitted initial state.
+      state: the admitted initial state, at the ledger's step.
       batches: the source.
-      step0: the state's step.
 
     Returns:
       ``(state, feeder)``.
     """
-    loop = self.loop
+    state = self.start_hooks(state)
+    step0 = self.ledger.step  # a restore's step, else the state's
+    if step0 >= self.target:  # after restores: a checkpoint past the target too
+      log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
+                  self.target)
+    check_epoch_marks(self.hooks, self.steps_per_epoch)
+    for h in self.hooks:
+      h.trigger.start_clock()
+    return state, self.open_feeder(batches, step0)
+
+  def start_hooks(self, state: Any) -> Any:
+    """Every hook's ``on_run_start`` (applying what it returns), then ``adjust_ledger``."""
     for i, h in enumerate(self.hooks):
       self.started = i + 1
       new = self.call_hook(i, h.on_run_start, self.contexts[i], state)
@@ -189,14 +248,13 @@ class Run:
         state = self.apply_restore(new, i)
       else:  # a state (e.g. a hook that edits the state before training)
         state = self.admit(new, i)
-        step = int(jax.device_get(loop.step_of(state)))
+        step = int(jax.device_get(self.config.step_of(state)))
         if step != self.ledger.step:
           raise ValueError(
               f"{type(h).__name__}.on_run_start returned a state at step {step} but the "
               f"ledger is at step {self.ledger.step}: to restore, return "
               "loopkit.core.Restore(state, ledger, data_position)")
         self.state = state
-      step0 = self.ledger.step
     for i, h in enumerate(self.hooks):
       adjust = getattr(h, "adjust_ledger", None)
       if adjust is not None:
@@ -206,45 +264,42 @@ class Run:
             raise TypeError(f"{type(h).__name__}.adjust_ledger returned {change!r}, not a "
                             "loopkit.core.LedgerAdjustment or None")
           change.apply_to(self.ledger)
-    if step0 >= self.target:  # after restores: a checkpoint past the target too (case C47)
-      log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
-                  self.target)
-    loop._check_triggers()
-    for h in self.hooks:
-      h.trigger.start_clock()
+    return state
+
+  def open_feeder(self, batches: Iterable, step0: int) -> ChunkFeeder:
+    """Opens the source at the run's data position and plans the calls from ``step0``."""
+    config = self.config
     source, start_position = open_source(batches, self.data_position, step0)
     if self.data_position is None:  # the position of a boundary before any call
       get_state = getattr(source, "get_state", None)
       self.data_position = get_state() if callable(get_state) else start_position
-    plan = plan_calls(step0, iterations_per_loop=loop.time_based_k or loop.iterations_per_loop,
-                      num_steps=self.target, steps_per_epoch=loop.steps_per_epoch,
+    plan = plan_calls(step0, iterations_per_loop=config.time_based_k or config.iterations_per_loop,
+                      num_steps=self.target, steps_per_epoch=self.steps_per_epoch,
                       triggers=[h.trigger for h in self.hooks])
     # A preemption abandons the chunk being formed (feeding.py): the loop then
     # stops at this boundary after the same agreement as any other.
-    feeder = ChunkFeeder(source, plan, iterations_per_loop=loop.iterations_per_loop,
-                         batch_sharding=loop.program.batch_sharding,
-                         replicated=loop.program.replicated,
-                         data_parallel_size=loop.data_parallel_size, prefetch=loop.prefetch,
-                         start_position=start_position, first_step=step0,
-                         interrupt=loop.preemption.event,
-                         global_batch_size=loop._global_batch_size)
-    return state, feeder
+    return ChunkFeeder(source, plan, iterations_per_loop=config.iterations_per_loop,
+                       batch_sharding=self.program.batch_sharding,
+                       replicated=self.program.replicated,
+                       data_parallel_size=config.data_parallel_size, prefetch=config.prefetch,
+                       start_position=start_position, first_step=step0,
+                       interrupt=self.preemption.event,
+                       global_batch_size=config.global_batch_size)
 
   def apply_restore(self, r: Restore, i: int) -> Any:
     """Takes a hook's :class:`~loopkit.core.context.Restore`: state, ledger, position, hook
     states."""
     h = self.hooks[i]
     state = self.admit(r.state, i)
-    step = int(jax.device_get(self.loop.step_of(state)))
+    step = int(jax.device_get(self.config.step_of(state)))
     if not isinstance(r.ledger, Ledger) or r.ledger.step != step:
       got = r.ledger.step if isinstance(r.ledger, Ledger) else repr(r.ledger)
       raise ValueError(f"{type(h).__name__} restored a state at step {step} with a ledger at "
                        f"step {got}: a Restore's ledger must be a loopkit.core.Ledger at the "
                        "state's step")
     ledger = r.ledger.copy()
-    ledger.steps_per_epoch = self.loop.steps_per_epoch
+    ledger.steps_per_epoch = self.steps_per_epoch
     self.set_ledger(ledger)
-    self.examples_unknown = False
     self.state, self.data_position = state, r.data_position
     unmatched = give_hook_states(r.hook_states, self.hooks, self.names, i)
     if unmatched:
@@ -259,62 +314,23 @@ class Run:
 
   # -- the run --------------------------------------------------------------
 
-  def execute(self, state: Any, batches: Iterable, step0: int) -> Any:
+  def execute(self, state: Any, batches: Iterable) -> Any:
     """Runs to the target (or a stop); returns the final state.
 
     If it raises, :attr:`state` is the work kept and the hooks whose
     ``on_run_start`` was called get ``on_run_error`` (:meth:`fail`).
     """
-    loop = self.loop
     self.state = state
     try:
-      state, feeder = self.start(state, batches, step0)
+      state, feeder = self.start(state, batches)
     except BaseException as error:
       self.fail(error)
       raise
     self.state_position = self.data_position
-    pending: Boundary | None = None  # the last dispatched call, not yet finished
     returning = False  # False while an exception propagates: close without waiting
-    checked_layout = False
     try:
-      loop.preemption.install()
-      while True:
-        if loop._stop_reason is not None and jax.process_count() == 1:
-          break  # a hook asked to stop: no need to form (or wait for) another chunk
-        t0 = time.perf_counter()
-        chunk = feeder.next()
-        self.ledger.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
-        if chunk is None or (chunk.length == 0 and not chunk.interrupted):
-          if chunk is not None:
-            self.warn_exhausted()
-          break
-        if not checked_layout and not chunk.interrupted:
-          checked_layout = True
-          if loop._global_batch_size is None:  # if given, the feeder checked the batch (C49)
-            warn_if_pmap_layout(chunk.batches, loop.data_parallel_size)
-        if self.examples_unknown and not chunk.interrupted:
-          self.examples_unknown = False
-          self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
-        stop, time_due = self.agree()  # one agreement per call, all processes alike
-        if stop is not None:  # stop before dispatching: at_end hooks fire
-          loop._stop_reason = stop  # with this boundary's state (see stop)
-          break
-        if chunk.interrupted:  # only when this process's flag is set, so the stop is agreed
-          raise RuntimeError("loopkit: a chunk was abandoned without a preemption")
-        state, b = self.dispatch(state, chunk, time_due)
-        if pending is not None:  # one call late: the next call is already dispatched
-          self.boundary(pending, None)
-        pending = b
-        if any(self.hooks[i].needs_state for i in b.firing):  # before the next call donates it
-          state = self.boundary(b, state)
-          pending = None
-        if chunk.exhausted:
-          self.warn_exhausted()
-          break
-        if b.is_last:
-          break
-      if pending is not None:  # the run's last boundary
-        state = self.boundary(pending, state)
+      self.preemption.install()
+      state = self.call_until_done(state, feeder)
       state = self.stop(state)
       returning = True
     except BaseException as error:
@@ -322,19 +338,77 @@ class Run:
       self.fail(error)
       raise
     finally:
-      loop.preemption.uninstall()
-      loop._preemption_used = True  # kept for reading (signal_received); the next run renews it
+      self.preemption.uninstall()
+      self.preemption_spent = True  # kept for reading (signal_received); the next run renews it
       feeder.close(wait_secs=None if returning else 0.0)
       self.tick_total()
     return state
 
+  def call_until_done(self, state: Any, feeder: ChunkFeeder) -> Any:
+    """Dispatches device calls until the target, a stop or the end of data; finishes each.
+
+    Returns:
+      The state after the last call's hooks.
+    """
+    pending: Boundary | None = None  # the last dispatched call, not yet finished
+    while True:
+      if self.stop_reason is not None and jax.process_count() == 1:
+        break  # a hook asked to stop: no need to form (or wait for) another chunk
+      chunk = self.next_chunk(feeder)
+      if chunk is None:
+        break
+      stop, time_due = self.agree()  # one agreement per call, all processes alike
+      if stop is not None:  # stop before dispatching: at_end hooks fire
+        self.stop_reason = stop  # with this boundary's state (see stop)
+        break
+      if chunk.interrupted:  # only when this process's flag is set, so the stop is agreed
+        raise RuntimeError("loopkit: a chunk was abandoned without a preemption")
+      state, b = self.dispatch(state, chunk, time_due)
+      if pending is not None:  # one call late: the next call is already dispatched
+        self.finish_call(pending, None)
+      pending = b
+      if any(self.hooks[i].needs_state for i in b.firing):  # before the next call donates it
+        state = self.finish_call(b, state)
+        pending = None
+      if chunk.exhausted:
+        self.warn_exhausted(stacklevel=5)
+        break
+      if b.is_last:
+        break
+    if pending is not None:  # the run's last boundary
+      state = self.finish_call(pending, state)
+    return state
+
+  def next_chunk(self, feeder: ChunkFeeder) -> Chunk | None:
+    """The feeder's next chunk (its wait timed as data wait), or None when the data ran out.
+
+    The first chunk that was not interrupted settles an unknown ``examples_seen``
+    and, without a ``global_batch_size`` (else the feeder checked the batch),
+    warns about a pmap-looking layout.
+    """
+    t0 = time.perf_counter()
+    chunk = feeder.next()
+    self.ledger.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
+    if chunk is None or (chunk.length == 0 and not chunk.interrupted):
+      if chunk is not None:
+        self.warn_exhausted(stacklevel=6)
+      return None
+    if not self.checked_layout and not chunk.interrupted:
+      self.checked_layout = True
+      if self.config.global_batch_size is None:
+        warn_if_pmap_layout(chunk.batches, self.config.data_parallel_size)
+    if self.examples_unknown and not chunk.interrupted:
+      self.examples_unknown = False
+      self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
+    return chunk
+
   def dispatch(self, state: Any, chunk: Chunk, time_due: dict[int, bool]) -> tuple[Any, Boundary]:
     """Dispatches one device call over ``chunk`` and records its :class:`Boundary`."""
-    loop, ledger = self.loop, self.ledger
+    ledger, program = self.ledger, self.program
     start = ledger.step
     t0 = time.perf_counter()
-    first_call = loop.program.compile_count() == 0
-    state, out = loop.program(state, chunk.batches, chunk.num_steps)
+    first_call = program.compile_count() == 0
+    state, out = program(state, chunk.batches, chunk.num_steps)
     self.state, self.state_position = state, chunk.position  # its input was donated
     ledger.add_time(Bucket.COMPILE if first_call else Bucket.DISPATCH, time.perf_counter() - t0)
     ledger.advance(chunk.length, chunk.global_batch_size)
@@ -342,12 +416,14 @@ class Run:
     if first_call:
       self.check_replicas(state, f"after the first device call (steps {start + 1}..{end})")
     is_last = end >= self.target or chunk.exhausted
-    epoch, in_epoch = epoch_of(end, loop.steps_per_epoch)
-    return state, Boundary(start, end, ledger.loop_index - 1, epoch, in_epoch,
-                           ledger.examples_seen, out, self.firing(start, end, is_last, time_due),
-                           is_last, chunk.position)
+    epoch, in_epoch = epoch_of(end, self.steps_per_epoch)
+    return state, Boundary(start_step=start, end_step=end, loop_index=ledger.loop_index - 1,
+                           epoch=epoch, step_in_epoch=in_epoch,
+                           examples_seen=ledger.examples_seen, is_last=is_last,
+                           data_position=chunk.position, out=out,
+                           firing=self.firing(start, end, is_last, time_due))
 
-  def boundary(self, b: Boundary, state: Any) -> Any:
+  def finish_call(self, b: Boundary, state: Any) -> Any:
     """Fetches a call's outputs (one device_get) and runs its hooks.
 
     Args:
@@ -368,30 +444,21 @@ class Run:
       out = _fetch(b.out, self.copy_async)
       out_step, nonfinite = out.step, out.nonfinite
     ledger.add_time(Bucket.DEVICE_WAIT, time.perf_counter() - t0)
-    if int(out_step) != b.end:
+    if int(out_step) != b.end_step:
       raise ValueError(
           f"the state's step counter is {int(out_step)} after device call {b.loop_index} "
-          f"(steps {b.start + 1}..{b.end}); train_step must increment it by exactly 1 per "
-          f"step, and it must equal the loop's step {b.end}")
-    self.data_position = b.position
+          f"(steps {b.start_step + 1}..{b.end_step}); train_step must increment it by exactly "
+          f"1 per step, and it must equal the loop's step {b.end_step}")
+    self.data_position = b.data_position
     self.tick_total()
-    self.last = b
-    time_based_k = self.loop.time_based_k
+    self.last, self.last_info = b, None
+    time_based_k = self.config.time_based_k
     if not hooks:  # no LoopInfo to build: no hook observes, fires or fires at the end
       self.warn_nonfinite(b, nonfinite)
       if time_based_k is not None:
-        time_based_k.record(b.end)
+        time_based_k.record(b.end_step)
       return state
-    n = b.end - b.start
-    steps = (out.traces if n == self.loop.program.k else  # the call's steps, fields [n]
-             {k: jax.tree.map(lambda x: x[:n], v) for k, v in out.traces.items()})
-    values = {k: metrics_lib.fold_steps(v) for k, v in steps.items()}  # in step order (C50)
-    info = b.info = LoopInfo(
-        start_step=b.start, end_step=b.end, loop_index=b.loop_index, epoch=b.epoch,
-        step_in_epoch=b.step_in_epoch, examples_seen=b.examples_seen,
-        metrics={k: metrics_lib.compute(v) for k, v in values.items()},
-        metric_values=values, traces={k: metrics_lib.compute_traces(v) for k, v in steps.items()},
-        is_last=b.is_last, data_position=b.position, step_values=steps)
+    info = self.last_info = self.loop_info(b, out)
     buckets = self.buckets
     for i, h in enumerate(hooks):  # call_hook inlined: every hook, every call
       t0 = time.perf_counter()
@@ -402,8 +469,21 @@ class Run:
     self.warn_nonfinite(b, nonfinite)  # after after_each_call: a NanCheckHook raises first
     state = self.fire(b.firing, info, state)
     if time_based_k is not None:
-      time_based_k.record(b.end)
+      time_based_k.record(b.end_step)
     return state
+
+  def loop_info(self, b: Boundary, out: Any) -> LoopInfo:
+    """The hooks' :class:`~loopkit.core.hooks.LoopInfo` of call ``b``, from its fetched
+    outputs ``out``."""
+    n = b.num_steps
+    steps = (out.traces if n == self.config.iterations_per_loop else  # the call's steps, [n]
+             {k: jax.tree.map(lambda x: x[:n], v) for k, v in out.traces.items()})
+    values = {k: metrics_lib.fold_steps(v) for k, v in steps.items()}  # in step order
+    return LoopInfo(**record_fields(b),
+                    metrics={k: metrics_lib.compute(v) for k, v in values.items()},
+                    metric_values=values,
+                    traces={k: metrics_lib.compute_traces(v) for k, v in steps.items()},
+                    step_values=steps)
 
   def fire(self, firing: list[int], info: LoopInfo, state: Any) -> Any:
     """Calls ``on_trigger`` of the hooks ``firing``; admits the states they return."""
@@ -420,16 +500,15 @@ class Run:
 
   def stop(self, state: Any) -> Any:
     """Sets the status, fires the ``at_end`` hooks still due, then ``on_run_end``."""
-    loop = self.loop
-    if loop._stop_reason is not None:
-      loop.status = loop._stop_reason
-    elif loop.status is None:
+    if self.stop_reason is not None:
+      self.status = self.stop_reason
+    elif self.status is None:
       if self.ledger.step < self.target:  # invariant: "completed" means the target was reached
         raise RuntimeError(
             f"loopkit: the run ended at step {self.ledger.step} without reaching its target "
             f"step {self.target} and without a stop, preemption or end of data; this is a "
             "bug, please report it with the TrainLoop arguments")
-      loop.status = "completed"
+      self.status = "completed"
     state = self.fire_at_end(state)
     for i, h in enumerate(self.hooks):
       self.tick_total()  # seconds["total"] is current for each on_run_end (a summary)
@@ -443,7 +522,7 @@ class Run:
   def fail(self, error: BaseException) -> None:
     """When the run raises ``error``: keeps the work done, then ``on_run_error``.
 
-    Keeps :attr:`state` for ``TrainLoop.last_state`` (case C43): it is the
+    Keeps :attr:`state` for ``TrainLoop.last_state``: it is the
     state of the last completed boundary, the output of the latest dispatched
     call (or a hook's replacement of it), at the ledger's step, which no later
     call has consumed. It is not waited for here (an interrupt is not held up
@@ -467,19 +546,21 @@ class Run:
 
   # -- boundary helpers ----------------------------------------------------
 
-  def warn_exhausted(self) -> None:
-    self.loop.status = "data_exhausted"
-    target, spe = self.target, self.loop.steps_per_epoch
+  def warn_exhausted(self, stacklevel: int) -> None:
+    """Sets the status ``"data_exhausted"`` and warns; ``stacklevel`` points at the caller of
+    ``TrainLoop.run``."""
+    self.status = "data_exhausted"
+    target, spe = self.target, self.steps_per_epoch
     asked = (f"num_epochs={self.num_epochs} (x steps_per_epoch={spe} = {target} steps)"
              if self.num_epochs is not None else f"num_steps={target}")
     warnings.warn(
         f"the batch iterator ran out at step {self.ledger.step} before {asked}; stopping after "
         "the last full step. The batches are read once, as one stream: for more epochs repeat "
         "them (itertools.chain.from_iterable(itertools.repeat(batches, n)), tf.data's "
-        ".repeat(), or loopkit.ArraySource)", DataExhaustedWarning, stacklevel=4)
+        ".repeat(), or loopkit.ArraySource)", DataExhaustedWarning, stacklevel=stacklevel)
 
   def warn_nonfinite(self, b: Boundary, nonfinite: np.ndarray) -> None:
-    """Warns, once per run, naming the first step whose metric had a NaN or Inf (case C53).
+    """Warns, once per run, naming the first step whose metric had a NaN or Inf.
 
     Args:
       b: the call's boundary.
@@ -489,13 +570,13 @@ class Run:
       return  # all zeros: every metric finite (cheaper than nonfinite.any() for a few bytes)
     first = int(nonfinite[nonfinite > 0].min())
     names = [repr(k) for k, i in zip(sorted(b.out.traces), nonfinite.tolist()) if i == first]
-    self.nonfinite_step = b.start + first
+    self.nonfinite_step = b.start_step + first
     warnings.warn(NonFiniteWarning(
         f"metric{'s' * (len(names) > 1)} {', '.join(names)} "
         f"{'are' if len(names) > 1 else 'is'} NaN or infinite at step {self.nonfinite_step}, the "
         f"first such step of this run (device call {b.loop_index} ran steps "
-        f"{b.start + 1}..{b.end}); training goes on and the state may hold NaNs: add "
-        "loopkit.NanCheckHook() to stop there"), stacklevel=5)
+        f"{b.start_step + 1}..{b.end_step}); training goes on and the state may hold NaNs: add "
+        "loopkit.NanCheckHook() to stop there"), stacklevel=6)
 
   def agree(self) -> tuple[str | None, dict[int, bool]]:
     """Takes every host-local decision of one boundary, agreed across processes.
@@ -511,11 +592,10 @@ class Run:
       :func:`loopkit.core.agreement.agree_with_reason`; else ``"preempted"``) or
       None to go on; and ``{hook index: bool}`` for the hooks with ``every_secs``.
     """
-    loop = self.loop
     timed = [i for i, h in enumerate(self.hooks) if h.trigger.every_secs is not None]
     agreed, reason = agree_with_reason(
-        [loop.preemption.requested] + [self.hooks[i].trigger.time_due() for i in timed],
-        loop._stop_reason)
+        [self.preemption.requested] + [self.hooks[i].trigger.time_due() for i in timed],
+        self.stop_reason)
     time_due = dict(zip(timed, agreed[1:]))
     if reason is not None:
       return reason, time_due
@@ -523,7 +603,7 @@ class Run:
 
   def firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[int]:
     """The hooks that fire after the call ``(start, end]``; records their firing."""
-    spe = self.loop.steps_per_epoch
+    spe = self.steps_per_epoch
     firing = [i for i, h in enumerate(self.hooks)
               if h.trigger.should_fire(start, end, steps_per_epoch=spe, is_last=is_last,
                                        time_due=time_due.get(i, False))]
@@ -541,11 +621,11 @@ class Run:
     """
     last = self.last
     due = [i for i, h in enumerate(self.hooks) if h.trigger.at_end and not h.trigger.every_call]
-    if last is None or last.info is None:
+    if last is None or self.last_info is None:
       if last is not None:  # no hooks: nothing fires
         return state
       step = self.ledger.step
-      epoch, in_epoch = epoch_of(step, self.loop.steps_per_epoch)
+      epoch, in_epoch = epoch_of(step, self.steps_per_epoch)
       info = LoopInfo(start_step=step, end_step=step, loop_index=self.ledger.loop_index - 1,
                       epoch=epoch, step_in_epoch=in_epoch,
                       examples_seen=self.ledger.examples_seen, metrics={}, metric_values={},
@@ -553,18 +633,18 @@ class Run:
     elif last.is_last:
       return state
     else:
-      info = dataclasses.replace(last.info, is_last=True)
+      info = dataclasses.replace(self.last_info, is_last=True)
       due = [i for i in due if i not in last.firing]
     return self.fire(due, info, state)
 
   def check_replicas(self, state: Any, when: str) -> None:
-    """For per-device steps: every device's copy of the state must agree (case C34).
+    """For per-device steps: every device's copy of the state must agree.
 
     Runs after the first call and whenever the state is handed to hooks (to be
     saved or evaluated), at most once per step.
     """
-    program = self.loop.program
-    if (program.style != "per_device" or self.loop.data_parallel_size == 1
+    program = self.program
+    if (program.style != "per_device" or self.config.data_parallel_size == 1
         or self.replicas_checked_at == self.ledger.step):
       return
     t0 = time.perf_counter()
@@ -587,7 +667,7 @@ class Run:
           f"axis_name={axis!r})")
 
   def admit(self, state: Any, hook: int | None) -> Any:
-    """The one way a state enters the compiled program (case C29).
+    """The one way a state enters the compiled program.
 
     The run's initial state, a hook's replacement (``on_trigger``), a restore
     (``on_run_start``) and an ``on_run_end`` replacement all pass here: checked
@@ -608,14 +688,8 @@ class Run:
           f"{type(self.hooks[hook]).__name__} returned a state unlike the train state"))
       if problem:
         raise ValueError(problem)
-    placed = self.loop.program.place_state(state)
+    placed = self.program.place_state(state)
     if hook is None:
       self.state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
     return placed
 
-
-def renew_preemption(loop: TrainLoop) -> None:
-  """A request made since the last run (or before the first) counts; then a fresh watcher."""
-  if loop._preemption_used:
-    loop.preemption = PreemptionWatcher(loop.preemption_signals)
-    loop._preemption_used = False

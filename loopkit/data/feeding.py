@@ -13,7 +13,7 @@ transfers the next chunk while the current call runs. A step-indexed source with
 stacked, in one call: no Python object per batch, one copy into the chunk.
 
 Each chunk records the source position *after* its last batch; the loop saves
-the position of the last consumed chunk, never the prefetched one (case C25).
+the position of the last consumed chunk, never the prefetched one.
 A count position is derived from steps, ``start_position + steps formed``, so it
 always equals the batches of the chunks formed so far.
 
@@ -133,7 +133,7 @@ class ChunkFeeder:
     plan: iterator of call lengths (from :func:`loopkit.core.planner.plan_calls`).
     iterations_per_loop: K; a chunk has ``max(K, MIN_SLOTS)`` slots (K = 1 chunks
       carry one zero slot: the program's loop body then never meets a size-1 slot axis,
-      :mod:`loopkit.core.program`, case C38, and the program pads nothing on the device).
+      :mod:`loopkit.core.program`, and the program pads nothing on the device).
     batch_sharding: sharding of a chunk leaf ``[K, B, ...]``.
     replicated: sharding for the run-length scalar.
     data_parallel_size: number of shards of the batch axis; B must divide by it.
@@ -149,7 +149,7 @@ class ChunkFeeder:
       the event must stay set once set.
     global_batch_size: B as the loop was told it (None: the first batch's); every
       leaf of the first batch must then be ``[B / processes, ...]``
-      (:func:`loopkit._internal.checks.check_batch_layout`, case C49).
+      (:func:`loopkit._internal.checks.check_batch_layout`).
 
   Thread-safety: ``next``/``close`` from one consumer thread only.
   Raises (from ``next``): ValueError for a batch whose structure, shapes or
@@ -172,7 +172,7 @@ class ChunkFeeder:
     name = repr(self._it)
     self._source_name = name if len(name) <= 200 else name[:197] + "..."
     self._plan = plan
-    self._k = max(iterations_per_loop, MIN_SLOTS)  # slots per chunk
+    self._slots = max(iterations_per_loop, MIN_SLOTS)  # slots per chunk
     self._batch_sharding = batch_sharding
     self._replicated = replicated
     self._dp = data_parallel_size
@@ -317,76 +317,96 @@ class ChunkFeeder:
 
   def _form(self, n: int) -> Chunk | None:
     """Forms a chunk of ``n`` batches; None when halted (nothing placed or counted)."""
-    got: list[Any] = []
-    exhausted = False
+    pulled = self._pull(n)
+    if pulled is None:
+      return None
+    cols, count, fresh, exhausted = pulled
+    self._step += count
+    position = self._position()
+    if not count:
+      return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0))
+    arrays = [self._stack(xs, spec, count, fresh) for xs, spec in zip(cols, self._leaf_specs)]
+    return Chunk(self._place_chunk(arrays), self._num_steps(count), count, position, exhausted,
+                 self.global_batch_size)
+
+  def _pull(self, n: int) -> tuple[list, int, bool, bool] | None:
+    """Takes up to ``n`` batches from the source, checked; None when halted.
+
+    Returns:
+      ``(cols, count, fresh, exhausted)``: per leaf, the batches taken (a list,
+      or one stacked array ``[count, B, ...]`` from ``chunk_at``); how many;
+      whether that stacked array is new (the source keeps no reference); whether
+      the source ran out.
+    """
     # Halted (closing or interrupted): the chunk being formed is dropped. Per batch only
     # the source and that check (its two lookups bound once; bool() is False: no
     # interrupt event); the batches are checked together once pulled (_check_chunk).
     stopped = self._stop.is_set
     interrupted = self._interrupt.is_set if self._interrupt is not None else bool
     it = self._it
-    cols: list
     if self._takes_chunks:  # a source with chunk_at: the n batches stacked in one call
       if stopped() or interrupted():
         return None
       stacked, count, fresh = it.take(n)  # type: ignore[attr-defined]
-      exhausted = count < n
       if stopped() or interrupted():
         return None
-      cols = self._check_stacked(stacked, count, self._step) if count else []
-    else:
-      fresh = False
-      for _ in range(n):
-        if stopped() or interrupted():
-          return None
-        try:
-          got.append(next(it))
-        except StopIteration:
-          exhausted = True
-          break
-      if stopped() or interrupted():  # checked before any JAX call (see the module docstring)
+      return (self._check_stacked(stacked, count, self._step) if count else [], count, fresh,
+              count < n)
+    got: list[Any] = []
+    exhausted = False
+    for _ in range(n):
+      if stopped() or interrupted():
         return None
-      count = len(got)
-      cols = self._check_chunk(got, self._step) if got else []
-    self._step += count
-    position = self._position()
-    if not count:
-      return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0))
+      try:
+        got.append(next(it))
+      except StopIteration:
+        exhausted = True
+        break
+    if stopped() or interrupted():  # checked before any JAX call (see the module docstring)
+      return None
+    return self._check_chunk(got, self._step) if got else [], len(got), False, exhausted
 
-    def stack(xs, spec):
-      # [n * B, ...] by concatenation into [K, B, ...]: half the cost of np.stack
-      # for many small batches (every leaf has a leading batch axis); a stacked
-      # leaf [n, B, ...] (chunk_at) is one copy.
-      shape, dtype = spec
-      if fresh and count == self._k and xs.flags.c_contiguous:
-        return xs  # a new array the source keeps no reference to: the chunk leaf itself
-      arr = self._empty_leaf((self._k,) + shape, dtype)
-      if isinstance(xs, np.ndarray):
-        arr[:count] = xs
-      else:
-        np.concatenate(xs, out=arr[:count].reshape((count * shape[0],) + shape[1:]))
-      if count < self._k:  # a short call: zero padding slots
-        arr[count:] = 0
-      return arr
+  def _stack(self, xs: Any, spec: tuple[tuple[int, ...], np.dtype], count: int,
+             fresh: bool) -> np.ndarray:
+    """One chunk leaf ``[slots, B, ...]`` from ``count`` batches' leaves ``xs``, zero-padded."""
+    # [n * B, ...] by concatenation into [K, B, ...]: half the cost of np.stack
+    # for many small batches (every leaf has a leading batch axis); a stacked
+    # leaf [n, B, ...] (chunk_at) is one copy.
+    shape, dtype = spec
+    if fresh and count == self._slots and xs.flags.c_contiguous:
+      return xs  # a new array the source keeps no reference to: the chunk leaf itself
+    arr = self._empty_leaf((self._slots,) + shape, dtype)
+    if isinstance(xs, np.ndarray):
+      arr[:count] = xs
+    else:
+      np.concatenate(xs, out=arr[:count].reshape((count * shape[0],) + shape[1:]))
+    if count < self._slots:  # a short call: zero padding slots
+      arr[count:] = 0
+    return arr
 
-    arrays = [stack(xs, spec) for xs, spec in zip(cols, self._leaf_specs)]
+  def _place_chunk(self, arrays: list[np.ndarray]) -> Any:
+    """The chunk's leaves placed on the batch sharding, as the batch pytree."""
     if jax.process_count() == 1:  # one batched transfer (no cross-process check on 1 process)
       placed = self._place(arrays)
     else:
       placed = [jax.make_array_from_process_local_data(
-          self._batch_sharding, a, (self._k, a.shape[1] * jax.process_count()) + a.shape[2:])
+          self._batch_sharding, a, (self._slots, a.shape[1] * jax.process_count()) + a.shape[2:])
                 for a in arrays]
-    batches = jax.tree.unflatten(self._spec_def, placed)
+    return jax.tree.unflatten(self._spec_def, placed)
+
+  def _num_steps(self, count: int) -> Any:
+    """The run length ``count`` as a placed int32 scalar, one per distinct length (never
+    donated, so reusable)."""
     # Not jax.device_put: on several processes, device_put of a host value to a
     # global sharding runs a cross-process equality check (a collective); from
     # this thread it would interleave with the main thread's collectives (e.g.
     # the preemption all-gather) in a different order on each process.
     num = self._nums.get(count)
-    if num is None:  # one placed scalar per distinct length (never donated, so reusable)
+    if num is None:
       n_scalar = np.int32(count)
       num = self._nums[count] = jax.make_array_from_callback((), self._replicated,
                                                              lambda _: n_scalar)
-    return Chunk(batches, num, count, position, exhausted, self.global_batch_size)
+    return num
 
   def _produce(self) -> None:
     try:

@@ -342,6 +342,48 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
     prefetch = getattr(loop, "prefetch", 0)
   if evaluator is not None and eval_batch is None:
     raise ValueError("compile_for(evaluator=...) needs eval_batch, one eval batch's spec")
+  mesh = _target_mesh(program, topology, mesh)
+  dp = mesh.shape[program.data_axis]
+  chip = chip_of(mesh.devices.flat[0])
+  hbm = hbm_bytes if hbm_bytes is not None else (chip.hbm_bytes if chip else None)
+  where = f"on {topology or 'the local devices'}"
+
+  target = MultiStepProgram(program.train_step, iterations_per_loop=program.iterations_per_loop,
+                            mesh=mesh, data_axis=program.data_axis, style=program.style,
+                            step_of=program.step_of, canonical_convs=canonical_convs)
+  b = _batch_size(batch, "train")
+  check_global_batch_size(b, dp)
+  chunk = _chunk(batch, program.iterations_per_loop)
+  state_spec = _onto(state, mesh)
+  programs = {"train": _report("train", target.lower(state_spec, chunk), target,
+                               k=program.iterations_per_loop, batch_size=b, dp=dp,
+                               chunk_bytes=_nbytes(chunk, dp), prefetch=prefetch, chip=chip,
+                               hbm_bytes=hbm)}
+  if check_fits:
+    _check_fits(programs["train"], where)
+  if evaluator is not None:
+    # eval_step sees the train state as the loop placed it (EvalHook), unless told otherwise.
+    estate = (_onto(eval_state, mesh) if eval_state is not None else jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        state_spec, target.state_shardings))
+    programs["eval"] = _eval_report(evaluator, estate, eval_batch, mesh, dp=dp, chip=chip,
+                                    hbm_bytes=hbm)
+    if check_fits:
+      _check_fits(programs["eval"], where)
+
+  procs = len({d.process_index for d in mesh.devices.flat})
+  return AotReport(topology=topology or "local", chip=chip, num_devices=mesh.devices.size,
+                   num_processes=procs, mesh_shape=dict(mesh.shape), programs=programs)
+
+
+def _target_mesh(program: MultiStepProgram, topology: str | None, mesh: Mesh | None) -> Mesh:
+  """``mesh``, or a 1-D mesh over the topology's (or local) devices named after the
+  program's data axis, with the program's mesh axis type.
+
+  Raises:
+    ValueError: no ``mesh`` for a multi-axis program mesh; a ``mesh`` without
+      the data axis.
+  """
   data_axis = program.data_axis
   if mesh is None:
     devices: Sequence[jax.Device] = (jax.devices() if topology is None
@@ -355,42 +397,20 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
                          axis_types=tuple(program.mesh.axis_types))
   if data_axis not in mesh.axis_names:
     raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
-  dp = mesh.shape[data_axis]
-  chip = chip_of(mesh.devices.flat[0])
-  hbm = hbm_bytes if hbm_bytes is not None else (chip.hbm_bytes if chip else None)
-  where = f"on {topology or 'the local devices'}"
+  return mesh
 
-  target = MultiStepProgram(program.train_step, iterations_per_loop=program.k, mesh=mesh,
-                            data_axis=data_axis, style=program.style, step_of=program.step_of,
-                            canonical_convs=canonical_convs)
-  b = _batch_size(batch, "train")
-  check_global_batch_size(b, dp)
-  chunk = _chunk(batch, program.k)
-  state_spec = _onto(state, mesh)
-  lowered = target.lower(state_spec, chunk)
-  train = _report("train", lowered, target, k=program.k, batch_size=b, dp=dp,
-                  chunk_bytes=_nbytes(chunk, dp), prefetch=prefetch, chip=chip, hbm_bytes=hbm)
-  programs = {"train": train}
-  if check_fits:
-    _check_fits(train, where)
 
-  if evaluator is not None:
-    be = _batch_size(eval_batch, "eval")
-    ev = Evaluator(evaluator.eval_step, iterations_per_loop=evaluator.k, mesh=mesh,
-                   data_axis=evaluator.data_axis, step_style=evaluator.step_style,
-                   global_batch_size=be, prefetch=evaluator.prefetch)
-    echunk = {"batch": _chunk(eval_batch, ev.k),
-              "mask": jax.ShapeDtypeStruct((max(ev.k, MIN_SLOTS), be), np.bool_)}
-    # eval_step sees the train state as the loop placed it (EvalHook), unless told otherwise.
-    estate = (_onto(eval_state, mesh) if eval_state is not None else jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        state_spec, target.state_shardings))
-    programs["eval"] = _report("eval", ev.lower(estate, echunk), ev, k=ev.k, batch_size=be, dp=dp,
-                               chunk_bytes=_nbytes(echunk, dp), prefetch=evaluator.prefetch,
-                               chip=chip, hbm_bytes=hbm)
-    if check_fits:
-      _check_fits(programs["eval"], where)
-
-  procs = len({d.process_index for d in mesh.devices.flat})
-  return AotReport(topology=topology or "local", chip=chip, num_devices=mesh.devices.size,
-                   num_processes=procs, mesh_shape=dict(mesh.shape), programs=programs)
+def _eval_report(evaluator: Evaluator, state: Any, eval_batch: Any, mesh: Mesh, *, dp: int,
+                 chip: Chip | None, hbm_bytes: int | None) -> ProgramReport:
+  """Compiles ``evaluator``'s program on ``mesh`` for ``state`` and one eval batch's spec
+  (``dp``: the train program's data-parallel size, which the report divides by)."""
+  be = _batch_size(eval_batch, "eval")
+  ev = Evaluator(evaluator.eval_step, iterations_per_loop=evaluator.iterations_per_loop,
+                 mesh=mesh, data_axis=evaluator.data_axis, step_style=evaluator.step_style,
+                 global_batch_size=be, prefetch=evaluator.prefetch)
+  k = ev.iterations_per_loop
+  echunk = {"batch": _chunk(eval_batch, k),
+            "mask": jax.ShapeDtypeStruct((max(k, MIN_SLOTS), be), np.bool_)}
+  return _report("eval", ev.lower(state, echunk), ev, k=k, batch_size=be, dp=dp,
+                 chunk_bytes=_nbytes(echunk, dp), prefetch=evaluator.prefetch, chip=chip,
+                 hbm_bytes=hbm_bytes)
