@@ -1,10 +1,11 @@
-"""Developer sessions: ``nox -s tests lint typecheck`` (also ``docs``, ``bench``).
+"""Developer sessions: ``nox -s tests lint typecheck`` (also ``tests_slow``, ``docs``, ``bench``).
 
-Install nox with ``pip install -e '.[dev]'`` (or ``pipx install nox``). Every
-session builds its own virtualenv under ``.nox/`` and installs loopkit in it.
-``tests`` runs for each listed Python that is installed (3.11; 3.12 also
-works); CI runs ``.ci/run`` instead (Python 3.11 on the pyproject floors, Python 3.12 on the
-newest JAX without TensorFlow; see the README).
+Install nox with ``pip install -e '.[dev]'`` (or ``pipx install nox``). Every session builds its
+own virtualenv under ``.nox/`` and installs loopkit in it. ``tests`` runs the README's test command
+(``python -m pytest -q``, the default suite without the ``slow`` tests) for each listed Python that
+is installed. CI runs ``bash .ci/run`` instead: that same pytest command on Python 3.11 with the
+pyproject floors and on Python 3.12 with the newest JAX without TensorFlow, plus ``typecheck``'s
+and ``docs``' commands as their own steps (see the README).
 """
 
 import nox
@@ -17,9 +18,12 @@ PYTHONS = ["3.11", "3.12"]
 
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
-  """The default test suite on 8 fake CPU devices (``-m 'not slow'``); extra args go to pytest."""
+  """The default test suite on 8 fake CPU devices (pyproject's addopts: ``-m 'not slow'``).
+
+  Extra args go to pytest, e.g. ``nox -s tests -- -m 'slow or not slow'`` for every test.
+  """
   session.install("-e", ".[test]")
-  session.run("python", "-m", "pytest", "-q", "-m", "not slow", *session.posargs)
+  session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 
 @nox.session(python=PYTHONS[0])
@@ -31,24 +35,23 @@ def tests_slow(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS[0])
 def lint(session: nox.Session) -> None:
-  """ruff over the library, tests and examples (config in pyproject.toml)."""
+  """ruff over the library, tests, examples and benchmarks (config in pyproject.toml)."""
   session.install("ruff>=0.17")
-  session.run("ruff", "check", "loopkit", "tests", "examples", *session.posargs)
+  session.run("ruff", "check", "loopkit", "tests", "examples", "benchmarks", *session.posargs)
 
 
 @nox.session(python=PYTHONS[0])
 def typecheck(session: nox.Session) -> None:
-  """mypy over the library, lenient: untyped third-party imports and Optional narrowing ignored."""
-  session.install("-e", ".[checkpoint]", "mypy>=2.4")
-  session.run("mypy", "--ignore-missing-imports", "--no-strict-optional",
-              "--follow-imports=silent", "loopkit", *session.posargs)
+  """mypy over loopkit/ with pyproject's [tool.mypy] options (strict optional), as CI runs it."""
+  session.install("-e", ".[test,typecheck]")
+  session.run("python", "-m", "mypy", "--no-incremental", *session.posargs)
 
 
 @nox.session(python=PYTHONS[0])
 def docs(session: nox.Session) -> None:
-  """Builds the Sphinx docs in docs/ with warnings as errors."""
+  """Builds the Sphinx docs into docs/_build/html, warnings as errors, and checks the pages."""
   session.install("-e", ".[docs]")
-  session.run("sphinx-build", "-W", "docs", "docs/_build", *session.posargs)
+  session.run("python", ".ci/docs.py", "docs/_build/html", *session.posargs)
 
 
 @nox.session(python=PYTHONS[0])

@@ -1,11 +1,12 @@
 """Prints pip constraints that pin every lower bound in pyproject.toml (``name>=X`` -> ``name==X``).
 
-Usage: ``python .ci/floor.py [EXTRA] > floor.txt``, then ``pip install -c floor.txt -e '.[EXTRA]'``.
-It covers ``[project] dependencies`` and every extra that EXTRA (default ``test``) reaches through
-``loopkit[...]``, so the CI environment built with it has exactly the floors the package declares:
-a floor that no longer installs or no longer works fails CI instead of hiding behind newer releases.
+Usage: ``python .ci/floor.py [EXTRA ...] > floor.txt``, then
+``pip install -c floor.txt -e '.[EXTRA,...]'``. It covers ``[project] dependencies`` and every
+extra that the EXTRAs (default ``test``) reach through ``loopkit[...]``, so the CI environment
+built with it has exactly the floors the package declares: a floor that no longer installs or no
+longer works fails CI instead of hiding behind newer releases.
 
-``python .ci/floor.py --unpinned EXTRA`` prints those requirements as pyproject states them (for
+``python .ci/floor.py --unpinned EXTRA ...`` prints those requirements as pyproject states them (for
 ``pip install -r``: the newest releases that satisfy them, without installing loopkit itself).
 """
 
@@ -21,18 +22,18 @@ def _canonical(name: str) -> str:
   return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirements(extra: str = "test") -> list[str]:
-  """The requirement strings that ``pip install '.[extra]'`` installs (loopkit's own extras
-  expanded)."""
+def requirements(*extras: str) -> list[str]:
+  """The requirement strings that ``pip install '.[extras]'`` installs (loopkit's own extras
+  expanded; no extras means ``test``)."""
   project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
-  extras = project["optional-dependencies"]
-  reqs, todo, seen = list(project["dependencies"]), [extra], set()
+  table = project["optional-dependencies"]
+  reqs, todo, seen = list(project["dependencies"]), list(extras or ["test"]), set()
   while todo:
     name = todo.pop()
     if name in seen:
       continue
     seen.add(name)
-    for req in extras[name]:
+    for req in table[name]:
       m = _REQ.match(req)
       if m and _canonical(m.group(1)) == project["name"]:
         todo.extend(e.strip() for e in m.group(2).strip("[]").split(","))
@@ -41,10 +42,10 @@ def requirements(extra: str = "test") -> list[str]:
   return reqs
 
 
-def floors(extra: str = "test") -> dict[str, str]:
-  """Returns ``{canonical name: lowest version}`` for the dependencies that ``extra`` installs."""
+def floors(*extras: str) -> dict[str, str]:
+  """Returns ``{canonical name: lowest version}`` for the dependencies that ``extras`` install."""
   out: dict[str, str] = {}
-  for req in requirements(extra):
+  for req in requirements(*extras):
     m = _REQ.match(req)
     if m is None or not m.group(3).startswith(">="):
       raise SystemExit(f"pyproject.toml: {req!r} has no '>=' lower bound to pin")
