@@ -128,7 +128,7 @@ def test_c33_error_while_a_save_is_in_flight_20_repeats(tmp_path, big_reference)
 def test_c33_failed_in_flight_save_is_cleaned_up(tmp_path, monkeypatch):
   """The hook raises while the save of 8 is failing: the error of the hook propagates, the
   unfinished directory is gone, and a new hook resumes from 4."""
-  from test_checkpoint import _fail_ledger_write_at
+  from test_checkpoint_hook import _fail_ledger_write_at
   data = toy.batches(12)
   ckpt = CheckpointHook(tmp_path, every_steps=4)
   with monkeypatch.context() as m:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import toy
-from test_checkpoint import (
+from test_checkpoint_hook import (
   Counter as Calls,  # counts device calls (after_each_call)
   _commit_file_mode,
   _fail_ledger_write_at,
