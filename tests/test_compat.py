@@ -119,7 +119,7 @@ def test_backends_initialized_before_and_after_the_first_device_query():
   assert compat._backends_are_initialized is not None, "JAX moved backends_are_initialized"
   jax.devices()
   assert compat.backends_initialized() is True
-  code = ("import jax; from loopkit import compat; a = compat.backends_initialized(); "
+  code = ("import jax; from loopkit._internal import compat; a = compat.backends_initialized(); "
           "jax.devices(); print(a, compat.backends_initialized())")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        cwd=ROOT, env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
