@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -21,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import loopkit
 from loopkit.observe import writers as writers_lib
+from tests import bootstrap
 
 
 def read_tb(logdir):
@@ -97,9 +97,8 @@ def test_tensorboard_writer_does_not_import_tensorflow(tmp_path):
           "w.write_scalars(1, {'a': 1.0}); w.close()\n"
           "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
           "print('ok')\n")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
+  out = subprocess.run(bootstrap.command("-c", code, devices=8), capture_output=True, text=True,
+                       env=bootstrap.env(), timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "ok"
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
@@ -204,21 +203,35 @@ def test_default_writer_console_only(caplog):
   assert caplog.messages == ["step 2: a=1.5"]
 
 
-@pytest.mark.parametrize("make", [
-    lambda d: loopkit.observe.TensorBoardWriter(d / "tb"),
-    lambda d: loopkit.observe.JsonlWriter(d / "m.jsonl"),
-    lambda d: loopkit.observe.ConsoleWriter(),
-    lambda d: loopkit.observe.MultiWriter([loopkit.observe.JsonlWriter(d / "m.jsonl")]),
-    lambda d: loopkit.observe.AsyncWriter(loopkit.observe.JsonlWriter(d / "m.jsonl")),
-    lambda d: writers_lib.NullWriter(),
+def _jsonl_rows(d, log):
+  return [json.loads(line) for line in open(d / "m.jsonl")]
+
+
+_ROWS = [{"step": 1, "a": 1.0, "b": 2.0, "c": 3, "d": 4}]
+
+
+@pytest.mark.parametrize("make,read,want", [
+    (lambda d: loopkit.observe.TensorBoardWriter(d / "tb"), lambda d, log: read_tb(d / "tb"),
+     {"a": [(1, 1.0)], "b": [(1, 2.0)], "c": [(1, 3.0)], "d": [(1, 4.0)]}),
+    (lambda d: loopkit.observe.JsonlWriter(d / "m.jsonl"), _jsonl_rows, _ROWS),
+    (lambda d: loopkit.observe.ConsoleWriter(), lambda d, log: log.messages,
+     ["step 1: a=1, b=2, c=3, d=4"]),
+    (lambda d: loopkit.observe.MultiWriter([loopkit.observe.JsonlWriter(d / "m.jsonl")]),
+     _jsonl_rows, _ROWS),
+    (lambda d: loopkit.observe.AsyncWriter(loopkit.observe.JsonlWriter(d / "m.jsonl")),
+     _jsonl_rows, _ROWS),
+    (lambda d: writers_lib.NullWriter(), lambda d, log: os.listdir(d) + log.messages, []),
 ], ids=["tensorboard", "jsonl", "console", "multi", "async", "null"])
-def test_writer_conformance(tmp_path, make):
-  """Every writer takes python/numpy/JAX scalars at int steps, flushes, closes twice."""
-  w = make(tmp_path)
-  w.write_scalars(1, {"a": 1.0, "b": np.float32(2.0), "c": jnp.int32(3), "d": np.int64(4)})
-  w.flush()
-  w.close()
-  w.close()
+def test_writer_conformance(tmp_path, caplog, make, read, want):
+  """Every writer takes python/numpy/JAX scalars at int steps, flushes, closes twice, and what
+  it wrote reads back (TensorBoard's reader, the JSONL lines, the console's log records)."""
+  with caplog.at_level(logging.INFO, logger="loopkit"):
+    w = make(tmp_path)
+    w.write_scalars(1, {"a": 1.0, "b": np.float32(2.0), "c": jnp.int32(3), "d": np.int64(4)})
+    w.flush()
+    w.close()
+    w.close()
+  assert read(tmp_path, caplog) == want
 
 
 @pytest.mark.parametrize("kind,lines", [("none", 1), ("jsonl", 1), ("console", 1),
