@@ -25,7 +25,7 @@ and 1 both asking, process 0's).
 Cost: on one process no communication (the local vector is the answer). On
 several processes one ``multihost_utils.process_allgather`` of a few int32s,
 which blocks until every process reaches the boundary (measured on this
-2-core CPU machine in ``tests/test_boundary_agreement.py``; see docs/multihost.md). At the
+2-core CPU machine by case C30 in ``tests/test_multihost.py``; see docs/multihost.md). At the
 one boundary where a stop was requested, a second ``process_allgather`` carries the
 reason's bytes.
 
