@@ -25,7 +25,6 @@ tools run as subprocesses (mypy, Sphinx, pytest) start directly.
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 import types
 from collections.abc import Mapping
@@ -71,12 +70,15 @@ def main(argv: list[str]) -> None:
   else:
     sys.argv, sys.path[0] = [target, *rest], os.path.dirname(os.path.abspath(target))
   start(devices)
-  if target == "-c":
-    module = types.ModuleType("__main__")
-    sys.modules["__main__"] = module
-    exec(compile(code, "<string>", "exec"), module.__dict__)  # noqa: S102  (python -c CODE)
-  else:
-    runpy.run_path(target, run_name="__main__")
+  module, filename = types.ModuleType("__main__"), "<string>"
+  if target != "-c":
+    with open(target, encoding="utf-8") as f:
+      code = f.read()
+    module.__file__ = filename = target
+  # A __main__ that lives until the interpreter exits, as the script's own would (runpy would
+  # drop its globals when the script returns, finalizing what they hold before exit).
+  sys.modules["__main__"] = module
+  exec(compile(code, filename, "exec"), module.__dict__)  # noqa: S102  (python -c / SCRIPT)
 
 
 if __name__ == "__main__":
