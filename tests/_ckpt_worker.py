@@ -48,10 +48,9 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":  # set the device count before JAX is imported
   ARGS = parse_args()
-  os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={ARGS.devices} "
-                             + os.environ.get("XLA_FLAGS", "")).strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from tests import bootstrap
+  bootstrap.start(ARGS.devices)  # CPU, ARGS.devices fake devices
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -27,11 +27,10 @@ if __name__ == "__main__":  # set the device count before JAX is imported
   p.add_argument("--every-steps", type=int, default=3)
   p.add_argument("--kill-at", type=int, default=-1)
   ARGS = p.parse_args()
-  os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={ARGS.devices} "
-                             + os.environ.get("XLA_FLAGS", "")).strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   here = os.path.dirname(os.path.abspath(__file__))
   sys.path[:0] = [os.path.dirname(here), here]
+  from tests import bootstrap
+  bootstrap.start(ARGS.devices)  # CPU, ARGS.devices fake devices
 
 import jax  # noqa: E402
 import nnx_models  # noqa: E402

@@ -3,7 +3,6 @@ not write (C35), a directory with someone else's checkpoints (C41)."""
 
 import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import toy
 
 import loopkit
 from loopkit.checkpoint import CheckpointHook, CheckpointWarning
+from tests import bootstrap
 
 assert_bitwise = toy.assert_bitwise
 
@@ -128,7 +128,7 @@ def test_c33_error_while_a_save_is_in_flight_20_repeats(tmp_path, big_reference)
 def test_c33_failed_in_flight_save_is_cleaned_up(tmp_path, monkeypatch):
   """The hook raises while the save of 8 is failing: the error of the hook propagates, the
   unfinished directory is gone, and a new hook resumes from 4."""
-  from test_checkpoint import _fail_ledger_write_at
+  from test_checkpoint_hook import _fail_ledger_write_at
   data = toy.batches(12)
   ckpt = CheckpointHook(tmp_path, every_steps=4)
   with monkeypatch.context() as m:
@@ -160,9 +160,9 @@ def test_c33_a_fresh_process_resumes_too(tmp_path, big_reference):
   with pytest.raises(Boom):
     make_loop(2, [ckpt, RaiseAfterSave(ckpt, 8)], step=_big_step, mesh=mesh).run(
         _big_state(), BIG_DATA, num_steps=12)
-  env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
-  out = subprocess.run([sys.executable, "-c", C33_FRESH, str(tmp_path)], capture_output=True,
-                       text=True, env=env, cwd=Path(__file__).parent.parent, timeout=300)
+  out = subprocess.run(bootstrap.command("-c", C33_FRESH, tmp_path, devices=8),
+                       capture_output=True, text=True, env=bootstrap.env(),
+                       cwd=Path(__file__).parent.parent, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   line = [x for x in out.stdout.splitlines() if x.startswith("RESUMED")][0]
   assert line == f"RESUMED 8 [12] {float(big_reference['w'][-1])}"

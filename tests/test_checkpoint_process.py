@@ -9,7 +9,6 @@ bitwise the state of an uninterrupted run counts as a corrupt checkpoint.
 """
 
 import json
-import os
 import queue
 import random
 import signal
@@ -22,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import bootstrap
+
 WORKER = Path(__file__).parent / "_ckpt_worker.py"
 ROOT = Path(__file__).parent.parent
 
@@ -30,8 +31,7 @@ class Worker:
   """One worker process; its stdout lines arrive in a queue."""
 
   def __init__(self, out: Path, *args: str):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    env = bootstrap.env()  # the worker sets its own device count (bootstrap.start)
     self.out = out
     self.err = open(str(out) + ".err", "w")  # noqa: SIM115  (closed in wait/kill)
     self.proc = subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), *args],

@@ -11,7 +11,6 @@ rethrown").
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -27,7 +26,7 @@ import loopkit
 from loopkit.checkpoint import CheckpointHook
 from loopkit.data import feeding
 from loopkit.data.feeding import ChunkFeeder
-from tests import toy
+from tests import bootstrap, toy
 
 MESH2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 REPL2 = NamedSharding(MESH2, P())
@@ -269,8 +268,6 @@ def test_interrupt_returns_an_interrupted_chunk_while_the_source_is_busy():
 
 EXIT_SCRIPT = textwrap.dedent("""
   import os, signal, sys, threading, time
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-  sys.path.insert(0, {repo!r})
   import numpy as np
   import loopkit
   from loopkit.data import feeding
@@ -326,10 +323,10 @@ def test_interpreter_exits_cleanly_with_the_source_still_blocked(tmp_path):
   does not; neither is ever inside JAX's C++ code while the interpreter finalizes.
   """
   script = tmp_path / "exit_check.py"
-  script.write_text(EXIT_SCRIPT.format(repo=REPO))
+  script.write_text(EXIT_SCRIPT)
   t0 = time.monotonic()
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                        timeout=120, cwd=REPO)
+  proc = subprocess.run(bootstrap.command(script, devices=2), capture_output=True, text=True,
+                        timeout=120, cwd=REPO, env=bootstrap.env())
   wall = time.monotonic() - t0
   print(f"exit check: rc {proc.returncode} in {wall:.1f} s")
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,6 @@ The mismatch checks (the user's tree really changed) run in this process.
 """
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -29,6 +28,7 @@ import pytest
 
 from loopkit.checkpoint import CheckpointHook
 from loopkit.core.ledger import Ledger
+from tests import bootstrap
 from tests.toy import compilation_cache_env
 
 WORKER = Path(__file__).parent / "_leaf_worker.py"
@@ -39,8 +39,7 @@ KINDS = ("typed_key", "bool", "int8", "uint32", "int64", "bfloat16", "zero_d", "
 
 
 def _launch(phase, d, out, k, x64, cache):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+  env = bootstrap.env()  # the worker sets its own device count (bootstrap.start)
   env["JAX_ENABLE_X64"] = "1" if x64 else "0"
   # One persistent compilation cache for the fixture's workers: the resume worker's two runs
   # load the program its save worker compiled (compiling was ~60% of a resume worker's time).

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from loopkit._internal import logs
+from tests import bootstrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,11 +28,8 @@ def readme_usage_snippet() -> str:
 def run_script(code: str, tmp_path) -> subprocess.CompletedProcess:
   path = tmp_path / "script.py"
   path.write_text(code)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env["JAX_PLATFORMS"] = "cpu"
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
-                        cwd=str(tmp_path), timeout=300, check=True)
+  return subprocess.run(bootstrap.command(path, devices=8), capture_output=True, text=True,
+                        env=bootstrap.env(), cwd=str(tmp_path), timeout=300, check=True)
 
 
 def test_the_readme_snippet_prints_its_metrics_as_a_plain_script(tmp_path):
@@ -108,10 +106,8 @@ def loop_script(tmp_path, *, prelude="", writer="None", hooks="", resume=False,
   code = SCRIPT.format(prelude=prelude, writer=writer, hooks=hooks, resume=resume, main=main)
   path = tmp_path / "script.py"
   path.write_text(code.replace("CKPT_DIR", repr(str(tmp_path / "ckpt"))))
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env["JAX_PLATFORMS"] = "cpu"
-  out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
-                       cwd=str(tmp_path), timeout=300)
+  out = subprocess.run(bootstrap.command(path, devices=1), capture_output=True, text=True,
+                       env=bootstrap.env(), cwd=str(tmp_path), timeout=300)
   assert out.returncode == 0, out.stderr
   return out
 

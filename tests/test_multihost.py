@@ -11,8 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -20,7 +18,6 @@ import numpy as np
 import pytest
 
 from loopkit.tools import testing
-from loopkit.tools.testing import cpu_devices  # noqa: F401  (the fixture)
 from tests import multihost_workers as workers
 
 # Bitwise equality between 2 x 4 and 1 x 8 does not hold: the gradient and loss
@@ -49,100 +46,6 @@ def assert_params_close(a, b, what):
   assert a.keys() == b.keys()
   for k in a:
     np.testing.assert_allclose(a[k], b[k], rtol=0, atol=ATOL, err_msg=f"{what}: leaf {k}")
-
-
-# -- fake devices ----------------------------------------------------------------------
-
-
-def test_fake_cpu_devices_in_this_process():
-  assert len(jax.devices()) == 8  # conftest.py
-  assert testing.fake_cpu_devices(8) == jax.devices()
-  assert testing.fake_cpu_devices(3) == jax.devices()[:3]
-  testing.set_cpu_device_count(8)  # already so: nothing to do
-  with pytest.raises(RuntimeError, match=r"already initialised with 8 CPU device\(s\); 16 are"):
-    testing.fake_cpu_devices(16)
-  with pytest.raises(RuntimeError, match="set_cpu_device_count\\(3\\) at the top of conftest"):
-    testing.set_cpu_device_count(3)
-  with pytest.raises(ValueError, match="must be >= 1, got 0"):
-    testing.fake_cpu_devices(0)
-
-
-@pytest.mark.parametrize("cpu_devices", [2], indirect=True)
-def test_cpu_devices_fixture(cpu_devices):  # noqa: F811
-  assert cpu_devices == jax.devices()[:2]
-
-
-def test_fake_cpu_devices_in_a_fresh_process():
-  code = ("import jax; from loopkit.tools import testing; testing.set_cpu_device_count(3); "
-          "a = jax.device_count(); d = testing.fake_cpu_devices(2); "
-          "print(a, len(d), jax.devices()[0].platform)")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120, check=True)
-  assert out.stdout.split() == ["3", "2", "cpu"]  # the flag in XLA_FLAGS was replaced
-
-
-# -- the launcher ------------------------------------------------------------------------
-
-
-def test_run_processes_topology_and_arguments():
-  t0 = time.monotonic()
-  out = testing.run_processes(workers.topology, num_processes=2, devices_per_process=4,
-                              args=("hello",), kwargs={"scale": 10}, timeout_s=120)
-  print(f"2 x 4 start-up and all-gather: {time.monotonic() - t0:.1f} s")
-  for i, r in enumerate(out):
-    assert r["tag"] == "hello"
-    assert (r["process_index"], r["process_count"], r["device_count"]) == (i, 2, 8)
-    assert r["device_processes"] == [0] * 4 + [1] * 4 and r["local_is_slice"]
-    assert r["platform"] == "cpu" and r["collectives"] == "gloo"
-    assert r["gathered"] == [0, 10]
-
-
-def test_run_processes_accepts_a_string_target_and_a_module(tmp_path):
-  out = testing.run_processes("tests.multihost_workers:topology", num_processes=2,
-                              args=("s",), timeout_s=120)
-  assert [r["process_index"] for r in out] == [0, 1]
-  assert testing.run_processes("tests.multihost_workers", num_processes=2,
-                               args=(str(tmp_path), "m"), timeout_s=120) == [None, None]
-  for i in range(2):
-    r = json.loads((tmp_path / f"main_{i}.json").read_text())
-    assert (r["tag"], r["process_index"], r["device_count"]) == ("m", i, 2)
-
-
-def test_a_failing_process_is_named_with_its_traceback_and_the_others_killed():
-  t0 = time.monotonic()
-  with pytest.raises(testing.MultiProcessError) as e:
-    testing.run_processes(workers.fail_on, num_processes=2, args=(1, "bad shard 7"),
-                          timeout_s=120)
-  elapsed = time.monotonic() - t0
-  msg = str(e.value)
-  assert "process 1: exit 1 after" in msg and "ValueError: bad shard 7" in msg
-  assert "process 0: killed by loopkit.tools.testing" in msg  # it was sleeping for 120 s
-  assert "--- process 1 stderr" in msg and 'raise ValueError(message)' in msg
-  r0, r1 = e.value.results
-  assert r0.killed and not r1.killed and r1.returncode == 1 and "bad shard 7" in r1.error
-  assert elapsed < 60, elapsed
-  assert not isinstance(e.value, testing.MultiProcessTimeout)
-
-
-def test_timeout_kills_and_reports():
-  t0 = time.monotonic()
-  with pytest.raises(testing.MultiProcessTimeout, match=r"timed out after 4 s") as e:
-    testing.run_processes(workers.sleep, num_processes=1, args=(600,), timeout_s=4)
-  assert time.monotonic() - t0 < 20
-  assert e.value.results[0].killed and e.value.results[0].returncode == -signal.SIGKILL
-
-
-def test_unimportable_targets_are_rejected_before_launch():
-  with pytest.raises(ValueError, match="cannot be imported by a child process"):
-    testing.run_processes(lambda: 1)
-
-  def local():
-    return 1
-
-  with pytest.raises(ValueError, match="module level"):
-    testing.ProcessGroup(local)
 
 
 # -- training: 2 processes x 4 devices vs 1 process x 8 --------------------------------------

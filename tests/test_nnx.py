@@ -2,7 +2,6 @@
 NnxTrainLoop against the same step under its own per-step nnx.jit loop."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from nnx_models import arrays, batches, make
 
 import loopkit
 import loopkit.nnx
-from tests import toy
+from tests import bootstrap, toy
 
 STEPS = 12
 DATA = batches(STEPS)
@@ -220,8 +219,7 @@ def _worker(*args, check=True, cache_dir=None):
   """Runs tests/_nnx_worker.py; ``cache_dir``: JAX's persistent compilation cache, shared by
   the workers of one test (the resumed worker loads the killed one's programs; the
   executables, so the results, are the same)."""
-  env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-  env.pop("XLA_FLAGS", None)
+  env = bootstrap.env()  # the worker sets its own device count (bootstrap.start)
   if cache_dir is not None:
     env.update(toy.compilation_cache_env(cache_dir))
   out = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import loopkit
-from tests import toy
+from tests import bootstrap, toy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,12 +29,6 @@ def read_tb(logdir):
 
 def read_jsonl(path):
   return [json.loads(line) for line in open(path)]
-
-
-def subprocess_env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  return env
 
 
 KILL_WORKER = textwrap.dedent("""
@@ -75,8 +68,8 @@ def test_metrics_survive_sigkill_and_a_resume_writes_each_step_once(tmp_path):
   resume, every step 5, 10, ..., 100 once (averaged ``s`` = step - 2, the mean of its 5 steps)
   and every per-step value 1..100 once, in JSONL and in TensorBoard.
   """
-  cmd = [sys.executable, "-c", KILL_WORKER, str(tmp_path)]
-  first = subprocess.run(cmd + ["75"], capture_output=True, text=True, env=subprocess_env(),
+  cmd = bootstrap.command("-c", KILL_WORKER, tmp_path, devices=1)
+  first = subprocess.run(cmd + ["75"], capture_output=True, text=True, env=bootstrap.env(),
                          timeout=300)
   assert first.returncode == -9, first.stderr[-3000:]  # SIGKILL, no clean exit
   rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -87,7 +80,7 @@ def test_metrics_survive_sigkill_and_a_resume_writes_each_step_once(tmp_path):
   tb = read_tb(tmp_path)
   assert {5 * i for i in range(1, 11)} <= {s for s, _ in tb["s"]}
 
-  second = subprocess.run(cmd + ["0"], capture_output=True, text=True, env=subprocess_env(),
+  second = subprocess.run(cmd + ["0"], capture_output=True, text=True, env=bootstrap.env(),
                           timeout=300)
   assert second.returncode == 0, second.stderr[-3000:]
   assert second.stdout.split() == ["done", "100"]
@@ -266,8 +259,8 @@ def run_in_terminal(code, cols=80, timeout=120):
   import time
   master, slave = pty.openpty()
   fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, cols, 0, 0))
-  env = dict(subprocess_env(), COLUMNS=str(cols), TERM="xterm")
-  proc = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave,
+  env = bootstrap.env(COLUMNS=str(cols), TERM="xterm")
+  proc = subprocess.Popen(bootstrap.command("-c", code, devices=1), stdin=slave, stdout=slave,
                           stderr=slave, env=env, close_fds=True)
   os.close(slave)
   out, deadline = b"", time.monotonic() + timeout

@@ -14,7 +14,7 @@ import pytest
 
 import loopkit
 from loopkit.observe import progress
-from tests import toy
+from tests import bootstrap, toy
 
 
 def step_fn(state, batch):
@@ -178,16 +178,13 @@ def run_in_pty(tmp_path, columns: int, checkpoint: bool) -> str:
   import pty
   import struct
   import subprocess
-  import sys
   import termios
   master, slave = pty.openpty()
   fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=root, COLUMNS="", LINES="")
+  env = bootstrap.env(COLUMNS="", LINES="")
   code = PTY_SCRIPT.replace("CHECKPOINT", str(checkpoint))
-  proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "ckpt")], stdin=slave,
-                          stdout=slave, stderr=slave, env=env, cwd=str(tmp_path))
+  proc = subprocess.Popen(bootstrap.command("-c", code, tmp_path / "ckpt", devices=1),
+                          stdin=slave, stdout=slave, stderr=slave, env=env, cwd=str(tmp_path))
   os.close(slave)
   chunks = []
   while True:

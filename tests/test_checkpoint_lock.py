@@ -16,13 +16,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import toy
-from test_checkpoint import (
+from test_checkpoint_hook import (
   Counter as Calls,  # counts device calls (after_each_call)
   _commit_file_mode,
   _fail_ledger_write_at,
@@ -32,6 +31,7 @@ import loopkit
 from loopkit.checkpoint import CheckpointError, CheckpointHook
 from loopkit.checkpoint.lock import LOCK_FILE, DirectoryLock, _start_time, stale_reason
 from loopkit.tools import testing
+from tests import bootstrap
 
 ROOT = Path(__file__).parent.parent
 
@@ -123,9 +123,9 @@ def test_c45_read_only_directory_is_refused_in_seconds_and_a_later_failure_does_
   d = tmp_path / "ro"
   d.mkdir()
   os.chmod(d, 0o555)
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  out = subprocess.run([*_without_dac_override(), sys.executable, "-c", READ_ONLY, str(d)],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+  cmd = [*_without_dac_override(), *bootstrap.command("-c", READ_ONLY, d, devices=8)]
+  out = subprocess.run(cmd, capture_output=True, text=True, env=bootstrap.env(), cwd=ROOT,
+                       timeout=240)
   assert out.returncode == 0, out.stderr[-3000:]
   lines = {x.split(" ", 1)[0]: x.split(" ", 1)[1] for x in out.stdout.splitlines()}
   secs, message = lines["AT"].split(" ", 2)[1:]
@@ -174,9 +174,10 @@ loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[
 
 
 def test_c46_a_live_run_blocks_a_second_one_and_a_killed_one_does_not(tmp_path, caplog):
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  first = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+  env = bootstrap.env()
+  first = subprocess.Popen(bootstrap.command("-c", HOLDER, tmp_path, devices=8),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                           cwd=ROOT)
   try:
     assert first.stdout.readline().strip() == "HOLDING"
     deadline = time.monotonic() + 60
