@@ -727,3 +727,64 @@ if __name__ == "__main__":
   import sys
 
   main(sys.argv[1:])
+
+
+# -- the agreement (tests/test_agreement.py) -------------------------------------------------
+
+
+def _agreements() -> list:
+  """Three agreements with answers that differ by process."""
+  from loopkit.core import agreement  # pylint: disable=g-import-not-at-top
+  me = jax.process_index()
+  return [agreement.agree([me == 0, me == 1, False]),
+          list(agreement.agree_with_reason([False], "from 1" if me == 1 else None)),
+          list(agreement.agree_with_reason([me == 0], f"from {me}")),
+          agreement.agree([])]
+
+
+def _while_a_program_runs(seconds: float = 2.0) -> dict:
+  """Dispatches a local program of about ``seconds``, agrees while it runs, then waits for it."""
+  from loopkit.core import agreement  # pylint: disable=g-import-not-at-top
+  w = jax.numpy.full((512, 512), 1e-3, jax.numpy.float32)
+  body = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, y: jax.numpy.tanh(y @ w), x))
+  x = jax.numpy.ones((512, 512), jax.numpy.float32)
+  body(x, 2).block_until_ready()  # compile; then size n to about `seconds`
+  t0 = time.perf_counter()
+  body(x, 20).block_until_ready()
+  n = max(20, int(20 * seconds / max(time.perf_counter() - t0, 1e-6)))
+  agreement.agree([False])  # both processes have compiled and sized before timing
+  out = body(x, n)
+  t0 = time.perf_counter()
+  agreement.agree([jax.process_index() == 1])
+  agree_secs = time.perf_counter() - t0
+  ready_when_agreed = out.is_ready()
+  out.block_until_ready()
+  return {"agree_secs": agree_secs, "ready_when_agreed": ready_when_agreed,
+          "program_secs": time.perf_counter() - t0}
+
+
+def agreement_paths() -> dict:
+  """The agreement through the coordination service and through devices, and a late process."""
+  from loopkit._internal import compat  # pylint: disable=g-import-not-at-top
+  from loopkit.core import agreement  # pylint: disable=g-import-not-at-top
+  out = {"has_client": compat.coordination_client() is not None,
+         "service": _agreements(), "service_in_flight": _while_a_program_runs()}
+  saved = compat.coordination_client
+  compat.coordination_client = lambda: None  # the fallback: process_allgather
+  try:
+    out["devices"] = _agreements()
+    out["devices_in_flight"] = _while_a_program_runs()
+  finally:
+    compat.coordination_client = saved
+  # process 1 answers 3 s late; process 0 waits 1 s and names it
+  if jax.process_index() == 1:
+    time.sleep(3.0)
+    agreement.agree([True])
+    out["late"] = None
+  else:
+    try:
+      agreement.agree_with_reason([True], None, timeout_secs=1.0)
+      out["late"] = None
+    except agreement.AgreementError as e:
+      out["late"] = str(e)
+  return out

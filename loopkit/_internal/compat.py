@@ -23,6 +23,11 @@ what                           private API (why no public one)      fallback
 :func:`orbax_commit_futures`   Orbax's ``_async_manager.            ``manager.wait_until_
                                _commit_futures``: waits for a       finished()`` with its error
                                failed save's other writers          swallowed
+:func:`coordination_client`    ``distributed.global_state.client``: None: the processes agree
+                               the key-value store of the           through a device all-gather,
+                               coordination service that            which waits for the program
+                               ``jax.distributed`` runs (JAX's      in flight
+                               preemption sync point uses it too)
 =============================  ===================================  ==============================
 
 Public replacements (no private use left): :func:`addressable_devices` (was
@@ -170,3 +175,28 @@ def wait_for_orbax_writers(manager: Any, timeout_s: float = 60.0) -> None:
   for f in futures:
     with contextlib.suppress(Exception):  # the first error was raised already
       f.result(timeout=timeout_s)
+
+
+# -- the coordination service -------------------------------------------------------
+
+_distributed = _probe("jax._src", "distributed")
+_CLIENT_METHODS = ("key_value_set", "blocking_key_value_get", "key_value_delete")
+
+
+def coordination_client() -> Any | None:
+  """The client of the coordination service that ``jax.distributed.initialize`` started.
+
+  A key-value store on the coordinator process, reached over the network by the host alone
+  (no device work, so nothing waits for a program in flight); JAX's preemption sync point
+  and Orbax's multi-process barriers use the same service. Methods used:
+  ``key_value_set(key, value)``, ``blocking_key_value_get(key, timeout_in_ms)``,
+  ``key_value_delete(key)``.
+
+  Returns:
+    The client, or None when ``jax.distributed`` is not initialised or this JAX keeps it
+    elsewhere (callers then use a device collective).
+  """
+  client = getattr(getattr(_distributed, "global_state", None), "client", None)
+  if client is None or not all(callable(getattr(client, m, None)) for m in _CLIENT_METHODS):
+    return None
+  return client

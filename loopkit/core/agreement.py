@@ -22,11 +22,19 @@ one (process 1 alone asking gives every process process 1's reason; processes 0
 and 1 both asking, process 0's).
 
 Cost: on one process no communication (the local vector is the answer). On
-several processes one ``multihost_utils.process_allgather`` of a few int32s,
-which blocks until every process reaches the boundary (its time on CPU
-processes: docs/concepts.md, *Agreement at each boundary*). At the one boundary where
-a stop was requested, a second ``process_allgather`` carries the reason's
-bytes.
+several processes each process writes its answers (a short JSON string) to the
+key-value store of the coordination service that ``jax.distributed`` runs and
+reads the others' (:func:`loopkit._internal.compat.coordination_client`): host
+traffic only, so it does not wait for the program in flight and the next call
+is dispatched while the previous one runs (docs/concepts.md, *Agreement at each
+boundary*, has the measured cost). Where JAX keeps no reachable client, one
+``multihost_utils.process_allgather`` of a few int32s (plus one of the reasons'
+bytes when some process gave a reason) does the same; being a device
+collective, it returns only after the program in flight has finished.
+
+A process that has not answered within :data:`TIMEOUT_SECS` (or has died) makes
+every waiting process raise :class:`AgreementError` naming it, instead of
+hanging.
 
 Multi-host-safe by construction: every process must call :func:`agree` at the
 same boundaries with vectors of the same length. Thread-safety: call from the
@@ -35,12 +43,30 @@ loop's thread only.
 
 from __future__ import annotations
 
+import itertools
+import json
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["agree", "agree_with_reason"]
+from loopkit._internal import compat
+
+__all__ = ["AgreementError", "TIMEOUT_SECS", "agree", "agree_with_reason"]
+
+TIMEOUT_SECS = 1800.0
+"""Seconds a process waits at an agreement for every other process's answer (a process
+that runs a long host-only hook alone delays the others by as much)."""
+
+_KEY = "loopkit/agreement"
+_rounds = itertools.count()  # this process's agreements so far: the same on every process
+
+
+class AgreementError(RuntimeError):
+  """A process did not give its answer to an agreement in time (or its coordination
+  service is gone); the message names the process and the agreement's number."""
 
 
 def agree(local: Sequence[bool]) -> list[bool]:
@@ -53,38 +79,88 @@ def agree(local: Sequence[bool]) -> list[bool]:
   Returns:
     A list of bools of the same length, identical on every process: True where
     at least one process answered True.
+
+  Raises:
+    AgreementError: another process did not answer within :data:`TIMEOUT_SECS`.
   """
   if len(local) == 0:
     return []
   return agree_with_reason(local, None)[0]
 
 
-def agree_with_reason(local: Sequence[bool], reason: str | None) -> tuple[list[bool], str | None]:
+def agree_with_reason(local: Sequence[bool], reason: str | None, *,
+                      timeout_secs: float | None = None) -> tuple[list[bool], str | None]:
   """:func:`agree` of ``local``, plus one reason agreed across processes.
 
   Args:
     local: this process's answers, as for :func:`agree`.
     reason: this process's reason (e.g. of a requested stop), or None.
+    timeout_secs: how long to wait for the other processes (default
+      :data:`TIMEOUT_SECS`).
 
   Returns:
     ``(agreed, reason)``, identical on every process: ``agree(local)`` and
     the reason of the lowest-index process that gave one (None if none did).
-    One ``process_allgather`` of ``len(local) + 2`` int32s; a second one, of
-    the reasons' UTF-8 bytes, only when some process gave a reason.
+
+  Raises:
+    AgreementError: another process did not answer in time.
   """
+  flags = [bool(x) for x in local]
   if jax.process_count() == 1:
-    return [bool(x) for x in local], reason
+    return flags, reason
+  client = compat.coordination_client()
+  timeout = TIMEOUT_SECS if timeout_secs is None else float(timeout_secs)
+  answers = (_through_service(client, flags, reason, timeout) if client is not None
+             else _through_devices(flags, reason))
+  agreed = [any(col) for col in zip(*(f for f, _ in answers), strict=True)]
+  given = [r for _, r in answers if r is not None]
+  return agreed, (given[0] if given else None)
+
+
+def _through_service(client: Any, flags: list[bool], reason: str | None,
+                     timeout: float) -> list[tuple[list[bool], str | None]]:
+  """Every process's ``(flags, reason)``, in process order, through the key-value store.
+
+  Each agreement has its own number (the same on every process, which calls them in the
+  same order). A process deletes its previous key once it has read every answer of this
+  agreement: every other process has then finished reading the previous one.
+  """
+  n, me = next(_rounds), jax.process_index()
+  client.key_value_set(f"{_KEY}/{n}/{me}", json.dumps([flags, reason]))
+  deadline = time.monotonic() + timeout
+  answers: list[tuple[list[bool], str | None]] = []
+  for p in range(jax.process_count()):
+    if p == me:
+      answers.append((flags, reason))
+      continue
+    wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    try:
+      got, why = json.loads(client.blocking_key_value_get(f"{_KEY}/{n}/{p}", wait_ms))
+    except Exception as e:  # JAX's runtime error: DEADLINE_EXCEEDED, or the service is gone
+      raise AgreementError(
+          f"process {p} did not answer agreement {n} within {timeout:g} s (this is process "
+          f"{me}): it is slower by that much, stuck, or gone ({type(e).__name__}: {e})") from e
+    if len(got) != len(flags):
+      raise AgreementError(f"process {p} answered agreement {n} with {len(got)} decisions, "
+                           f"process {me} with {len(flags)}: the processes run different loops")
+    answers.append(([bool(x) for x in got], why))
+  if n > 0:
+    client.key_value_delete(f"{_KEY}/{n - 1}/{me}")
+  return answers
+
+
+def _through_devices(flags: list[bool], reason: str | None) -> list[tuple[list[bool], str | None]]:
+  """Every process's ``(flags, reason)`` through ``process_allgather`` (device collectives)."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   data = b"" if reason is None else reason.encode("utf-8")
-  flags = np.asarray([bool(x) for x in local] + [reason is not None, len(data)], np.int32)
-  gathered = np.asarray(multihost_utils.process_allgather(flags)).reshape(-1, flags.size)
-  agreed = [bool(x) for x in gathered[:, :-2].any(axis=0)]
-  gave = np.flatnonzero(gathered[:, -2])
-  if gave.size == 0:
-    return agreed, None
-  width = max(int(gathered[:, -1].max()), 1)  # the same on every process
-  mine = np.zeros(width, np.int32)
-  mine[:len(data)] = np.frombuffer(data, np.uint8)
-  texts = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, width)
-  first = int(gave[0])
-  return agreed, bytes(texts[first, :gathered[first, -1]].astype(np.uint8)).decode("utf-8")
+  packed = np.asarray(flags + [reason is not None, len(data)], np.int32)
+  gathered = np.asarray(multihost_utils.process_allgather(packed)).reshape(-1, packed.size)
+  reasons: list[str | None] = [None] * gathered.shape[0]
+  if gathered[:, -2].any():
+    width = max(int(gathered[:, -1].max()), 1)  # the same on every process
+    mine = np.zeros(width, np.int32)
+    mine[:len(data)] = np.frombuffer(data, np.uint8)
+    texts = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, width)
+    reasons = [bytes(texts[p, :gathered[p, -1]].astype(np.uint8)).decode("utf-8")
+               if gathered[p, -2] else None for p in range(gathered.shape[0])]
+  return [([bool(x) for x in gathered[p, :-2]], reasons[p]) for p in range(gathered.shape[0])]
