@@ -12,7 +12,8 @@ owns a :class:`PreemptionWatcher` for the duration of each ``run``:
 3. before dispatching each device call, the loop agrees on this flag together
    with every other host-local decision of the boundary
    (:func:`loopkit.core.agreement.agree`): on one process that is the flag itself; on
-   several processes one tiny all-gather, so every process stops at the *same*
+   several processes one exchange through ``jax.distributed``'s coordination service, so
+   every process stops at the *same*
    boundary even if the signal reached them at different times;
 4. when they agree, the loop stops there: hooks with ``at_end`` fire with the
    state (a :class:`~loopkit.checkpoint.CheckpointHook` saves at that step even

@@ -400,7 +400,7 @@ class ChunkFeeder:
     # Not jax.device_put: on several processes, device_put of a host value to a
     # global sharding runs a cross-process equality check (a collective); from
     # this thread it would interleave with the main thread's collectives (e.g.
-    # the preemption all-gather) in a different order on each process.
+    # the device all-gather of the agreement's fallback) in a different order on each process.
     num = self._nums.get(count)
     if num is None:
       n_scalar = np.int32(count)
