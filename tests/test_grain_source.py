@@ -270,5 +270,23 @@ def test_1_process_saves_2_processes_resume_with_the_same_examples(tmp_path, uni
     np.testing.assert_allclose(p0["params"][key], uninterrupted["params"][key], atol=1e-6)
 
 
+@pytest.mark.slow
+def test_2_processes_save_4_processes_resume_bitwise_where_devices_match(tmp_path):
+  """2 x 4 to step 7, then 4 x 2 to 14 (B = 16 divides over 4): the example ids of every step
+  are the uninterrupted 2 x 4 run's, and the params its bits (both sides reduce the 8
+  devices' sums across processes with gloo, in the same order: measured 0 difference)."""
+  whole = testing.run_processes(workers.train, num_processes=2, devices_per_process=4,
+                                args=(None, 14, 3), timeout_s=240)
+  testing.run_processes(workers.train, num_processes=2, devices_per_process=4,
+                        args=(str(tmp_path), 7, 3), kwargs={"every_steps": 10**6},
+                        timeout_s=240)
+  four = testing.run_processes(workers.train, num_processes=4, devices_per_process=2,
+                               args=(str(tmp_path), 14, 3), timeout_s=300)
+  for s in range(7, 14):
+    assert sum((p["served"][s] for p in four), []) == sum((p["served"][s] for p in whole), []), s
+  assert all(p["reads"] == 7 * B // 4 for p in four)
+  toy.assert_bitwise(four[0]["params"], whole[0]["params"])  # measured: 0 difference
+
+
 def test_device_count_is_eight_here():
   assert jax.device_count() == 8  # the 1 x 8 side of the comparisons above
