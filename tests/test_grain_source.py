@@ -54,6 +54,16 @@ def test_chunk_at_equals_stacked_batches_across_an_epoch_end():
     assert chunk["id"][i].tolist() == src.record_indices_at(4 + i).tolist()
 
 
+def test_read_threads_give_the_same_chunks_and_reopen_where_a_read_jumps():
+  direct, threaded = GrainSource(records(), B, seed=5), GrainSource(records(), B, seed=5,
+                                                                   read_threads=4)
+  for step, n in [(0, 3), (3, 3), (6, 2), (20, 4), (2, 1)]:  # the last two re-open
+    got, want = threaded.chunk_at(step, n), direct.chunk_at(step, n)
+    for key in want:
+      assert got[key].tobytes() == want[key].tobytes(), (step, key)
+  threaded.close()
+
+
 @pytest.mark.parametrize("count", [2, 4])
 def test_rows_of_every_process_make_the_one_process_batch_in_place(count):
   """Process p reads rows [p B/P, (p+1) B/P) of the same global batch; the

@@ -517,7 +517,7 @@ def data_source(builder: Any, split: str) -> Any:
 
 def grain_train_source(builder: Any, *, split: str, global_batch_size: int,
                        preprocessing: Preprocessing, seed: int, worker_count: int = 0,
-                       process_index: int | None = None,
+                       read_threads: int = 1, process_index: int | None = None,
                        process_count: int | None = None) -> Any:
   """Endless training batches of ``split`` through TFDS ``data_source`` + Grain.
 
@@ -533,7 +533,8 @@ def grain_train_source(builder: Any, *, split: str, global_batch_size: int,
   transform = GrainTrainPreprocess(preprocessing)
   return GrainSource(data_source(builder, split), global_batch_size, seed=seed,
                      transform=lambda ds: ds.random_map(transform, seed=seed),
-                     worker_count=worker_count, process_index=process_index,
+                     worker_count=worker_count, read_threads=read_threads,
+                     process_index=process_index,
                      process_count=process_count)
 
 

@@ -24,10 +24,10 @@ batch of step ``s`` is a pure function of ``(seed, s)`` and the dataset:
   steps from ``s`` on and none before (O(1) in ``s``).
 * **Chunks.** ``chunk_at(step, n)`` returns the ``n`` batches stacked,
   ``[n, B / P, ...]``, read in one Grain batched read (``worker_count=0``) or
-  from Grain worker processes (``worker_count > 0``: ``to_iter_dataset`` then
-  ``mp_prefetch``, one batch per worker message), which decode and augment in
-  parallel. The worker count is not part of the order: a resume with another
-  count sees the same batches.
+  from a Grain iterator (``to_iter_dataset`` with ``read_threads`` threads,
+  then ``mp_prefetch`` over ``worker_count`` worker processes, one batch per
+  worker message), which decode and augment in parallel. The worker count is
+  not part of the order: a resume with another count sees the same batches.
 
 Why not ``grain.experimental.ElasticIterator`` (grain 0.2.18)? It keeps the
 same O(1) state (``global_next_index``) and reshards on any process count, but
@@ -87,8 +87,12 @@ class GrainSource:
       calling thread (the feeder's prefetch thread).
     worker_buffer_size: batches each worker prepares ahead
       (``MultiprocessingOptions.per_worker_buffer_size``).
-    read_options: ``grain.ReadOptions`` of each worker's reader (default: 1
-      thread, a buffer of ``worker_buffer_size`` batches).
+    read_threads: threads reading whole batches in each worker (in the
+      calling process when ``worker_count=0``); > 1 pays off where the
+      transform releases the GIL (TF or PIL image ops).
+    read_options: ``grain.ReadOptions`` of each reader (default:
+      ``read_threads`` threads, a buffer of ``max(read_threads,
+      worker_buffer_size)`` batches); overrides ``read_threads``.
     process_index, process_count: default to JAX's.
 
   Attributes:
@@ -113,8 +117,9 @@ class GrainSource:
 
   def __init__(self, data: Any, global_batch_size: int, *, seed: int = 0,
                shuffle: bool = True, num_epochs: int | None = None, transform: Any = None,
-               worker_count: int = 0, worker_buffer_size: int = 1, read_options: Any = None,
-               process_index: int | None = None, process_count: int | None = None):
+               worker_count: int = 0, worker_buffer_size: int = 1, read_threads: int = 1,
+               read_options: Any = None, process_index: int | None = None,
+               process_count: int | None = None):
     grain = require("grain", "loopkit.data.GrainSource")  # heavy: on use
     from loopkit.data import _grain_datasets  # noqa: PLC0415 (imports grain)
 
@@ -126,8 +131,9 @@ class GrainSource:
                        f"{global_batch_size}")
     if not 0 <= int(seed) < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {seed}")
-    if worker_count < 0:
-      raise ValueError(f"worker_count must be >= 0, got {worker_count}")
+    if worker_count < 0 or read_threads < 1:
+      raise ValueError(f"worker_count must be >= 0 and read_threads >= 1, got {worker_count} "
+                       f"and {read_threads}")
     self.global_batch_size = int(global_batch_size)
     self.local_batch_size = self.global_batch_size // self._count
     self.seed = int(seed)
@@ -137,7 +143,9 @@ class GrainSource:
     self.worker_count = int(worker_count)
     self._worker_buffer_size = int(worker_buffer_size)
     self._read_options = read_options or grain.ReadOptions(
-        num_threads=1, prefetch_buffer_size=self._worker_buffer_size)
+        num_threads=read_threads, prefetch_buffer_size=max(read_threads, worker_buffer_size))
+    # The exact path (reads exactly the rows asked for) unless workers or threads read ahead.
+    self._direct = worker_count == 0 and read_threads == 1 and read_options is None
     epochs = _UNBOUNDED_EPOCHS if num_epochs is None else int(num_epochs)
     self._total_steps = epochs * self.steps_per_epoch
     self._grain = grain
@@ -194,9 +202,9 @@ class GrainSource:
     """Batches ``step .. step + num_steps - 1`` stacked: leaves ``[n, B / P, ...]``.
 
     ``n`` is ``num_steps``, or fewer where ``num_epochs`` ends first (0 past
-    the end). Reads exactly the records of those rows
-    (``worker_count=0``), or continues the workers' iterator (which reads up
-    to its buffers ahead), re-opening it at ``step`` when the last read did
+    the end). Reads exactly the records of those rows (``worker_count=0``,
+    ``read_threads=1``), or continues a Grain iterator (worker processes and/or
+    threads, which read up to their buffers ahead), re-opening it at ``step`` when the last read did
     not end there.
 
     Raises:
@@ -208,7 +216,7 @@ class GrainSource:
     if count == 0:  # past the end: the leaves of step 0's batch, [0, B / P, ...]
       return jax.tree.map(lambda x: x[:0], self.chunk_at(0, 1))
     b = self.local_batch_size
-    if self.worker_count == 0:
+    if self._direct:
       flat = self._rows[step * b:(step + count) * b].batch(count * b)[0]
       return jax.tree.map(lambda x: x.reshape((count, b) + x.shape[1:]), flat)
     with self._lock:
