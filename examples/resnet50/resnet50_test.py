@@ -373,6 +373,23 @@ def test_each_pipeline_refuses_a_dataset_built_in_the_other_format(
     train.create_datasets(config)
 
 
+def test_input_rate_lines_divide_the_roofline_rate_over_the_hosts():
+  from types import SimpleNamespace
+
+  report = SimpleNamespace(num_processes=4, programs={
+      "train": SimpleNamespace(examples_per_sec=40_000.0)})
+  lines = train.input_rate_lines(report, {"batch": 64, "cpu_count": 2, "rows": [
+      {"pipeline": "tf.data", "images_per_s": 500.0},
+      {"pipeline": "Grain, 2 workers x 1 threads", "images_per_s": 2_500.0}]})
+  assert "needs >= 10,000 images/s from each of the 4 host(s)" in lines[0]
+  assert "tf.data: 500 images/s per process, 5.0% of the need" in lines[1]
+  assert "2,500 images/s per process, 25.0% of the need" in lines[2]
+  assert "benchmarks/input.py" in train.input_rate_lines(report)[1]
+  nochip = SimpleNamespace(num_processes=1, programs={"train": SimpleNamespace(
+      examples_per_sec=None)})
+  assert "no chip numbers" in train.input_rate_lines(nochip)[0]
+
+
 @pytest.mark.slow  # about 3 minutes on 2 shared cores (ResNet-18 train and eval compiles)
 def test_cpu_config_on_the_grain_pipeline_runs(tmp_path, digits_array_record_dir):
   config = cpu_config.get_config()
@@ -421,6 +438,7 @@ def test_main_cli_compile_only_for_a_tpu_topology(tmp_path):
       capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "AOT report: v5e:2x2, 4 devices" in out.stdout and "headroom" in out.stdout
+  assert "images/s from each of the 1 host(s)" in out.stdout  # the input the bound needs
   report = json.load(open(tmp_path / "aot_report.json"))
   assert set(report["programs"]) == {"train", "eval"}
   assert report["programs"]["train"]["trace_count"] == 1

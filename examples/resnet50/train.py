@@ -517,6 +517,38 @@ def _split_size(config: ml_collections.ConfigDict, split: str, override: int) ->
                      "config.num_train_examples / num_eval_examples") from None
 
 
+def input_rate_lines(report: Any, measured: dict[str, Any] | None = None) -> list[str]:
+  """What each host must deliver for the train program's compute bound, beside measured rates.
+
+  Args:
+    report: a :class:`loopkit.tools.aot.AotReport` (its ``"train"`` program's
+      ``examples_per_sec``, the roofline upper bound, and ``num_processes``).
+    measured: the JSON of ``benchmarks/input.py --out`` (``rows`` of
+      ``{"pipeline", "images_per_s"}``, per process), or None.
+
+  Returns:
+    Report lines: the images/s per host the bound needs, then per measured
+    pipeline its rate and the share of that need it covers.
+  """
+  train_program = report.programs.get("train")
+  if train_program is None or train_program.examples_per_sec is None:
+    return ["input: no chip numbers, so no images/s per host to compare with"]
+  need = train_program.examples_per_sec / max(1, report.num_processes)
+  lines = [f"input: the train program's compute bound needs >= {need:,.0f} images/s from each "
+           f"of the {report.num_processes} host(s) (the roofline rate / hosts; a bound, not a "
+           "measurement)"]
+  if measured is None:
+    lines.append("  measure what a host delivers with: python benchmarks/input.py --out "
+                 "rates.json, then pass --input_rates=rates.json")
+    return lines
+  for row in measured.get("rows", []):
+    rate = float(row["images_per_s"])
+    lines.append(f"  measured {row['pipeline']}: {rate:,.0f} images/s per process, "
+                 f"{rate / need:.1%} of the need (batch {measured.get('batch')}, "
+                 f"{measured.get('cpu_count')} CPUs where measured)")
+  return lines
+
+
 def compile_only(config: ml_collections.ConfigDict, topology: str, *,
                  hbm_bytes: int | None = None, with_eval: bool = True) -> Any:
   """Compiles the run's train and eval programs for a topology; no data, no training.
