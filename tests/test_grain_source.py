@@ -125,6 +125,26 @@ def test_num_epochs_ends_the_source():
   assert loop.ledger.step == 12
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_the_feeder_reads_at_most_its_prefetch_depth_ahead(prefetch):
+  """With a slow consumer, the steps read never run more than (prefetch + 1) chunks ahead of
+  the steps consumed: ``prefetch`` queued and one being formed, each one ``chunk_at``."""
+  src = workers.Recording(GrainSource(records(), B, seed=5))
+  ahead, calls = [], []
+  real = src.src.chunk_at
+  src.src.chunk_at = lambda step, n: calls.append(n) or real(step, n)
+
+  def slow(info, _):
+    time.sleep(0.05)  # the prefetch thread fills its queue meanwhile
+    ahead.append(max(src.served) + 1 - info.end_step)
+
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=3, prefetch=prefetch,
+                           hooks=[loopkit.CallbackHook(slow, needs_state=False)])
+  loop.run(toy.init_state(), src, num_steps=30)
+  assert 3 <= max(ahead) <= (prefetch + 1) * 3
+  assert calls == [3] * 10  # one chunk_at per call, no per-batch reads
+
+
 # -- O(1) resume ---------------------------------------------------------------------------
 
 
