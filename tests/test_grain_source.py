@@ -67,15 +67,19 @@ def test_read_threads_give_the_same_chunks_and_reopen_where_a_read_jumps():
 @pytest.mark.parametrize("count", [2, 4])
 def test_rows_of_every_process_make_the_one_process_batch_in_place(count):
   """Process p reads rows [p B/P, (p+1) B/P) of the same global batch; the
-  augmentation (a Grain random_map) is keyed by the global index, so the
-  pixels match too."""
+  augmentation (a Grain random_map) is keyed by the global index, and the batch
+  transform works row by row, so the values match too (with 1 or 2 read threads)."""
 
   def transform(ds):
     return ds.random_map(lambda r, rng: {**r, "x": r["x"] + rng.normal(size=4)}, seed=9)
 
-  one = GrainSource(records(), B, seed=5, transform=transform)
-  parts = [GrainSource(records(), B, seed=5, transform=transform, process_index=p,
-                       process_count=count) for p in range(count)]
+  def rows(batch):  # a batch transform: row by row, once per read
+    return {**batch, "y": batch["y"] * batch["x"][:, :2]}
+
+  one = GrainSource(records(), B, seed=5, transform=transform, batch_transform=rows)
+  parts = [GrainSource(records(), B, seed=5, transform=transform, batch_transform=rows,
+                       process_index=p, process_count=count, read_threads=p + 1)
+           for p in range(count)]
   for step in (0, 7, 61):
     whole = one.chunk_at(step, 2)
     joined = {k: np.concatenate([p.chunk_at(step, 2)[k] for p in parts], axis=1)

@@ -442,60 +442,74 @@ class EvalBatches:
 # -- the Grain path (ArrayRecord via tfds.data_source, Grain worker processes) ----------
 
 
-class GrainTrainPreprocess:
-  """A Grain ``random_map``: one record -> ``{"image": uint8 [S, S, 3], "label": int32}``.
+def grain_draw_seed(example: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+  """A Grain ``random_map``: keeps the encoded bytes, draws the example's stateless seed.
 
-  The same TF image functions as the tf.data path (:func:`preprocess_train`),
-  traced once per process into a ``tf.function``; the example's stateless
-  seed is drawn from the Grain ``rng``, which Grain keys by the record's global
-  index (so the crop of an example at a step does not depend on the process or
-  worker count). Picklable (Grain's workers rebuild the ``tf.function``).
+  Grain keys ``rng`` by the record's global index, so the crop and flip of an
+  example at a step do not depend on the process or worker count. The bytes
+  become a 0-d object array so that batching keeps them exact (``np.stack`` of
+  ``bytes`` would pad them to one width).
+  """
+  return {"image": np.array(example["image"], dtype=object),
+          "label": np.int32(example["label"]),
+          "seed": rng.integers(0, 2**31 - 1, size=2, dtype=np.int64)}
+
+
+def grain_keep_bytes(example: dict[str, Any]) -> dict[str, Any]:
+  """A Grain ``map``: :func:`grain_draw_seed` without a seed (evaluation)."""
+  return {"image": np.array(example["image"], dtype=object), "label": np.int32(example["label"])}
+
+
+class GrainBatchPreprocess:
+  """A batch transform: encoded images ``[m]`` -> ``{"image": uint8 [m, S, S, 3], "label"}``.
+
+  The tf.data path's own image functions (:func:`preprocess_train` with each
+  row's seed, or :func:`preprocess_eval`), run over the rows by one
+  ``tf.function`` (``tf.map_fn``) per read instead of one call per image.
+  Row i of the output depends only on row i of the input. Picklable (Grain's
+  workers trace their own ``tf.function``).
+
+  Args:
+    preprocessing: the crop settings.
+    train: the training crop and flip (rows carry a ``"seed"``), else the eval
+      center crop.
   """
 
-  def __init__(self, preprocessing: Preprocessing):
+  def __init__(self, preprocessing: Preprocessing, *, train: bool):
     self.preprocessing = preprocessing
+    self.train = train
     self._fn: Any = None
 
   def __getstate__(self) -> dict[str, Any]:
-    return {"preprocessing": self.preprocessing}
+    return {"preprocessing": self.preprocessing, "train": self.train}
 
   def __setstate__(self, state: dict[str, Any]) -> None:
-    self.preprocessing, self._fn = state["preprocessing"], None
+    self.preprocessing, self.train, self._fn = state["preprocessing"], state["train"], None
 
-  def __call__(self, example: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+  def _build(self) -> Any:
+    import tensorflow as tf
+
+    p = self.preprocessing
+    out = tf.TensorSpec([p.image_size, p.image_size, 3], tf.uint8)
+    if self.train:
+      return tf.function(lambda images, seeds: tf.map_fn(
+          lambda a: preprocess_train(a[0], a[1], p), (images, seeds), fn_output_signature=out),
+          input_signature=[tf.TensorSpec([None], tf.string), tf.TensorSpec([None, 2], tf.int64)])
+    return tf.function(lambda images: tf.map_fn(
+        lambda b: preprocess_eval(b, p), images, fn_output_signature=out),
+        input_signature=[tf.TensorSpec([None], tf.string)])
+
+  def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
     if self._fn is None:
-      p = self.preprocessing
-      self._fn = tf.function(lambda b, s: preprocess_train(b, s, p), input_signature=[
-          tf.TensorSpec([], tf.string), tf.TensorSpec([2], tf.int64)])
-    seed = rng.integers(0, 2**31 - 1, size=2, dtype=np.int64)
-    image = self._fn(tf.constant(example["image"]), tf.constant(seed))
-    return {"image": image.numpy(), "label": np.int32(example["label"])}
-
-
-class GrainEvalPreprocess:
-  """A Grain ``map``: the eval center crop (:func:`preprocess_eval`) of one record."""
-
-  def __init__(self, preprocessing: Preprocessing):
-    self.preprocessing = preprocessing
-    self._fn: Any = None
-
-  def __getstate__(self) -> dict[str, Any]:
-    return {"preprocessing": self.preprocessing}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.preprocessing, self._fn = state["preprocessing"], None
-
-  def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-    import tensorflow as tf
-
-    if self._fn is None:
-      p = self.preprocessing
-      self._fn = tf.function(lambda b: preprocess_eval(b, p),
-                             input_signature=[tf.TensorSpec([], tf.string)])
-    image = self._fn(tf.constant(example["image"]))
-    return {"image": image.numpy(), "label": np.int32(example["label"])}
+      self._fn = self._build()
+    images = tf.constant(list(batch["image"]), tf.string)
+    if self.train:
+      images = self._fn(images, tf.constant(batch["seed"]))
+    else:
+      images = self._fn(images)
+    return {"image": images.numpy(), "label": np.asarray(batch["label"], np.int32)}
 
 
 def data_source(builder: Any, split: str) -> Any:
@@ -522,17 +536,18 @@ def grain_train_source(builder: Any, *, split: str, global_batch_size: int,
   """Endless training batches of ``split`` through TFDS ``data_source`` + Grain.
 
   A :class:`loopkit.data.GrainSource`: the global batch of step ``s`` is a pure
-  function of ``(seed, s)`` (Grain's per-epoch shuffle, then
-  :class:`GrainTrainPreprocess` keyed by the global index); each process reads
-  its ``B / P`` rows; the saved position is the step (O(1) resume).
+  function of ``(seed, s)`` (Grain's per-epoch shuffle, then the seeds of
+  :func:`grain_draw_seed`, keyed by the global index, then
+  :class:`GrainBatchPreprocess` once per read); each process reads its
+  ``B / P`` rows; the saved position is the step (O(1) resume).
 
   Batches: ``{"image": uint8 [B / P, S, S, 3], "label": int32 [B / P]}``.
   """
   from loopkit.data import GrainSource
 
-  transform = GrainTrainPreprocess(preprocessing)
   return GrainSource(data_source(builder, split), global_batch_size, seed=seed,
-                     transform=lambda ds: ds.random_map(transform, seed=seed),
+                     transform=lambda ds: ds.random_map(grain_draw_seed, seed=seed),
+                     batch_transform=GrainBatchPreprocess(preprocessing, train=True),
                      worker_count=worker_count, read_threads=read_threads,
                      process_index=process_index,
                      process_count=process_count)
@@ -542,7 +557,7 @@ class GrainEvalBatches:
   """One process's contiguous shard of an eval split through Grain, in order.
 
   The same shard as :class:`EvalBatches` (``loopkit.data.process_shard_bounds``,
-  like ``tfds.even_splits``), center-cropped by :class:`GrainEvalPreprocess`;
+  like ``tfds.even_splits``), center-cropped by :class:`GrainBatchPreprocess`;
   the last batch may be short.
 
   Attributes:
@@ -566,8 +581,8 @@ class GrainEvalBatches:
 
     local = global_batch_size // (jax.process_count() if process_count is None
                                   else process_count)
-    self._dataset = (grain.MapDataset.source(data)[start:stop]
-                     .map(GrainEvalPreprocess(preprocessing)).batch(local))
+    self._dataset = (grain.MapDataset.source(data)[start:stop].map(grain_keep_bytes)
+                     .batch(local).map(GrainBatchPreprocess(preprocessing, train=False)))
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     return iter(self._dataset)

@@ -83,6 +83,11 @@ class GrainSource:
     transform: ``MapDataset -> MapDataset``, one element out per element in
       (``map``, ``random_map``; no ``filter``, no ``batch``), applied to the
       globally ordered records; a batch's leaves are the stacked elements.
+    batch_transform: ``batch -> batch`` on stacked elements ``[m, ...]``, row by
+      row (output row i depends only on input row i; ``m`` is any count), run
+      once per read instead of once per record: e.g. one ``tf.function``
+      decoding a batch of images, with per-example seeds that ``transform``
+      drew. Picklable for worker processes.
     worker_count: Grain worker processes (``mp_prefetch``); 0 reads in the
       calling thread (the feeder's prefetch thread).
     worker_buffer_size: batches each worker prepares ahead
@@ -117,6 +122,7 @@ class GrainSource:
 
   def __init__(self, data: Any, global_batch_size: int, *, seed: int = 0,
                shuffle: bool = True, num_epochs: int | None = None, transform: Any = None,
+               batch_transform: Any = None,
                worker_count: int = 0, worker_buffer_size: int = 1, read_threads: int = 1,
                read_options: Any = None, process_index: int | None = None,
                process_count: int | None = None):
@@ -153,6 +159,7 @@ class GrainSource:
 
     base = data if isinstance(data, grain.MapDataset) else grain.MapDataset.source(data)
     self._rows = self._process_rows(base, transform)
+    self._batch_transform = batch_transform
     self._iter: Any = None
     self._iter_step = -1
     self._lock = threading.Lock()
@@ -218,6 +225,8 @@ class GrainSource:
     b = self.local_batch_size
     if self._direct:
       flat = self._rows[step * b:(step + count) * b].batch(count * b)[0]
+      if self._batch_transform is not None:
+        flat = self._batch_transform(flat)
       return jax.tree.map(lambda x: x.reshape((count, b) + x.shape[1:]), flat)
     with self._lock:
       if self._iter is None or self._iter_step != step:
@@ -234,6 +243,8 @@ class GrainSource:
     if not flags.FLAGS.is_parsed():  # mp_prefetch reads grain's absl flags (their defaults)
       flags.FLAGS.mark_as_parsed()
     ds = self._rows.batch(self.local_batch_size)[step:self._total_steps]
+    if self._batch_transform is not None:
+      ds = ds.map(self._batch_transform)
     ds = ds.to_iter_dataset(read_options=self._read_options)
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(
         num_workers=self.worker_count, per_worker_buffer_size=self._worker_buffer_size))
