@@ -95,6 +95,8 @@ SOURCES = {
     "reiterable": lambda: Reiterable(_int_batches()),
     "array_source": lambda: ArraySource({"x": np.arange(N, dtype=np.int32),
                                          "y": np.arange(0, 3 * N, 3, dtype=np.int32)}, B, seed=11),
+    "grain_source": lambda: loopkit.data.GrainSource(
+        [{"x": np.int32(i), "y": np.int32(3 * i)} for i in range(N)], B, seed=11),
     "grain_iter_dataset": _grain_iter_dataset,
     "grain_dataloader": _grain_dataloader,
     "tf_data": _tf_data,

@@ -24,3 +24,12 @@ def digits_dir(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("tfds"))
   digits_tfds.ensure_prepared(d)
   return d
+
+
+@pytest.fixture(scope="module")
+def digits_array_record_dir(tmp_path_factory):
+  """A TFDS data directory with ``sklearn_digits`` prepared as ArrayRecord (the Grain path)."""
+  from examples.resnet50 import digits_tfds
+  d = str(tmp_path_factory.mktemp("tfds_ar"))
+  digits_tfds.ensure_prepared(d, file_format="array_record")
+  return d

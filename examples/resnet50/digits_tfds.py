@@ -7,7 +7,8 @@ same ``tfds.builder(...).as_dataset(...)`` code path, per-process split and
 preprocessing as ``imagenet2012`` (PNG instead of JPEG bytes).
 
 The dataset is generated into ``data_dir`` at first use (a few seconds, about
-1 MB of TFRecords); later runs read the prepared files.
+1 MB of TFRecords, or of ArrayRecord files for the Grain pipeline); later runs
+read the prepared files.
 
 Splits (fixed, stratified by label with ``random_state=0``, as the digits MLP
 example): ``train`` 1,437 examples, ``test`` 360 examples. Features:
@@ -65,16 +66,32 @@ class SklearnDigits(tfds.core.GeneratorBasedBuilder):
       yield int(i), {"image": images[i], "label": int(labels[i])}
 
 
-def ensure_prepared(data_dir: str | None) -> tfds.core.DatasetBuilder:
+def ensure_prepared(data_dir: str | None, file_format: str = "tfrecord"
+                    ) -> tfds.core.DatasetBuilder:
   """Returns the ``sklearn_digits`` builder, generating the files on first use.
 
   Args:
     data_dir: TFDS data directory (None: TFDS's default, ``$TFDS_DATA_DIR`` or
       ``~/tensorflow_datasets``).
+    file_format: ``"tfrecord"`` (read by ``builder.as_dataset``, the tf.data
+      pipeline) or ``"array_record"`` (random access through
+      ``builder.as_data_source``, the Grain pipeline).
 
   Returns:
-    The prepared builder (``builder.as_dataset(split=...)`` works).
+    The prepared builder.
+
+  Raises:
+    ValueError: ``data_dir`` holds the digits in the other format (TFDS keeps
+      one format per dataset version), naming both.
   """
-  builder = SklearnDigits(data_dir=data_dir)
+  try:
+    builder = SklearnDigits(data_dir=data_dir, file_format=file_format)
+  except ValueError as e:
+    if "File format is already set" not in str(e):
+      raise
+    prepared = SklearnDigits(data_dir=data_dir).info.file_format.value
+    raise ValueError(f"the {NAME} dataset in data_dir={data_dir!r} was built as {prepared!r}, "
+                     f"but {file_format!r} was asked for: use another data_dir (TFDS keeps one "
+                     "file format per dataset version)") from None
   builder.download_and_prepare()
   return builder

@@ -1,4 +1,13 @@
-"""TFDS input pipeline for ImageNet-style classification (``imagenet2012``, ``sklearn_digits``).
+"""TFDS input pipelines for ImageNet-style classification (``imagenet2012``, ``sklearn_digits``).
+
+Two pipelines, chosen by ``config.input_pipeline``, with the same image
+functions: ``"tfdata"`` reads TFRecords with tf.data (:class:`TrainBatches`,
+:class:`EvalBatches`); ``"grain"`` reads ArrayRecord files by random access
+(``tfds.data_source``) through Grain (:func:`grain_train_source`, a
+:class:`loopkit.data.GrainSource`; :class:`GrainEvalBatches`), with Grain
+worker processes for decode and augmentation, an O(1) resume and the same
+global batches on any process count. The rest of this docstring describes the
+tf.data path.
 
 Training: Inception-style random-resized crop (Szegedy et al. 2015, "Going
 Deeper with Convolutions"; the crop of the TF/Flax/MLPerf ResNet references:
@@ -349,7 +358,16 @@ class _TrainIterator:
     return {"batches": self._n}
 
   def set_state(self, state: dict[str, int]) -> None:
-    """Positions the iterator after ``state["batches"]`` batches."""
+    """Positions the iterator after ``state["batches"]`` batches.
+
+    Raises:
+      ValueError: a position saved by another pipeline (the Grain path's
+        ``{"grain_step": ...}``), naming it.
+    """
+    if not isinstance(state, dict) or "batches" not in state:
+      raise ValueError(f"the checkpoint's data position {state!r} was not saved by the tf.data "
+                       "pipeline (which saves {'batches': n}): resume with "
+                       "input_pipeline='grain', or start in another workdir")
     self._n = int(state["batches"])
     self._it = None
 
@@ -419,3 +437,152 @@ class EvalBatches:
     import tensorflow_datasets as tfds
 
     return iter(tfds.as_numpy(self.dataset()))
+
+
+# -- the Grain path (ArrayRecord via tfds.data_source, Grain worker processes) ----------
+
+
+def grain_draw_seed(example: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+  """A Grain ``random_map``: keeps the encoded bytes, draws the example's stateless seed.
+
+  Grain keys ``rng`` by the record's global index, so the crop and flip of an
+  example at a step do not depend on the process or worker count. The bytes
+  become a 0-d object array so that batching keeps them exact (``np.stack`` of
+  ``bytes`` would pad them to one width).
+  """
+  return {"image": np.array(example["image"], dtype=object),
+          "label": np.int32(example["label"]),
+          "seed": rng.integers(0, 2**31 - 1, size=2, dtype=np.int64)}
+
+
+def grain_keep_bytes(example: dict[str, Any]) -> dict[str, Any]:
+  """A Grain ``map``: :func:`grain_draw_seed` without a seed (evaluation)."""
+  return {"image": np.array(example["image"], dtype=object), "label": np.int32(example["label"])}
+
+
+class GrainBatchPreprocess:
+  """A batch transform: encoded images ``[m]`` -> ``{"image": uint8 [m, S, S, 3], "label"}``.
+
+  The tf.data path's own image functions (:func:`preprocess_train` with each
+  row's seed, or :func:`preprocess_eval`), run over the rows by one
+  ``tf.function`` (``tf.map_fn``) per read instead of one call per image.
+  Row i of the output depends only on row i of the input. Picklable (Grain's
+  workers trace their own ``tf.function``).
+
+  Args:
+    preprocessing: the crop settings.
+    train: the training crop and flip (rows carry a ``"seed"``), else the eval
+      center crop.
+  """
+
+  def __init__(self, preprocessing: Preprocessing, *, train: bool):
+    self.preprocessing = preprocessing
+    self.train = train
+    self._fn: Any = None
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"preprocessing": self.preprocessing, "train": self.train}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.preprocessing, self.train, self._fn = state["preprocessing"], state["train"], None
+
+  def _build(self) -> Any:
+    import tensorflow as tf
+
+    p = self.preprocessing
+    out = tf.TensorSpec([p.image_size, p.image_size, 3], tf.uint8)
+    if self.train:
+      return tf.function(lambda images, seeds: tf.map_fn(
+          lambda a: preprocess_train(a[0], a[1], p), (images, seeds), fn_output_signature=out),
+          input_signature=[tf.TensorSpec([None], tf.string), tf.TensorSpec([None, 2], tf.int64)])
+    return tf.function(lambda images: tf.map_fn(
+        lambda b: preprocess_eval(b, p), images, fn_output_signature=out),
+        input_signature=[tf.TensorSpec([None], tf.string)])
+
+  def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+    import tensorflow as tf
+
+    if self._fn is None:
+      self._fn = self._build()
+    images = tf.constant(list(batch["image"]), tf.string)
+    if self.train:
+      images = self._fn(images, tf.constant(batch["seed"]))
+    else:
+      images = self._fn(images)
+    return {"image": images.numpy(), "label": np.asarray(batch["label"], np.int32)}
+
+
+def data_source(builder: Any, split: str) -> Any:
+  """``split`` of an ArrayRecord TFDS dataset by random access, image bytes undecoded.
+
+  Raises:
+    ValueError: the dataset was built in another file format (naming it).
+  """
+  import tensorflow_datasets as tfds
+
+  fmt = builder.info.file_format
+  fmt = getattr(fmt, "value", fmt)
+  if fmt != "array_record":
+    raise ValueError(f"the Grain input pipeline reads ArrayRecord files, but the TFDS dataset "
+                     f"{builder.name!r} in {builder.data_dir} was built as {fmt!r}: prepare it "
+                     "with file_format='array_record' (TFDS), or use input_pipeline='tfdata'")
+  return builder.as_data_source(split=split, decoders={"image": tfds.decode.SkipDecoding()})
+
+
+def grain_train_source(builder: Any, *, split: str, global_batch_size: int,
+                       preprocessing: Preprocessing, seed: int, worker_count: int = 0,
+                       read_threads: int = 1, process_index: int | None = None,
+                       process_count: int | None = None) -> Any:
+  """Endless training batches of ``split`` through TFDS ``data_source`` + Grain.
+
+  A :class:`loopkit.data.GrainSource`: the global batch of step ``s`` is a pure
+  function of ``(seed, s)`` (Grain's per-epoch shuffle, then the seeds of
+  :func:`grain_draw_seed`, keyed by the global index, then
+  :class:`GrainBatchPreprocess` once per read); each process reads its
+  ``B / P`` rows; the saved position is the step (O(1) resume).
+
+  Batches: ``{"image": uint8 [B / P, S, S, 3], "label": int32 [B / P]}``.
+  """
+  from loopkit.data import GrainSource
+
+  return GrainSource(data_source(builder, split), global_batch_size, seed=seed,
+                     transform=lambda ds: ds.random_map(grain_draw_seed, seed=seed),
+                     batch_transform=GrainBatchPreprocess(preprocessing, train=True),
+                     worker_count=worker_count, read_threads=read_threads,
+                     process_index=process_index,
+                     process_count=process_count)
+
+
+class GrainEvalBatches:
+  """One process's contiguous shard of an eval split through Grain, in order.
+
+  The same shard as :class:`EvalBatches` (``loopkit.data.process_shard_bounds``,
+  like ``tfds.even_splits``), center-cropped by :class:`GrainBatchPreprocess`;
+  the last batch may be short.
+
+  Attributes:
+    num_examples: N.
+    num_batches: ``ceil(ceil(N / P) / (B / P))``, the same on every process.
+  """
+
+  def __init__(self, builder: Any, *, split: str, global_batch_size: int,
+               preprocessing: Preprocessing, process_index: int | None = None,
+               process_count: int | None = None):
+    import grain
+
+    from loopkit.data import eval_batches_per_process, process_shard_bounds
+
+    data = data_source(builder, split)
+    self.num_examples = len(data)
+    start, stop = process_shard_bounds(self.num_examples, process_index, process_count)
+    self.num_batches = eval_batches_per_process(self.num_examples, global_batch_size,
+                                                process_count)
+    import jax
+
+    local = global_batch_size // (jax.process_count() if process_count is None
+                                  else process_count)
+    self._dataset = (grain.MapDataset.source(data)[start:stop].map(grain_keep_bytes)
+                     .batch(local).map(GrainBatchPreprocess(preprocessing, train=False)))
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    return iter(self._dataset)

@@ -53,6 +53,10 @@ _COMPILE_ONLY = flags.DEFINE_string(
     "training, no TPU needed (pip install 'loopkit[tpu]').")
 _COMPILE_EVAL = flags.DEFINE_bool(
     "compile_eval", True, "With --compile_only: also compile the evaluator's program.")
+_INPUT_RATES = flags.DEFINE_string(
+    "input_rates", None, "With --compile_only: the JSON that benchmarks/input.py --out wrote; "
+    "its measured images/s per process are printed next to the rate the chip's compute bound "
+    "needs from each host.")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -129,6 +133,12 @@ def _compile_only(config, topology: str, workdir: str) -> None:
   t0 = time.perf_counter()
   report = train.compile_only(config, topology, with_eval=_COMPILE_EVAL.value)
   print(report)
+  measured = None
+  if _INPUT_RATES.value:
+    with open(_INPUT_RATES.value) as f:
+      measured = json.load(f)
+  for line in train.input_rate_lines(report, measured):
+    print(line)
   print(f"compiled for {topology} in {time.perf_counter() - t0:.1f} s on "
         f"{os.cpu_count()} CPUs (jax {jax.__version__})")
   os.makedirs(workdir, exist_ok=True)

@@ -331,6 +331,79 @@ def test_cpu_config_runs_a_few_steps_on_digits(tmp_path, digits_dir):
   assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
 
 
+@pytest.mark.tf  # TFDS (the digits built as ArrayRecord), TF image functions in Grain
+def test_grain_pipeline_same_global_batches_on_any_process_count(digits_array_record_dir):
+  from examples.resnet50 import digits_tfds
+
+  builder = digits_tfds.ensure_prepared(digits_array_record_dir, file_format="array_record")
+  p = input_pipeline.Preprocessing(image_size=16, random_resized_crop=True, flip=True)
+  make = lambda i, n: input_pipeline.grain_train_source(
+      builder, split="train", global_batch_size=32, preprocessing=p, seed=3,
+      process_index=i, process_count=n)
+  one = make(0, 1)
+  assert one.steps_per_epoch == 1437 // 32
+  chunk = one.chunk_at(43, 3)  # crosses the end of epoch 0
+  assert chunk["image"].dtype == np.uint8 and chunk["image"].shape == (3, 32, 16, 16, 3)
+  assert chunk["label"].dtype == np.int32 and chunk["label"].shape == (3, 32)
+  halves = [make(i, 2).chunk_at(43, 3) for i in range(2)]
+  for key in chunk:  # rows [0, 16) from process 0, [16, 32) from process 1: the same bytes
+    assert np.concatenate([h[key] for h in halves], axis=1).tobytes() == chunk[key].tobytes()
+  assert one.chunk_at(44, 1)["image"].tobytes() == chunk["image"][1:2].tobytes()
+  evals = input_pipeline.GrainEvalBatches(builder, split="test", global_batch_size=100,
+                                          preprocessing=p, process_index=1, process_count=2)
+  assert evals.num_batches == 4 and [len(b["label"]) for b in evals] == [50, 50, 50, 30]
+  with pytest.raises(ValueError, match="was built as 'array_record', but 'tfrecord' was asked"):
+    digits_tfds.ensure_prepared(digits_array_record_dir, file_format="tfrecord")
+
+
+@pytest.mark.tf
+def test_each_pipeline_refuses_a_dataset_built_in_the_other_format(
+    digits_array_record_dir, digits_dir):
+  config = cpu_config.get_config()
+  config.input_pipeline = "grain"
+  config.data_dir = digits_dir  # the TFRecord build
+  with pytest.raises(ValueError, match="built as 'tfrecord', but 'array_record' was asked"):
+    train.create_datasets(config)
+  config.input_pipeline = "tfdata"
+  config.data_dir = digits_array_record_dir
+  with pytest.raises(ValueError, match="built as 'array_record', but 'tfrecord' was asked"):
+    train.create_datasets(config)
+  config.input_pipeline = "dali"
+  with pytest.raises(ValueError, match="input_pipeline must be one of"):
+    train.create_datasets(config)
+
+
+def test_input_rate_lines_divide_the_roofline_rate_over_the_hosts():
+  from types import SimpleNamespace
+
+  report = SimpleNamespace(num_processes=4, programs={
+      "train": SimpleNamespace(examples_per_sec=40_000.0)})
+  lines = train.input_rate_lines(report, {"batch": 64, "cpu_count": 2, "rows": [
+      {"pipeline": "tf.data", "images_per_s": 500.0},
+      {"pipeline": "Grain, 2 workers x 1 threads", "images_per_s": 2_500.0}]})
+  assert "needs >= 10,000 images/s from each of the 4 host(s)" in lines[0]
+  assert "tf.data: 500 images/s per process, 5.0% of the need" in lines[1]
+  assert "2,500 images/s per process, 25.0% of the need" in lines[2]
+  assert "benchmarks/input.py" in train.input_rate_lines(report)[1]
+  nochip = SimpleNamespace(num_processes=1, programs={"train": SimpleNamespace(
+      examples_per_sec=None)})
+  assert "no chip numbers" in train.input_rate_lines(nochip)[0]
+
+
+@pytest.mark.slow  # about 3 minutes on 2 shared cores (ResNet-18 train and eval compiles)
+def test_cpu_config_on_the_grain_pipeline_runs(tmp_path, digits_array_record_dir):
+  config = cpu_config.get_config()
+  config.input_pipeline = "grain"
+  config.data_dir = digits_array_record_dir
+  config.num_train_steps = 4
+  config.iterations_per_loop = 2
+  config.log_every_steps = 2
+  config.checkpoint_every_epochs = 0
+  r = train.train_and_evaluate(config, str(tmp_path))
+  assert r["step"] == 4 and r["device_calls"] == 2 and r["steps_per_epoch"] == 11
+  assert r["eval_count"] == 360 and r["compile_count"] == 1
+
+
 @pytest.mark.slow
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
   config = smoke_config.get_config()
@@ -365,6 +438,7 @@ def test_main_cli_compile_only_for_a_tpu_topology(tmp_path):
       capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "AOT report: v5e:2x2, 4 devices" in out.stdout and "headroom" in out.stdout
+  assert "images/s from each of the 1 host(s)" in out.stdout  # the input the bound needs
   report = json.load(open(tmp_path / "aot_report.json"))
   assert set(report["programs"]) == {"train", "eval"}
   assert report["programs"]["train"]["trace_count"] == 1

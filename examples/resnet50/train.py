@@ -227,22 +227,48 @@ def preprocessing(config: ml_collections.ConfigDict) -> input_pipeline.Preproces
       resize_method=config.resize_method)
 
 
-def create_datasets(config: ml_collections.ConfigDict
-                    ) -> tuple[input_pipeline.TrainBatches, input_pipeline.EvalBatches]:
+def create_datasets(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
   """This process's training and eval batches for ``config.dataset``.
 
-  ``sklearn_digits`` is generated into ``config.data_dir`` on first use; other
-  datasets (``imagenet2012``) must already be prepared there (or be mocked
-  with ``tfds.testing.mock_data``).
+  ``config.input_pipeline``: ``"tfdata"`` (TFRecords through
+  ``builder.as_dataset``: :class:`~input_pipeline.TrainBatches`,
+  :class:`~input_pipeline.EvalBatches`) or ``"grain"`` (ArrayRecord files
+  through ``tfds.data_source`` and Grain, ``config.grain_workers`` worker
+  processes: :func:`~input_pipeline.grain_train_source`,
+  :class:`~input_pipeline.GrainEvalBatches`). ``sklearn_digits`` is generated
+  into ``config.data_dir`` on first use, in the pipeline's file format; other
+  datasets (``imagenet2012``) must already be prepared there (or be mocked with
+  ``tfds.testing.mock_data``, tf.data only).
+
+  Raises:
+    ValueError: an unknown ``input_pipeline``, or a dataset built in the other
+      file format (naming both).
   """
   import tensorflow_datasets as tfds
 
+  kind = config.get("input_pipeline", "tfdata")
+  formats = {"tfdata": "tfrecord", "grain": "array_record"}
+  if kind not in formats:
+    raise ValueError(f"config.input_pipeline must be one of {sorted(formats)}, got {kind!r}")
   if config.dataset == "sklearn_digits":
     from examples.resnet50 import digits_tfds
-    builder = digits_tfds.ensure_prepared(config.data_dir or None)
+    builder = digits_tfds.ensure_prepared(config.data_dir or None, file_format=formats[kind])
   else:
     builder = tfds.builder(config.dataset, data_dir=config.data_dir or None)
   p = preprocessing(config)
+  if kind == "grain":
+    train = input_pipeline.grain_train_source(
+        builder, split=config.train_split, global_batch_size=config.global_batch_size,
+        preprocessing=p, seed=config.seed, worker_count=config.get("grain_workers", 0))
+    evals = input_pipeline.GrainEvalBatches(
+        builder, split=config.eval_split, global_batch_size=config.eval_batch_size,
+        preprocessing=p)
+    return train, evals
+  fmt = getattr(builder.info.file_format, "value", builder.info.file_format)
+  if not config.mock_data and fmt != "tfrecord":
+    raise ValueError(f"input_pipeline='tfdata' reads TFRecord files, but the TFDS dataset "
+                     f"{builder.name!r} in {builder.data_dir} was built as {fmt!r}: use "
+                     "input_pipeline='grain' (ArrayRecord), or prepare it as TFRecords")
   train = input_pipeline.TrainBatches(
       builder, split=config.train_split,
       num_examples=input_pipeline.num_examples(builder, config.train_split,
@@ -489,6 +515,38 @@ def _split_size(config: ml_collections.ConfigDict, split: str, override: int) ->
   except KeyError:
     raise ValueError(f"--compile_only needs the size of {config.dataset}/{split}: set "
                      "config.num_train_examples / num_eval_examples") from None
+
+
+def input_rate_lines(report: Any, measured: dict[str, Any] | None = None) -> list[str]:
+  """What each host must deliver for the train program's compute bound, beside measured rates.
+
+  Args:
+    report: a :class:`loopkit.tools.aot.AotReport` (its ``"train"`` program's
+      ``examples_per_sec``, the roofline upper bound, and ``num_processes``).
+    measured: the JSON of ``benchmarks/input.py --out`` (``rows`` of
+      ``{"pipeline", "images_per_s"}``, per process), or None.
+
+  Returns:
+    Report lines: the images/s per host the bound needs, then per measured
+    pipeline its rate and the share of that need it covers.
+  """
+  train_program = report.programs.get("train")
+  if train_program is None or train_program.examples_per_sec is None:
+    return ["input: no chip numbers, so no images/s per host to compare with"]
+  need = train_program.examples_per_sec / max(1, report.num_processes)
+  lines = [f"input: the train program's compute bound needs >= {need:,.0f} images/s from each "
+           f"of the {report.num_processes} host(s) (the roofline rate / hosts; a bound, not a "
+           "measurement)"]
+  if measured is None:
+    lines.append("  measure what a host delivers with: python benchmarks/input.py --out "
+                 "rates.json, then pass --input_rates=rates.json")
+    return lines
+  for row in measured.get("rows", []):
+    rate = float(row["images_per_s"])
+    lines.append(f"  measured {row['pipeline']}: {rate:,.0f} images/s per process, "
+                 f"{rate / need:.1%} of the need (batch {measured.get('batch')}, "
+                 f"{measured.get('cpu_count')} CPUs where measured)")
+  return lines
 
 
 def compile_only(config: ml_collections.ConfigDict, topology: str, *,

@@ -15,6 +15,8 @@ Grain ``DataLoader`` / ``IterDataset``    the iterator's ``get_state()``;
 :class:`TfDataSource` (tf.data, TFDS)     ``{"tf_batches": n}``; ``Dataset.skip(n)``
 step-indexed (``batch_at(step)``),        the global step; nothing to save
 e.g. :class:`ArraySource`
+:class:`~loopkit.data.GrainSource`        ``{"grain_step": s, ...}`` (``position_at``);
+(Grain random access, ArrayRecord)        checked (``check_position``), then step s
 ========================================  ==========================================
 
 Grain loaders and datasets need no adapter: pass them to ``TrainLoop.run``
@@ -398,7 +400,16 @@ class _TfIterator:
     return {"tf_batches": self._n}
 
   def set_state(self, state: dict[str, int]) -> None:
-    """Re-opens the dataset after ``state["tf_batches"]`` batches."""
+    """Re-opens the dataset after ``state["tf_batches"]`` batches.
+
+    Raises:
+      ValueError: a state saved by another pipeline (e.g. a GrainSource's
+        ``{"grain_step": ...}``), naming it.
+    """
+    if not isinstance(state, dict) or "tf_batches" not in state:
+      raise ValueError(f"the checkpoint's data position {state!r} did not come from a tf.data "
+                       "pipeline (a TfDataSource saves {'tf_batches': n}): resume with the "
+                       "pipeline that saved it, or start a new run in another directory")
     self._open(int(state["tf_batches"]))
 
 
@@ -459,7 +470,9 @@ def open_source(batches: Any, position: Any, step: int) -> tuple[Iterator, int]:
 
   Args:
     batches: an iterable of batches; an iterator with ``get_state``/``set_state``
-      (Grain); or a step-indexed source with ``batch_at(step) -> batch``.
+      (Grain); or a step-indexed source with ``batch_at(step) -> batch`` (and
+      optionally ``position_at(step)``, the position it saves, and
+      ``check_position(position, step)``, which refuses a position it did not save).
     position: None (start as given), a batch count (int), or an iterator state.
     step: the global step training resumes at (used for ``batch_at``).
 
@@ -471,6 +484,9 @@ def open_source(batches: Any, position: Any, step: int) -> tuple[Iterator, int]:
   first batch (documented cost: reading the skipped batches once).
   """
   if hasattr(batches, "batch_at"):
+    check = getattr(batches, "check_position", None)  # e.g. GrainSource: same pipeline?
+    if position is not None and callable(check):
+      check(position, step)
     return _StepIndexed(batches, step), step
   it = iter(batches)
   if position is None:
@@ -509,8 +525,10 @@ class _StepIndexed:
     self._step += 1
     return batch
 
-  def get_state(self) -> int:
-    return self._step
+  def get_state(self) -> Any:
+    """The next step, or the source's ``position_at(step)`` where it has one."""
+    position_at = getattr(self._source, "position_at", None)
+    return position_at(self._step) if callable(position_at) else self._step
 
   @property
   def takes_chunks(self) -> bool:
@@ -522,13 +540,15 @@ class _StepIndexed:
 
     ``m < n`` where the source ends first; the state advances by ``m``. ``fresh``: the
     leaves are new arrays that nothing else refers to or writes (an :class:`ArraySource`'s
-    gathers), so the feeder may place them as they are; a user's ``chunk_at`` may return
-    its own buffers, which the feeder copies.
+    gathers; a source whose ``chunks_are_fresh`` is True, e.g. a GrainSource), so the
+    feeder may place them as they are; a user's ``chunk_at`` may return its own buffers,
+    which the feeder copies.
     """
     chunk = self._source.chunk_at(self._step, n)
     m = int(np.shape(jax.tree.leaves(chunk)[0])[0])
     self._step += m
-    return chunk, m, type(self._source).chunk_at is ArraySource.chunk_at
+    return chunk, m, (type(self._source).chunk_at is ArraySource.chunk_at
+                      or getattr(self._source, "chunks_are_fresh", False) is True)
 
   def __repr__(self) -> str:
     return f"{self._source!r} (batch_at, next step {self._step})"

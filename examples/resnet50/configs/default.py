@@ -42,6 +42,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.crop_fraction = 0.875         # eval: center crop 224 of 256 [Flax], [MLPerf]
   config.resize_method = "bicubic"     # [Flax]
   config.shuffle_buffer = 16_384       # examples per process; [Flax] uses 16 x batch
+  # "tfdata": TFRecords via tf.data (resumes by skipping the epoch's consumed records);
+  # "grain": ArrayRecord via tfds.data_source + Grain (loopkit.data.GrainSource: O(1)
+  # resume, the same global batches on any process count).
+  config.input_pipeline = "tfdata"
+  config.grain_workers = 0             # Grain worker processes (decode + augment)
 
   # -- model --------------------------------------------------------------------
   config.model = ml_collections.ConfigDict()
