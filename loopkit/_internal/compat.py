@@ -23,9 +23,9 @@ what                           private API (why no public one)      fallback
 :func:`orbax_commit_futures`   Orbax's ``_async_manager.            ``manager.wait_until_
                                _commit_futures``: waits for a       finished()`` with its error
                                failed save's other writers          swallowed
-:func:`coordination_client`    ``distributed.global_state.client``: None: the processes agree
-                               the key-value store of the           through a device all-gather,
-                               coordination service that            which waits for the program
+:func:`coordination_client`    ``distributed.global_state``'s       None: the processes agree
+                               ``client``: the key-value store of   through a device all-gather,
+                               the coordination service that        which waits for the program
                                ``jax.distributed`` runs (JAX's      in flight
                                preemption sync point uses it too)
 =============================  ===================================  ==============================
