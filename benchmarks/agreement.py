@@ -45,17 +45,25 @@ def _hidden_client():
   return hidden()
 
 
+def _matmul_chain(size: int, seconds: float):
+  """``(f, w, x, n)``: ``f(x, n)`` runs n ``tanh(y @ w)`` steps on ``[size, size]`` float32,
+  with n sized (after a warm-up) to take about ``seconds`` on this CPU device."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  w = jnp.full((size, size), 1e-3, jnp.float32)
+  f = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ w), x))
+  x = jnp.ones((size, size), jnp.float32)
+  f(x, 2).block_until_ready()
+  t0 = time.perf_counter()
+  f(x, 20).block_until_ready()
+  return f, w, x, max(1, int(20 * seconds / (time.perf_counter() - t0)))
+
+
 def _step_fn(step_ms: float):
   """A train step of about ``step_ms`` on this CPU device (a chain of small matmuls)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  w = jnp.full((256, 256), 1e-3, jnp.float32)
-  f = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ w), x))
-  x = jnp.ones((256, 256), jnp.float32)
-  f(x, 10).block_until_ready()
-  t0 = time.perf_counter()
-  f(x, 200).block_until_ready()
-  n = max(1, int(200 * step_ms / 1e3 / (time.perf_counter() - t0)))
+  _, w, _, n = _matmul_chain(256, step_ms / 1e3)
 
   def train_step(state, batch):
     y = jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ w), state["y"] + jnp.mean(batch["x"]))
@@ -81,13 +89,7 @@ def worker(calls: int, step_ms: float) -> dict:
     return statistics.median(times)
 
   def in_flight() -> float:
-    w = jnp.full((512, 512), 1e-3, jnp.float32)
-    f = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ w), x))
-    x = jnp.ones((512, 512), jnp.float32)
-    f(x, 2).block_until_ready()
-    t0 = time.perf_counter()
-    f(x, 20).block_until_ready()
-    n = max(20, int(20 * 0.5 / (time.perf_counter() - t0)))
+    f, _, x, n = _matmul_chain(512, 0.5)
     agreement.agree([False])
     out = f(x, n)
     t0 = time.perf_counter()
