@@ -297,3 +297,16 @@ def default_step_of(state: Any) -> jax.Array:
   raise ValueError(
       "the train state has no step counter: give it a scalar int `step` field "
       "(attribute or dict key) or pass step_of=... to TrainLoop")
+
+
+def process_of(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+  """``(process_index, process_count)``, each defaulting to this JAX process's.
+
+  Raises:
+    ValueError: the index is not in ``[0, process_count)``, naming both.
+  """
+  index = jax.process_index() if process_index is None else int(process_index)
+  count = jax.process_count() if process_count is None else int(process_count)
+  if count < 1 or not 0 <= index < count:
+    raise ValueError(f"process_index {index} is not in [0, process_count={count})")
+  return index, count

@@ -49,19 +49,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from loopkit._internal.checks import check_global_batch_size
+from loopkit._internal.checks import check_global_batch_size, process_of
 from loopkit._internal.extras import require
 
 _UNBOUNDED_EPOCHS = 2**31  # "endless": a finite Grain length (index arithmetic stays int64)
 _POSITION_KEY = "grain_step"
-
-
-def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
-  index = jax.process_index() if process_index is None else int(process_index)
-  count = jax.process_count() if process_count is None else int(process_count)
-  if count < 1 or not 0 <= index < count:
-    raise ValueError(f"process_index {index} is not in [0, process_count={count})")
-  return index, count
 
 
 def _stack(batches: list[Any]) -> Any:
@@ -129,7 +121,7 @@ class GrainSource:
     grain = require("grain", "loopkit.data.GrainSource")  # heavy: on use
     from loopkit.data import _grain_datasets  # noqa: PLC0415 (imports grain)
 
-    self._index, self._count = _process(process_index, process_count)
+    self._index, self._count = process_of(process_index, process_count)
     check_global_batch_size(global_batch_size, 1, process_count=self._count)
     self.num_records = len(data)
     if self.num_records < global_batch_size:

@@ -47,16 +47,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from loopkit._internal.checks import check_global_batch_size
+from loopkit._internal.checks import check_global_batch_size, process_of
 from loopkit._internal.extras import require
-
-
-def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
-  index = jax.process_index() if process_index is None else int(process_index)
-  count = jax.process_count() if process_count is None else int(process_count)
-  if count < 1 or not 0 <= index < count:
-    raise ValueError(f"process_index {index} is not in [0, process_count={count})")
-  return index, count
 
 
 def process_shard_bounds(num_examples: int, process_index: int | None = None,
@@ -82,7 +74,7 @@ def process_shard_bounds(num_examples: int, process_index: int | None = None,
     >>> [process_shard_bounds(10, p, 4) for p in range(4)]
     [(0, 3), (3, 6), (6, 8), (8, 10)]
   """
-  index, count = _process(process_index, process_count)
+  index, count = process_of(process_index, process_count)
   if num_examples < 0:
     raise ValueError(f"num_examples must be >= 0, got {num_examples}")
   base, extra = divmod(int(num_examples), count)
@@ -122,7 +114,7 @@ def tfds_split_for_process(split: str, *, process_index: int | None = None,
   """
   tfds = require("tensorflow_datasets", "loopkit.data.tfds_split_for_process")  # heavy: on use
 
-  index, count = _process(process_index, process_count)
+  index, count = process_of(process_index, process_count)
   return tfds.split_for_jax_process(split, process_index=index, process_count=count,
                                     drop_remainder=False)
 
@@ -144,7 +136,7 @@ def grain_shard_options(*, process_index: int | None = None, process_count: int 
 
   if process_index is None and process_count is None:
     return grain.sharding.ShardByJaxProcess(drop_remainder=drop_remainder)
-  index, count = _process(process_index, process_count)
+  index, count = process_of(process_index, process_count)
   return grain.sharding.ShardOptions(shard_index=index, shard_count=count,
                                      drop_remainder=drop_remainder)
 
@@ -189,7 +181,7 @@ def eval_batches_per_process(num_examples: int, global_batch_size: int,
   Raises:
     ValueError: B not divisible by P, or B < 1.
   """
-  _, count = _process(0, process_count)
+  _, count = process_of(0, process_count)
   check_global_batch_size(global_batch_size, 1, process_count=count)
   return math.ceil(math.ceil(num_examples / count) / (global_batch_size // count))
 
@@ -276,7 +268,7 @@ class ArraySource:
                process_index: int | None = None, process_count: int | None = None):
     self.arrays = arrays
     self.num_examples = _num_examples(arrays)
-    self._index, self._count = _process(process_index, process_count)
+    self._index, self._count = process_of(process_index, process_count)
     check_global_batch_size(global_batch_size, 1, process_count=self._count)
     if self.num_examples < global_batch_size:
       raise ValueError(f"{self.num_examples} examples are fewer than one batch of "
