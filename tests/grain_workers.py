@@ -54,6 +54,28 @@ class CountingRecords:
     self._lock = threading.Lock()
 
 
+class IndexLog:
+  """A Grain ``map_with_index`` transform that logs each global flat index it reads.
+
+  Appends ``index`` (``step * GLOBAL_BATCH + row``) to ``path``, one line per record, from
+  whichever process reads it (Grain's worker processes included), and passes the record on.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+
+  def __call__(self, index: int, record: dict) -> dict:
+    with open(self.path, "a") as f:  # one short append per line: whole lines, any process
+      f.write(f"{index}\n")
+    return record
+
+
+def steps_read(path: str) -> list[int]:
+  """The step of every record :class:`IndexLog` logged to ``path``, sorted."""
+  with open(path) as f:
+    return sorted(int(line) // GLOBAL_BATCH for line in f)
+
+
 class Recording:
   """Delegates to a :class:`GrainSource` and records the example ids of each step it serves."""
 
@@ -78,19 +100,30 @@ class Recording:
   def check_position(self, position, step: int) -> None:
     self.src.check_position(position, step)
 
+  def close(self) -> None:
+    self.src.close()
+
 
 def train(directory: str | None, num_steps: int, iterations_per_loop: int = 3, *,
-          worker_count: int = 0, every_steps: int = 6, prefetch: int = 2) -> dict:
+          worker_count: int = 0, every_steps: int = 6, prefetch: int = 2,
+          read_log: str | None = None) -> dict:
   """Trains the toy model on a GrainSource, resuming from ``directory``'s latest checkpoint.
 
   Returns the final params (numpy), the ledger step, the example ids this
   process fed per step (``{step: ids}``, steps from the resume on), the records
-  read, the seconds from ``run`` to the first chunk, and the restored step.
+  read in this process, the seconds from ``run`` to the first chunk, the restored
+  step, and whether any Grain worker process was still running after ``run``
+  returned. ``read_log``: a file :class:`IndexLog` appends every record read to
+  (worker processes included).
   """
+  import multiprocessing
+
   from loopkit.checkpoint import CheckpointHook
 
   records = CountingRecords()
-  src = Recording(GrainSource(records, GLOBAL_BATCH, seed=5, worker_count=worker_count))
+  transform = None if read_log is None else (lambda ds: ds.map_with_index(IndexLog(read_log)))
+  src = Recording(GrainSource(records, GLOBAL_BATCH, seed=5, worker_count=worker_count,
+                              transform=transform))
   hooks: list = []
   ckpt = None
   if directory is not None:
@@ -103,8 +136,9 @@ def train(directory: str | None, num_steps: int, iterations_per_loop: int = 3, *
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=iterations_per_loop,
                            hooks=hooks, steps_per_epoch=src.steps_per_epoch, prefetch=prefetch)
   state = loop.run(toy.init_state(), src, num_steps=num_steps)
-  src.src.close()
+  workers_left = [p.name for p in multiprocessing.active_children() if "grain" in p.name]
   out = {
+      "grain_workers_after_run": workers_left,
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "params": {k: _host(v) for k, v in state["params"].items()},

@@ -457,15 +457,28 @@ class ChunkFeeder:
       raise item
     return item
 
+  def _close_source(self) -> None:
+    """A step-indexed source's ``close()`` (its worker processes stop); errors are logged."""
+    close_source = getattr(self._it, "close_source", None)
+    if callable(close_source):
+      try:
+        close_source()
+      except Exception:  # noqa: BLE001 (the run's own outcome, or exception, comes first)
+        log.warning("closing the data source %s failed", self._source_name, exc_info=True)
+
   def close(self, wait_secs: float | None = None) -> None:
-    """Stops the producer; never hangs.
+    """Stops the producer, then closes a step-indexed source; never hangs.
 
     Drops the prefetched chunks (freeing their device buffers) and waits for
     the thread, which stops at its next check: right after the source's
     ``next`` returns (without touching JAX again), or within 0.1 s when blocked
     on a full queue. A thread still inside the source after the wait is left
     behind as a daemon, with a warning naming the source (when the wait was not
-    0), and waited for again at interpreter exit.
+    0), and waited for again at interpreter exit. Once the thread has left the
+    source, a step-indexed source's ``close()`` runs (a
+    :class:`~loopkit.data.GrainSource` stops its worker processes; a later run
+    starts them again at its step); a plain iterator is left open, so a later
+    run can continue it.
 
     Args:
       wait_secs: how long to wait for the thread, in seconds (default
@@ -480,10 +493,13 @@ class ChunkFeeder:
         except queue.Empty:
           break
     if self._thread is None:
+      self._close_source()
       return
     wait = self._close_timeout_secs if wait_secs is None else wait_secs
     self._thread.join(timeout=wait)
-    if self._thread.is_alive():
+    if not self._thread.is_alive():
+      self._close_source()
+    else:  # still inside the source: closing it now could block on the read in flight
       if wait > 0:
         log.warning("the data source %s is still inside next() %.1f s after the run "
                     "stopped; its prefetch thread ends when next() returns (interpreter exit "

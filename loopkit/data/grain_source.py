@@ -104,7 +104,8 @@ class GrainSource:
   Not thread-safe: one feeder reads it at a time (with workers it keeps one
   Grain iterator, re-opened where a read does not continue the last one).
   Multi-host-safe: every process computes the same order and reads its rows.
-  ``close()`` stops the worker processes (also on garbage collection).
+  ``close()`` stops the worker processes; the feeder calls it when a run ends
+  (garbage collection does too), and the next read starts them again.
 
   Example:
     >>> src = GrainSource([{"x": np.float32(i)} for i in range(10)], 4, seed=0)

@@ -463,8 +463,10 @@ def open_source(batches: Any, position: Any, step: int) -> tuple[Iterator, int]:
   Args:
     batches: an iterable of batches; an iterator with ``get_state``/``set_state``
       (Grain); or a step-indexed source with ``batch_at(step) -> batch`` (and
-      optionally ``position_at(step)``, the position it saves, and
-      ``check_position(position, step)``, which refuses a position it did not save).
+      optionally ``position_at(step)``, the position it saves,
+      ``check_position(position, step)``, which refuses a position it did not save,
+      and ``close()``, called when the run ends to free what reads ahead, such as
+      worker processes; a later read must work again, as :class:`GrainSource`'s does).
     position: None (start as given), a batch count (int), or an iterator state.
     step: the global step training resumes at (used for ``batch_at``).
 
@@ -541,6 +543,14 @@ class _StepIndexed:
     self._step += m
     return chunk, m, (type(self._source).chunk_at is ArraySource.chunk_at
                       or getattr(self._source, "chunks_are_fresh", False) is True)
+
+  def close_source(self) -> None:
+    """Calls the source's ``close()`` where it has one (a GrainSource stops its worker
+    processes; its next read starts them again). The feeder calls it once its producer has
+    left the source, when the run ends."""
+    close = getattr(self._source, "close", None)
+    if callable(close):
+      close()
 
   def __repr__(self) -> str:
     return f"{self._source!r} (batch_at, next step {self._step})"
