@@ -323,10 +323,12 @@ def test_resnet_example_cpu_config_on_two_processes(tmp_path):
   The same as ``python -m loopkit.tools.testing -n 2 -d 4 examples.resnet50.main --workdir=...``.
   """
   pytest.importorskip("tensorflow_datasets")
-  from examples.resnet50 import digits_tfds
+  from examples.resnet50 import digits_tfds, train
+  from examples.resnet50.configs import cpu
 
   data_dir = str(tmp_path / "tfds")
-  digits_tfds.ensure_prepared(data_dir)  # once, not by two processes at the same time
+  # once, not by two processes at the same time; as ArrayRecord: the CPU config reads through Grain
+  digits_tfds.ensure_prepared(data_dir, file_format=train.file_format(cpu.get_config()))
   workdir = tmp_path / "work"
   args = [f"--workdir={workdir}", f"--config.data_dir={data_dir}",
           "--config.num_train_steps=4", "--config.iterations_per_loop=2",
@@ -358,6 +360,9 @@ RESNET_STEPS, RESNET_PREEMPT_AT = 8, 6  # K = 2, a checkpoint every 4 steps
 def test_resnet_example_preempted_on_two_processes_resumes_bitwise(tmp_path):
   """The ResNet example's train_and_evaluate as 2 processes x 4 devices, tiny (digits 8x8).
 
+  Its data path is the CPU config's: ArrayRecord through Grain, one Grain worker
+  process per process, each process reading only its rows of the global batch.
+
   A run waits at step 6 until SIGTERM reaches BOTH processes; both stop at 6
   ("preempted") and save it (beside the cadence's 4). A resume (2 x 4 again)
   to step 8 then ends bitwise equal to an uninterrupted 2 x 4 run: params,
@@ -365,10 +370,12 @@ def test_resnet_example_preempted_on_two_processes_resumes_bitwise(tmp_path):
   """
   pytest.importorskip("tensorflow_datasets")
   pytest.importorskip("orbax.checkpoint")
-  from examples.resnet50 import digits_tfds
+  from examples.resnet50 import digits_tfds, train
+  from examples.resnet50.configs import cpu
 
   data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
-  digits_tfds.ensure_prepared(data_dir)  # once, not by two processes at the same time
+  # once, not by two processes at the same time; as ArrayRecord: the CPU config reads through Grain
+  digits_tfds.ensure_prepared(data_dir, file_format=train.file_format(cpu.get_config()))
   work, marker = tmp_path / "preempted", tmp_path / "marker"
   marker.mkdir()
   t0 = time.monotonic()

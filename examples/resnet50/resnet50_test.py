@@ -315,20 +315,40 @@ def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
                 if s.isdigit())[-1] == 6
 
 
-@pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
-def test_cpu_config_runs_a_few_steps_on_digits(tmp_path, digits_dir):
-  config = cpu_config.get_config()
-  config.data_dir = digits_dir
-  config.num_train_steps = 4
+def _few_steps(config, data_dir, num_steps, checkpoint_every_steps=0):
+  """``config`` cut to ``num_steps`` steps of K = 2 on the digits in ``data_dir``, logging
+  every call, checkpointing every ``checkpoint_every_steps`` (0: never)."""
+  config.data_dir = data_dir
+  config.num_train_steps = num_steps
   config.iterations_per_loop = 2
   config.log_every_steps = 2
   config.checkpoint_every_epochs = 0
-  r = train.train_and_evaluate(config, str(tmp_path))
+  config.checkpoint_every_steps = checkpoint_every_steps
+  return config
+
+
+@pytest.mark.tf  # TFDS (the digits built as ArrayRecord), TF image functions in Grain
+def test_cpu_config_on_grain_runs_and_resumes_bitwise(tmp_path, digits_array_record_dir,
+                                                     compilation_cache):
+  """The Quickstart's config (Grain, one worker process) for 4 steps; then 2 steps and a
+  resume to 4 (a new source and worker, at step 2): the same state, bitwise."""
+  config = _few_steps(cpu_config.get_config(), digits_array_record_dir, 4,
+                      checkpoint_every_steps=2)
+  assert config.input_pipeline == "grain" and config.grain_workers == 1
+  r = train.train_and_evaluate(config, str(tmp_path / "whole"))
   assert r["step"] == 4 and r["device_calls"] == 2 and r["steps_per_epoch"] == 11
   assert r["eval_count"] == 360 and r["compile_count"] == 1
   assert r["model"] == "ResNet-18" and r["num_params"] == 11_181_642
-  losses = [row["loss"] for row in _metrics_rows(str(tmp_path)) if "loss" in row]
+  losses = [row["loss"] for row in _metrics_rows(str(tmp_path / "whole")) if "loss" in row]
   assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+  split = str(tmp_path / "split")
+  train.train_and_evaluate(_few_steps(cpu_config.get_config(), digits_array_record_dir, 2,
+                                      checkpoint_every_steps=2), split)
+  resumed = train.train_and_evaluate(config, split)
+  assert resumed["restored_step"] == 2 and resumed["step"] == 4
+  assert [row["loss"] for row in _metrics_rows(split) if "loss" in row] == losses
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(r["state"]),
+               jax.device_get(resumed["state"]))
 
 
 @pytest.mark.tf  # TFDS (the digits built as ArrayRecord), TF image functions in Grain
@@ -391,17 +411,14 @@ def test_input_rate_lines_divide_the_roofline_rate_over_the_hosts():
 
 
 @pytest.mark.slow  # about 3 minutes on 2 shared cores (ResNet-18 train and eval compiles)
-def test_cpu_config_on_the_grain_pipeline_runs(tmp_path, digits_array_record_dir):
-  config = cpu_config.get_config()
-  config.input_pipeline = "grain"
-  config.data_dir = digits_array_record_dir
-  config.num_train_steps = 4
-  config.iterations_per_loop = 2
-  config.log_every_steps = 2
-  config.checkpoint_every_epochs = 0
+def test_cpu_config_on_the_tfdata_pipeline_runs(tmp_path, digits_dir):
+  config = _few_steps(cpu_config.get_config(), digits_dir, 4)
+  config.input_pipeline = "tfdata"
   r = train.train_and_evaluate(config, str(tmp_path))
   assert r["step"] == 4 and r["device_calls"] == 2 and r["steps_per_epoch"] == 11
   assert r["eval_count"] == 360 and r["compile_count"] == 1
+  losses = [row["loss"] for row in _metrics_rows(str(tmp_path)) if "loss" in row]
+  assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
 
 
 @pytest.mark.slow

@@ -227,6 +227,22 @@ def preprocessing(config: ml_collections.ConfigDict) -> input_pipeline.Preproces
       resize_method=config.resize_method)
 
 
+# config.input_pipeline -> the TFDS file format it reads
+FILE_FORMATS = {"tfdata": "tfrecord", "grain": "array_record"}
+
+
+def file_format(config: ml_collections.ConfigDict) -> str:
+  """The TFDS file format ``config.input_pipeline`` reads: ``"tfrecord"`` or ``"array_record"``.
+
+  Raises:
+    ValueError: an unknown ``input_pipeline``, naming it and the known ones.
+  """
+  kind = config.get("input_pipeline", "tfdata")
+  if kind not in FILE_FORMATS:
+    raise ValueError(f"config.input_pipeline must be one of {sorted(FILE_FORMATS)}, got {kind!r}")
+  return FILE_FORMATS[kind]
+
+
 def create_datasets(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
   """This process's training and eval batches for ``config.dataset``.
 
@@ -246,13 +262,11 @@ def create_datasets(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
   """
   import tensorflow_datasets as tfds
 
+  fmt = file_format(config)
   kind = config.get("input_pipeline", "tfdata")
-  formats = {"tfdata": "tfrecord", "grain": "array_record"}
-  if kind not in formats:
-    raise ValueError(f"config.input_pipeline must be one of {sorted(formats)}, got {kind!r}")
   if config.dataset == "sklearn_digits":
     from examples.resnet50 import digits_tfds
-    builder = digits_tfds.ensure_prepared(config.data_dir or None, file_format=formats[kind])
+    builder = digits_tfds.ensure_prepared(config.data_dir or None, file_format=fmt)
   else:
     builder = tfds.builder(config.dataset, data_dir=config.data_dir or None)
   p = preprocessing(config)
@@ -265,7 +279,7 @@ def create_datasets(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
         preprocessing=p)
     return train, evals
   fmt = getattr(builder.info.file_format, "value", builder.info.file_format)
-  if not config.mock_data and fmt != "tfrecord":
+  if not config.mock_data and fmt != FILE_FORMATS["tfdata"]:
     raise ValueError(f"input_pipeline='tfdata' reads TFRecord files, but the TFDS dataset "
                      f"{builder.name!r} in {builder.data_dir} was built as {fmt!r}: use "
                      "input_pipeline='grain' (ArrayRecord), or prepare it as TFRecords")
