@@ -769,6 +769,10 @@ def agreement_paths() -> dict:
   from loopkit.core import agreement  # pylint: disable=g-import-not-at-top
   out = {"has_client": compat.coordination_client() is not None,
          "service": _agreements(), "service_in_flight": _while_a_program_runs()}
+  for _ in range(200):  # then only the last blocks of 64 agreements' keys are in the store
+    agreement.agree([False])
+  keys = [k for k, _ in compat.coordination_client().key_value_dir_get("loopkit/agreement/")]
+  out["rounds_in_store"] = sorted({int(k.split("/")[-2]) for k in keys})
   saved = compat.coordination_client
   compat.coordination_client = lambda: None  # the fallback: process_allgather
   try:

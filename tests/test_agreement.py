@@ -38,6 +38,15 @@ def test_the_service_answers_while_the_program_runs_and_devices_wait_for_it(two_
     assert devices["ready_when_agreed"], devices  # the all-gather queued behind it
 
 
+def test_the_store_keeps_at_most_two_blocks_of_agreements(two_processes):
+  """After 205 agreements (numbers 0-204), only those of the current and the previous
+  block of 64 are kept (one directory delete per 64 agreements)."""
+  for r in two_processes:
+    rounds = r["rounds_in_store"]
+    assert rounds[-1] == 204 and rounds[-1] - rounds[0] < 128, rounds
+    assert rounds[0] % 64 == 0 and rounds == list(range(rounds[0], rounds[-1] + 1))
+
+
 def test_a_process_that_does_not_answer_is_named(two_processes):
   late = two_processes[0]["late"]
   assert late is not None and late.startswith("process 1 did not answer agreement"), late

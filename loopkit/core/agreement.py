@@ -61,6 +61,7 @@ TIMEOUT_SECS = 1800.0
 that runs a long host-only hook alone delays the others by as much)."""
 
 _KEY = "loopkit/agreement"
+_BLOCK = 64  # agreements per key directory: one delete per block, not one per agreement
 _rounds = itertools.count()  # this process's agreements so far: the same on every process
 
 
@@ -121,12 +122,16 @@ def _through_service(client: Any, flags: list[bool], reason: str | None,
                      timeout: float) -> list[tuple[list[bool], str | None]]:
   """Every process's ``(flags, reason)``, in process order, through the key-value store.
 
-  Each agreement has its own number (the same on every process, which calls them in the
-  same order). A process deletes its previous key once it has read every answer of this
-  agreement: every other process has then finished reading the previous one.
+  Each agreement has its own number ``n`` (the same on every process, which calls them in
+  the same order) and its keys ``loopkit/agreement/{n // 64}/{n}/{process}``: one set and
+  one blocking get per other process. Once a process has read every answer of agreement
+  ``n``, every other process has finished reading the earlier ones, so at each
+  ``n = 64 j`` it deletes the directory of block ``j - 1`` (one recursive delete per 64
+  agreements; at most 128 agreements' keys stay in the store).
   """
   n, me = next(_rounds), jax.process_index()
-  client.key_value_set(f"{_KEY}/{n}/{me}", json.dumps([flags, reason]))
+  block = f"{_KEY}/{n // _BLOCK}"
+  client.key_value_set(f"{block}/{n}/{me}", json.dumps([flags, reason]))
   deadline = time.monotonic() + timeout
   answers: list[tuple[list[bool], str | None]] = []
   for p in range(jax.process_count()):
@@ -135,7 +140,7 @@ def _through_service(client: Any, flags: list[bool], reason: str | None,
       continue
     wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
     try:
-      got, why = json.loads(client.blocking_key_value_get(f"{_KEY}/{n}/{p}", wait_ms))
+      got, why = json.loads(client.blocking_key_value_get(f"{block}/{n}/{p}", wait_ms))
     except Exception as e:  # JAX's runtime error: DEADLINE_EXCEEDED, or the service is gone
       raise AgreementError(
           f"process {p} did not answer agreement {n} within {timeout:g} s (this is process "
@@ -144,8 +149,8 @@ def _through_service(client: Any, flags: list[bool], reason: str | None,
       raise AgreementError(f"process {p} answered agreement {n} with {len(got)} decisions, "
                            f"process {me} with {len(flags)}: the processes run different loops")
     answers.append(([bool(x) for x in got], why))
-  if n > 0:
-    client.key_value_delete(f"{_KEY}/{n - 1}/{me}")
+  if n > 0 and n % _BLOCK == 0:  # every process has read all of block n // 64 - 1
+    client.key_value_delete(f"{_KEY}/{n // _BLOCK - 1}")
   return answers
 
 
