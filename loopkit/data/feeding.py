@@ -188,6 +188,8 @@ class ChunkFeeder:
     self._list_defs: dict[int, Any] = {}  # n -> structure of n first batches (_check_chunk)
     # A step-indexed source with chunk_at (loopkit.ArraySource): a chunk in one call.
     self._takes_chunks = bool(getattr(self._it, "takes_chunks", False))
+    # An ArraySource gathers straight into the chunk's own (aligned, padded) buffers.
+    self._takes_into = self._takes_chunks and bool(getattr(self._it, "takes_into", False))
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
     self._thread = None
@@ -334,7 +336,8 @@ class ChunkFeeder:
 
     Returns:
       ``(cols, count, fresh, exhausted)``: per leaf, the batches taken (a list,
-      or one stacked array ``[count, B, ...]`` from ``chunk_at``); how many;
+      one stacked array ``[count, B, ...]`` from ``chunk_at``, or the chunk leaf
+      ``[slots, B, ...]`` whose first ``count`` rows ``take_into`` wrote); how many;
       whether that stacked array is new (the source keeps no reference); whether
       the source ran out.
     """
@@ -347,6 +350,13 @@ class ChunkFeeder:
     if self._takes_chunks:  # a source with chunk_at: the n batches stacked in one call
       if stopped() or interrupted():
         return None
+      if self._takes_into and self._spec is not None:  # the first chunk sets the spec
+        bufs = [self._empty_leaf((self._slots,) + shape, dtype)
+                for shape, dtype in self._leaf_specs]
+        count = it.take_into(n, bufs)  # type: ignore[attr-defined]
+        if stopped() or interrupted():
+          return None
+        return (bufs if count else []), count, True, count < n
       stacked, count, fresh = it.take(n)  # type: ignore[attr-defined]
       if stopped() or interrupted():
         return None
@@ -373,8 +383,12 @@ class ChunkFeeder:
     # for many small batches (every leaf has a leading batch axis); a stacked
     # leaf [n, B, ...] (chunk_at) is one copy.
     shape, dtype = spec
-    if fresh and count == self._slots and xs.flags.c_contiguous:
-      return xs  # a new array the source keeps no reference to: the chunk leaf itself
+    if fresh and len(xs) == self._slots and xs.flags.c_contiguous:
+      # A new array the source keeps no reference to (chunk_at's, or a chunk leaf that
+      # take_into wrote count rows of): the chunk leaf itself.
+      if count < self._slots:
+        xs[count:] = 0
+      return xs
     arr = self._empty_leaf((self._slots,) + shape, dtype)
     if isinstance(xs, np.ndarray):
       arr[:count] = xs
