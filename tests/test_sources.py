@@ -284,6 +284,13 @@ def test_array_source_chunk_at_equals_stacked_batch_at(shuffle):
         want = np.stack([src.batch_at(s)[name] for s in range(step, step + m)])
         assert got[name].dtype == data[name].dtype
         np.testing.assert_array_equal(got[name], want, err_msg=f"{name} {step} {n} {p}")
+      # The feeder's path: the same rows written into its padded chunk buffers, rest untouched.
+      into = {name: np.full((n + 1, 2) + data[name].shape[1:], -1, data[name].dtype)
+              for name in data}
+      assert src._chunk_into(step, n, [into[name] for name in sorted(data)]) == m
+      for name in data:
+        np.testing.assert_array_equal(into[name][:m], got[name], err_msg=f"{name} {step} {n}")
+        assert (into[name][m:] == -1).all()
     assert src.chunk_at(16, 3)["y"].shape == (0, 2, 2)  # past the last epoch: no batch
   with pytest.raises(IndexError):
     src.chunk_at(-1, 2)

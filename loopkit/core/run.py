@@ -184,6 +184,8 @@ class Run:
     self.checked_layout = False  # the first chunk's layout (next_chunk)
     self.copy_async = not is_cpu_mesh(config.mesh)  # see _fetch
     self.nonfinite_step: int | None = None  # the run's first step with a NaN/Inf metric
+    self.timed = [i for i, h in enumerate(hooks) if h.trigger.every_secs is not None]
+    self.single_process = jax.process_count() == 1
     self.t_mark = time.perf_counter()
 
   # -- ledger writes --------------------------------------------------------
@@ -367,7 +369,8 @@ class Run:
       if pending is not None:  # one call late: the next call is already dispatched
         self.finish_call(pending, None)
       pending = b
-      if any(self.hooks[i].needs_state for i in b.firing):  # before the next call donates it
+      if b.firing and any(self.hooks[i].needs_state for i in b.firing):  # before the next
+        # call donates it
         state = self.finish_call(b, state)
         pending = None
       if chunk.exhausted:
@@ -592,7 +595,13 @@ class Run:
       :func:`loopkit.core.agreement.agree_with_reason`; else ``"preempted"``) or
       None to go on; and ``{hook index: bool}`` for the hooks with ``every_secs``.
     """
-    timed = [i for i, h in enumerate(self.hooks) if h.trigger.every_secs is not None]
+    timed = self.timed
+    if self.single_process:  # agree_with_reason's answer on one process: the local one
+      preempted = self.preemption.requested
+      time_due = {i: bool(self.hooks[i].trigger.time_due()) for i in timed} if timed else {}
+      if self.stop_reason is not None:
+        return self.stop_reason, time_due
+      return ("preempted" if preempted else None), time_due
     agreed, reason = agree_with_reason(
         [self.preemption.requested] + [self.hooks[i].trigger.time_due() for i in timed],
         self.stop_reason)
@@ -603,6 +612,8 @@ class Run:
 
   def firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[int]:
     """The hooks that fire after the call ``(start, end]``; records their firing."""
+    if not self.hooks:
+      return []
     spe = self.steps_per_epoch
     firing = [i for i, h in enumerate(self.hooks)
               if h.trigger.should_fire(start, end, steps_per_epoch=spe, is_last=is_last,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import math
 import operator
 import queue
 import threading
@@ -54,7 +55,7 @@ from loopkit._internal.checks import (
   tree_mismatch,
 )
 from loopkit._internal.mesh import is_cpu_mesh
-from loopkit.data.placement import Placer as _Placer, empty_host_buffer
+from loopkit.data.placement import ALIGN_MIN_BYTES, Placer as _Placer, empty_host_buffer
 
 log = logging.getLogger("loopkit")
 
@@ -185,9 +186,14 @@ class ChunkFeeder:
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
     self._align = is_cpu_mesh(batch_sharding.mesh)
+    self._small: dict[tuple, bool] = {}  # (leaf shape, dtype) -> np.empty is enough
     self._list_defs: dict[int, Any] = {}  # n -> structure of n first batches (_check_chunk)
     # A step-indexed source with chunk_at (loopkit.ArraySource): a chunk in one call.
     self._takes_chunks = bool(getattr(self._it, "takes_chunks", False))
+    # An ArraySource gathers straight into the chunk's own (aligned, padded) buffers.
+    self._takes_into = self._takes_chunks and bool(getattr(self._it, "takes_into", False))
+    get_state = getattr(self._it, "get_state", None)
+    self._get_state = get_state if callable(get_state) else None
     self._stop = threading.Event()
     self._queue: queue.Queue | None = None
     self._thread = None
@@ -198,8 +204,8 @@ class ChunkFeeder:
       self._thread.start()
 
   def _position(self) -> Any:
-    get_state = getattr(self._it, "get_state", None)
-    if callable(get_state):
+    get_state = self._get_state
+    if get_state is not None:
       return get_state()
     return self._start_position + (self._step - self._first_step)  # batches formed
 
@@ -312,8 +318,15 @@ class ChunkFeeder:
 
   def _empty_leaf(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised chunk leaf ``[K, B, ...]``, a fresh buffer for every chunk
-    (:func:`loopkit.data.placement.empty_host_buffer`)."""
-    return empty_host_buffer(shape, dtype, aligned=self._align)
+    (:func:`loopkit.data.placement.empty_host_buffer`; a plain ``np.empty`` for the
+    leaves it would not align, decided once per leaf shape)."""
+    small = self._small.get((shape, dtype))
+    if small is None:
+      small = self._small[(shape, dtype)] = not self._align or (
+          math.prod(shape) * np.dtype(dtype).itemsize < ALIGN_MIN_BYTES)
+    if small:
+      return np.empty(shape, dtype)
+    return empty_host_buffer(shape, dtype, aligned=True)
 
   def _form(self, n: int) -> Chunk | None:
     """Forms a chunk of ``n`` batches; None when halted (nothing placed or counted)."""
@@ -334,7 +347,8 @@ class ChunkFeeder:
 
     Returns:
       ``(cols, count, fresh, exhausted)``: per leaf, the batches taken (a list,
-      or one stacked array ``[count, B, ...]`` from ``chunk_at``); how many;
+      one stacked array ``[count, B, ...]`` from ``chunk_at``, or the chunk leaf
+      ``[slots, B, ...]`` whose first ``count`` rows ``take_into`` wrote); how many;
       whether that stacked array is new (the source keeps no reference); whether
       the source ran out.
     """
@@ -347,6 +361,13 @@ class ChunkFeeder:
     if self._takes_chunks:  # a source with chunk_at: the n batches stacked in one call
       if stopped() or interrupted():
         return None
+      if self._takes_into and self._spec is not None:  # the first chunk sets the spec
+        bufs = [self._empty_leaf((self._slots,) + shape, dtype)
+                for shape, dtype in self._leaf_specs]
+        count = it.take_into(n, bufs)  # type: ignore[attr-defined]
+        if stopped() or interrupted():
+          return None
+        return (bufs if count else []), count, True, count < n
       stacked, count, fresh = it.take(n)  # type: ignore[attr-defined]
       if stopped() or interrupted():
         return None
@@ -373,11 +394,17 @@ class ChunkFeeder:
     # for many small batches (every leaf has a leading batch axis); a stacked
     # leaf [n, B, ...] (chunk_at) is one copy.
     shape, dtype = spec
-    if fresh and count == self._slots and xs.flags.c_contiguous:
-      return xs  # a new array the source keeps no reference to: the chunk leaf itself
+    if fresh and len(xs) == self._slots and xs.flags.c_contiguous:
+      # A new array the source keeps no reference to (chunk_at's, or a chunk leaf that
+      # take_into wrote count rows of): the chunk leaf itself.
+      if count < self._slots:
+        xs[count:] = 0
+      return xs
     arr = self._empty_leaf((self._slots,) + shape, dtype)
     if isinstance(xs, np.ndarray):
       arr[:count] = xs
+    elif count == 1:  # K = 1: one batch into the first of two slots
+      arr[0] = xs[0]
     else:
       np.concatenate(xs, out=arr[:count].reshape((count * shape[0],) + shape[1:]))
     if count < self._slots:  # a short call: zero padding slots

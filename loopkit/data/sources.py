@@ -321,6 +321,11 @@ class ArraySource:
     Raises:
       IndexError: ``step < 0``.
     """
+    idx = self._chunk_indices(step, num_steps)
+    return jax.tree.map(lambda x: np.asarray(x)[idx], self.arrays)
+
+  def _chunk_indices(self, step: int, num_steps: int) -> np.ndarray:
+    """Example indices of :meth:`chunk_at`'s batches: int64 ``[n, B / P]``."""
     if step < 0:
       raise IndexError(f"step {step} is outside the source")
     end = step + num_steps
@@ -335,9 +340,36 @@ class ArraySource:
       perm = self.epoch_permutation(epoch)[in_epoch * b:(in_epoch + count) * b]
       parts.append(perm.reshape(count, b)[:, lo:lo + self.local_batch_size])
       s += count
-    idx = (np.concatenate(parts) if len(parts) > 1 else parts[0] if parts
-           else np.zeros((0, self.local_batch_size), np.int64))
-    return jax.tree.map(lambda x: np.asarray(x)[idx], self.arrays)
+    return (np.concatenate(parts) if len(parts) > 1 else parts[0] if parts
+            else np.zeros((0, self.local_batch_size), np.int64))
+
+  def _chunk_into(self, step: int, num_steps: int, out: list[np.ndarray]) -> int:
+    """:meth:`chunk_at` written into ``out``: rows ``[:n]`` of each leaf, ``n`` returned.
+
+    One ``np.take`` per leaf straight into the caller's buffer (the feeder's chunk
+    leaf, already padded and aligned for placement), so the gathered bytes are copied
+    once; ``np.take`` also copies whole rows, several times faster than fancy indexing
+    on shuffled indices (MLP chunk of 100 x 32 rows: 215 against 740 us).
+
+    Args:
+      step: the global step of the first batch.
+      num_steps: batches wanted.
+      out: per leaf of :attr:`arrays` (in ``jax.tree.leaves`` order), a C-contiguous
+        array ``[>= n, B / P, ...]`` of the leaf's dtype and trailing shape.
+
+    Returns:
+      ``n``, as :meth:`chunk_at` (fewer where ``num_epochs`` ends first).
+
+    Raises:
+      IndexError: ``step < 0``.
+      ValueError: a buffer of the wrong shape or dtype (from ``np.take``).
+    """
+    idx = self._chunk_indices(step, num_steps)
+    n = idx.shape[0]
+    for x, buf in zip(jax.tree.leaves(self.arrays), out, strict=True):
+      # mode="clip": no bounds buffering (the permutation's indices are all in range).
+      np.take(np.asarray(x), idx, axis=0, out=buf[:n], mode="clip")
+    return n
 
 
 class TfDataSource:
@@ -551,6 +583,19 @@ class _StepIndexed:
     close = getattr(self._source, "close", None)
     if callable(close):
       close()
+
+  @property
+  def takes_into(self) -> bool:
+    """Whether :meth:`take_into` is available: the source is an :class:`ArraySource`
+    whose ``chunk_at`` is its own (not overridden)."""
+    return (isinstance(self._source, ArraySource)
+            and type(self._source).chunk_at is ArraySource.chunk_at)
+
+  def take_into(self, n: int, out: list[np.ndarray]) -> int:
+    """:meth:`take` written into ``out`` (``ArraySource._chunk_into``); returns ``m``."""
+    m = self._source._chunk_into(self._step, n, out)
+    self._step += m
+    return m
 
   def __repr__(self) -> str:
     return f"{self._source!r} (batch_at, next step {self._step})"
