@@ -89,9 +89,13 @@ def ensure_prepared(data_dir: str | None, file_format: str = "tfrecord"
   except ValueError as e:
     if "File format is already set" not in str(e):
       raise
-    prepared = SklearnDigits(data_dir=data_dir).info.file_format.value
-    raise ValueError(f"the {NAME} dataset in data_dir={data_dir!r} was built as {prepared!r}, "
-                     f"but {file_format!r} was asked for: use another data_dir (TFDS keeps one "
-                     "file format per dataset version)") from None
+    existing = SklearnDigits(data_dir=data_dir)
+    prepared = existing.info.file_format.value
+    other = {"tfrecord": "tfdata", "array_record": "grain"}.get(prepared, prepared)
+    raise ValueError(f"the {NAME} dataset in {existing.data_dir} was built as {prepared!r}, "
+                     f"but {file_format!r} was asked for (TFDS keeps one file format per "
+                     "dataset version): pass another directory (--config.data_dir=DIR or "
+                     f"$TFDS_DATA_DIR), or read this one with --config.input_pipeline={other}"
+                     ) from None
   builder.download_and_prepare()
   return builder

@@ -384,8 +384,11 @@ def test_each_pipeline_refuses_a_dataset_built_in_the_other_format(
   config = cpu_config.get_config()
   config.input_pipeline = "grain"
   config.data_dir = digits_dir  # the TFRecord build
-  with pytest.raises(ValueError, match="built as 'tfrecord', but 'array_record' was asked"):
+  with pytest.raises(ValueError, match="built as 'tfrecord', but 'array_record' was asked") as e:
     train.create_datasets(config)
+  assert os.path.join(digits_dir, "sklearn_digits") in str(e.value)  # where it looked
+  assert "--config.data_dir=DIR" in str(e.value)
+  assert "--config.input_pipeline=tfdata" in str(e.value)
   config.input_pipeline = "tfdata"
   config.data_dir = digits_array_record_dir
   with pytest.raises(ValueError, match="built as 'array_record', but 'tfrecord' was asked"):
