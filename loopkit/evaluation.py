@@ -61,7 +61,7 @@ from loopkit.core.ledger import Bucket
 from loopkit.core.program import build_program, run_slots
 from loopkit.data.device_data import DeviceDataState
 from loopkit.data.feeding import ChunkFeeder
-from loopkit.observe.writers import as_writer
+from loopkit.observe.writers import as_writer, keep_rows_through
 
 log = logging.getLogger("loopkit")
 
@@ -459,6 +459,12 @@ class EvalHook(Hook):
     flush = getattr(self.writer, "flush", None)
     if flush is not None:
       flush()
+
+  def adjust_ledger(self, ctx: Any) -> None:
+    """Tells the writer the step the run continues from (restores applied), so a resumed
+    run's file writers keep the earlier eval rows up to it (``keep_rows_through``)."""
+    if self.writer is not None:
+      keep_rows_through(self.writer, ctx.ledger.step)
 
   def on_trigger(self, info: LoopInfo, state: Any) -> None:
     batches = self.batches() if callable(self.batches) else self.batches

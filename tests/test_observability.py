@@ -5,6 +5,7 @@ pseudo-terminal."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import textwrap
 
@@ -160,6 +161,79 @@ def test_tensorboard_resume_that_writes_hparams_first_still_purges(tmp_path):
   w.write_scalars(10, {"a": 20.0})
   w.close()
   assert read_tb(tmp_path)["a"] == [(5, 1.0), (10, 20.0)]
+
+
+def _rerun_case(workdir, num_steps):
+  """A run to ``num_steps`` (rows every 5, eval every 10, checkpoints every 10) writing through
+  create_default_writer into ``workdir``; returns the JSONL rows and TensorBoard's view."""
+  writer = loopkit.observe.create_default_writer(workdir, console=False)
+  ev = loopkit.EvalHook(loopkit.Evaluator(lambda s, b: {"w": (b["x"] @ s["params"]["w"])[:, 0]},
+                                          global_batch_size=8),
+                        [{"x": np.ones((8, 4), np.float32)}], writer=writer, every_steps=10)
+  hooks = [loopkit.LoggingHook(writer, every_steps=5), ev,
+           loopkit.CheckpointHook(os.path.join(workdir, "ckpt"), every_steps=10,
+                                  async_save=False)]
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=5, hooks=hooks)
+  loop.run(toy.init_state(), toy.batches(40, batch_size=8), num_steps=num_steps)
+  writer.close()
+  return read_jsonl(os.path.join(workdir, "metrics.jsonl")), read_tb(workdir)
+
+
+def test_rerunning_a_finished_run_keeps_its_last_rows(tmp_path):
+  """A run to 20, then the same command again (it restores step 20 and only evaluates): the
+  rows at 20 stay (train row and eval row), the new eval row comes beside them; nothing at
+  steps < 20 moves. Before, the re-run's first write (its eval at 20) dropped every row at
+  steps >= 20."""
+  rows, tb = _rerun_case(str(tmp_path), 20)
+  assert [r["step"] for r in rows if "loss" in r] == [5, 10, 15, 20]
+  again, tb_again = _rerun_case(str(tmp_path), 20)
+  assert [r for r in again if "loss" in r] == [r for r in rows if "loss" in r]
+  evals = [r for r in again if "eval/w" in r]
+  assert [r["step"] for r in evals] == [10, 20, 20] and evals[1] == evals[2]
+  assert tb_again["loss"] == tb["loss"]
+
+
+def test_a_resume_keeps_the_rows_of_its_checkpoint_step_and_rewrites_the_later_ones(tmp_path):
+  """A run to 20 whose last checkpoint (20) is lost, as after a kill just before it: the resume
+  from 10 keeps the rows at 5 and 10 (the eval at 10 included) and writes 15 and 20 once."""
+  rows, tb = _rerun_case(str(tmp_path), 20)
+  shutil.rmtree(tmp_path / "ckpt" / "20")
+  again, tb_again = _rerun_case(str(tmp_path), 20)
+  assert [(r["step"], r["loss"]) for r in again if "loss" in r] == [
+      (r["step"], r["loss"]) for r in rows if "loss" in r]
+  assert [r["step"] for r in again if "eval/w" in r] == [10, 20]
+  assert tb_again["loss"] == tb["loss"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "tensorboard"])
+def test_keep_rows_through_keeps_the_start_step_and_drops_what_follows(tmp_path, kind):
+  """A file writer told the run starts at 10 keeps the old rows up to 10 whatever its first
+  write's step (10 here: what a bare first-write rule would drop); one never told keeps only
+  the rows before its first write."""
+  def fresh():
+    if kind == "jsonl":
+      return loopkit.observe.JsonlWriter(tmp_path / "metrics.jsonl")
+    return loopkit.observe.TensorBoardWriter(tmp_path)
+
+  def steps():
+    if kind == "jsonl":
+      return [(r["step"], r["a"]) for r in read_jsonl(tmp_path / "metrics.jsonl") if "a" in r]
+    return read_tb(tmp_path)["a"]
+
+  w = fresh()
+  for step in (5, 10, 15):
+    w.write_scalars(step, {"a": float(step)})
+  w.close()
+  w = loopkit.observe.AsyncWriter(loopkit.observe.MultiWriter([fresh()]))  # passed through
+  loopkit.observe.keep_rows_through(w, 10)
+  w.write_scalars(10, {"b": 1.0})
+  w.write_scalars(15, {"a": 150.0})
+  w.close()
+  assert steps() == [(5, 5.0), (10, 10.0), (15, 150.0)]
+  w = fresh()  # not told: its first write at 15 drops the rows at >= 15
+  w.write_scalars(15, {"a": 1500.0})
+  w.close()
+  assert steps() == [(5, 5.0), (10, 10.0), (15, 1500.0)]
 
 
 class Recorder(toy.FakeClock):

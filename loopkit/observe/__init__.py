@@ -24,6 +24,7 @@ from loopkit.observe.writers import (
   TensorBoardWriter,
   as_writer,
   create_default_writer,
+  keep_rows_through,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "TensorBoardWriter",
     "as_writer",
     "create_default_writer",
+    "keep_rows_through",
 ]

@@ -40,6 +40,7 @@ import jax
 from loopkit.core.context import LedgerAdjustment, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket, Ledger, LedgerView
+from loopkit.observe.writers import keep_rows_through
 
 __all__ = ["GoodputHook", "GoodputSummary", "summarize"]
 
@@ -248,6 +249,8 @@ class GoodputHook(Hook):
       restored; None when there is nothing to add (no record, another
       process than 0, no ``workdir``).
     """
+    if self.writer is not None:  # the earlier rows up to the run's start stay
+      keep_rows_through(self.writer, ctx.ledger.step)
     restored, self._restored_step = self._restored_step, None
     if self.path is None or jax.process_index() != 0:
       return None

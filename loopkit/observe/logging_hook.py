@@ -19,7 +19,7 @@ from loopkit import metrics as metrics_lib
 from loopkit.core.context import RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.observe import goodput
-from loopkit.observe.writers import ConsoleWriter, as_writer
+from loopkit.observe.writers import ConsoleWriter, as_writer, keep_rows_through
 
 log = logging.getLogger("loopkit")
 
@@ -103,6 +103,12 @@ class LoggingHook(Hook):
     del state
     self._ctx = ctx
     self._mark = None
+
+  def adjust_ledger(self, ctx: RunContext) -> None:
+    """Tells the writer the step the run continues from (restores applied), so a resumed
+    run's file writers keep the earlier rows up to it (``keep_rows_through``)."""
+    if self.writer is not None:
+      keep_rows_through(self.writer, ctx.ledger.step)
 
   def after_each_call(self, info: LoopInfo) -> None:
     if not self._acc:

@@ -31,9 +31,12 @@ class TensorBoardWriter:
   Events are written synchronously to the file (no tensorboardX queue
   thread), so :meth:`flush` makes everything written so far durable. The
   event file is created at the first write; when ``logdir`` already holds
-  event files (a resumed run), that write's step becomes the ``purge_step``
-  (a ``SessionLog.START`` event): TensorBoard then hides the old events at
-  steps ``>=`` it, so a kill and a resume show each step once.
+  event files (a resumed run), it starts with a ``purge_step`` (a
+  ``SessionLog.START`` event): TensorBoard then hides the old events at steps
+  ``>=`` it, so a kill and a resume show each step once. The purge step is
+  ``S + 1`` after :meth:`keep_through` ``(S)`` (the loop's hooks call it with
+  the step the run continues from:
+  :func:`~loopkit.observe.writers.keep_rows_through`), else the first write's step.
 
   Args:
     logdir: directory for the ``events.out.tfevents.*`` file (created).
@@ -59,10 +62,17 @@ class TensorBoardWriter:
     self._last_flush = clock()
     self._resuming = False
     self._purged = False
+    self._purge_step: int | None = None  # keep_through(S): S + 1
     if self._enabled:
       require("tensorboardX", "loopkit.observe.TensorBoardWriter")  # fail early if missing
       os.makedirs(self.logdir, exist_ok=True)
       self._resuming = any("tfevents" in f for f in os.listdir(self.logdir))
+
+  def keep_through(self, step: int) -> None:
+    """Declares the run continues from a state at ``step``: old events at steps ``<= step``
+    stay visible, later ones are hidden (no effect once an event with a step is written)."""
+    if not self._purged:
+      self._purge_step = int(step) + 1
 
   def _write(self, step: int, summary: Any, *, stepped: bool = True) -> None:
     from tensorboardX.proto import event_pb2
@@ -73,11 +83,12 @@ class TensorBoardWriter:
                              f".{os.getpid()}.{TensorBoardWriter._files_opened}")
     if stepped and self._resuming and not self._purged:
       self._purged = True
+      purge = int(step) if self._purge_step is None else self._purge_step
       self._w.write_event(event_pb2.Event(
-          wall_time=time.time(), step=int(step),
+          wall_time=time.time(), step=purge,
           session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
       log.info("%s: TensorBoard hides the earlier events at steps >= %d (purge_step)",
-               self.logdir, step)
+               self.logdir, purge)
     self._w.write_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
     if self.clock() - self._last_flush >= self.flush_secs:
       self.flush()

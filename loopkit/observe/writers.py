@@ -76,7 +76,8 @@ from loopkit.observe.metric_writer import (
 from loopkit.observe.tensorboard_writer import TensorBoardWriter
 
 __all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
-           "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer"]
+           "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer",
+           "keep_rows_through"]
 
 log = logging.getLogger("loopkit")
 
@@ -109,11 +110,14 @@ class JsonlWriter(_TextOnly):
   (no step); images and histograms are skipped (a DEBUG log record).
 
   Resumes: the file is opened at the first write. If it already holds rows,
-  the first row written at step ``s`` first drops every old row at a step
-  ``>= s`` (and a line cut short by a kill): the file is rewritten to a
-  temporary file and moved into place with ``os.replace`` (atomic), so after
-  a kill at step 75 and a resume from a checkpoint at 50, the file holds each
-  logged step once. Rows without a step (hparams) are kept.
+  the first row written first drops every old row past the run's start (and a
+  line cut short by a kill): at steps ``> S`` after :meth:`keep_through`
+  ``(S)`` (the loop's hooks call it with the step the run continues from,
+  restores applied: :func:`keep_rows_through`), else at steps ``>= s``, the
+  first row's step. The file is rewritten to a temporary file and moved into
+  place with ``os.replace`` (atomic), so after a kill at step 75 and a resume
+  from a checkpoint at 50, the file holds each logged step once, the rows at
+  50 included. Rows without a step (hparams) are kept.
 
   Args:
     path: the ``.jsonl`` file (parent directories are created).
@@ -132,20 +136,30 @@ class JsonlWriter(_TextOnly):
     self.clock = clock
     self._f: TextIO | None = None
     self._checked = False  # the old rows were checked against the first stepped row
+    self._keep_through: int | None = None  # keep_through(S): old rows at steps <= S stay
     self._enabled = _is_writer_process()
     self._last_flush = clock()
     if self._enabled:
       os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
 
+  def keep_through(self, step: int) -> None:
+    """Declares the run continues from a state at ``step``: before its first row, the old
+    rows at steps ``<= step`` are kept and the later ones dropped (no effect once this
+    writer has written a row with a step)."""
+    if not self._checked:
+      self._keep_through = int(step)
+
   def _open(self, first_step: int | None) -> None:
-    """Opens the file for appending; at the first row with a step, drops the old rows at
-    steps ``>= first_step`` first (closing and reopening the file if it was open)."""
+    """Opens the file for appending; at the first row with a step, drops the old rows past
+    the run's start first (closing and reopening the file if it was open)."""
     if first_step is not None:
       self._checked = True
       if self._f is not None:
         self._f.close()
         self._f = None
     if first_step is not None and os.path.exists(self.path) and os.path.getsize(self.path):
+      if self._keep_through is not None:
+        first_step = self._keep_through + 1
       kept, dropped = [], 0
       with open(self.path) as f:
         for line in f:
@@ -243,6 +257,22 @@ class ConsoleWriter(_TextOnly):
     pass
 
 
+def keep_rows_through(writer: Any, step: int) -> None:
+  """Tells ``writer`` the run continues from a state at ``step`` (restores applied).
+
+  A file writer that finds rows of an earlier run (:class:`JsonlWriter`,
+  :class:`~loopkit.observe.TensorBoardWriter`) then keeps those at steps ``<= step``
+  and drops, or hides, the later ones, which the killed run wrote past its
+  checkpoint. :class:`MultiWriter` and :class:`AsyncWriter` pass it on; a writer
+  without ``keep_through`` is left alone. :class:`~loopkit.LoggingHook`,
+  :class:`~loopkit.EvalHook` and :class:`~loopkit.observe.GoodputHook` call it
+  from ``adjust_ledger``, before they write.
+  """
+  fn = getattr(writer, "keep_through", None)
+  if callable(fn):
+    fn(int(step))
+
+
 def _call_optional(writer: Any, method: str, *args: Any) -> None:
   """Calls ``writer.method(*args)``; a user writer without that method is skipped."""
   fn = getattr(writer, method, None)
@@ -283,6 +313,11 @@ class MultiWriter:
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     for w in self.writers:
       _call_optional(w, "write_hparams", hparams)
+
+  def keep_through(self, step: int) -> None:
+    """:func:`keep_rows_through` of each writer."""
+    for w in self.writers:
+      keep_rows_through(w, step)
 
   def flush(self) -> None:
     for w in self.writers:
@@ -341,6 +376,10 @@ class AsyncWriter:
     if self._error is not None:
       err, self._error = self._error, None
       raise RuntimeError(f"the background metric writer failed: {err!r}") from err
+
+  def keep_through(self, step: int) -> None:
+    """:func:`keep_rows_through` of the wrapped writer, in order with the queued writes."""
+    self._put("keep_through", step)
 
   def _put(self, kind: str, *args: Any) -> None:
     self._raise_pending()
