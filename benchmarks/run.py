@@ -356,8 +356,14 @@ def machine() -> dict:
 
 
 def versions() -> dict:
+  """Installed versions; loopkit's from the imported package (a stale install's metadata can
+  differ from the tree on PYTHONPATH)."""
+  import loopkit  # pylint: disable=g-import-not-at-top
   out = {}
   for p in PACKAGES:
+    if p == "loopkit":
+      out[p] = loopkit.__version__
+      continue
     try:
       out[p] = importlib.metadata.version(p)
     except importlib.metadata.PackageNotFoundError:
