@@ -92,3 +92,14 @@ def test_tensorboard_writer_images_histograms_texts_hparams_round_trip(tmp_path)
   assert hp["opt"].string_value == "adam"
   assert hp["batch_size"].number_value == 32
   assert hp["layers"].string_value == "(1, 2)"
+
+
+def test_event_files_opened_within_a_second_are_read_in_the_order_written(tmp_path):
+  """Twelve writers in a row, one event file each, within about a second: TensorBoard reads a
+  directory's files in name order, so the 10th file must sort after the 9th (before, the
+  counter in the name was not padded and "...10" sorted before "...2")."""
+  for i in range(12):
+    w = loopkit.observe.TensorBoardWriter(tmp_path)
+    w.write_scalars(i, {"a": float(i)})
+    w.close()
+  assert read_tb(tmp_path)["a"] == [(i, float(i)) for i in range(12)]

@@ -80,7 +80,9 @@ class TensorBoardWriter:
       from tensorboardX.event_file_writer import EventsWriter
       TensorBoardWriter._files_opened += 1
       self._w = EventsWriter(os.path.join(self.logdir, "events"),
-                             f".{os.getpid()}.{TensorBoardWriter._files_opened}")
+                             # zero-padded: TensorBoard reads a directory's files in name
+                             # order, and files opened within one second differ only here
+                             f".{os.getpid():07d}.{TensorBoardWriter._files_opened:06d}")
     if stepped and self._resuming and not self._purged:
       self._purged = True
       purge = int(step) if self._purge_step is None else self._purge_step
