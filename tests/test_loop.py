@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import loopkit
+from loopkit.core import RecompileWarning
 from tests import toy
 
 N = 14
@@ -76,15 +77,61 @@ def test_state_shardings_pinned_and_donated():
     assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
   before = toy.init_state()
   placed = loop.program.place_state(before)
-  loop.program(placed, *_one_chunk(loop))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RecompileWarning)  # a chunk as the run handed it
+    loop.program(placed, *_one_chunk(loop, placed=False))
   assert all(x.is_deleted() for x in jax.tree.leaves(placed))  # donated
+  assert loop.program.compile_count() == 1
 
 
-def _one_chunk(loop):
+def _one_chunk(loop, placed=True):
+  """One chunk of 4 steps: placed on the batch sharding, or numpy (as a run on CPU
+  devices of one process hands it to the call)."""
   sh = loop.program.batch_sharding
   b = toy.batches(4)
-  stacked = {k: jax.device_put(np.stack([x[k] for x in b]), sh) for k in b[0]}
+  stacked = {k: np.stack([x[k] for x in b]) for k in b[0]}
+  if placed:
+    stacked = {k: jax.device_put(v, sh) for k, v in stacked.items()}
   return stacked, jax.device_put(np.int32(4), loop.program.replicated)
+
+
+def test_a_run_on_cpu_devices_hands_numpy_chunks_to_the_call_and_ends_bitwise_equal():
+  """On one process of CPU devices the feeder leaves the transfer to the jitted call
+  (loopkit.data.placement.call_places_numpy); under a transfer guard, or on a mesh with
+  an Explicit axis, it places first.
+  Both paths give the same bits, each compiles once, and the recompile warning of a
+  call that mixes them names the host array."""
+  got = {}
+  explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  for guard, mesh in (("allow", None), ("disallow", None), ("allow", explicit)):
+    loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, mesh=mesh,
+                             hooks=[loopkit.NanCheckHook()])
+    seen = []
+    state = loop.program.place_state(toy.init_state())  # builds the jitted program
+    jitted = loop.program._jitted
+
+    def spy(s, batches, n, jitted=jitted, seen=seen):
+      seen.append({"placed" if isinstance(x, jax.Array) else type(x).__name__
+                   for x in jax.tree.leaves(batches)})
+      return jitted(s, batches, n)
+
+    loop.program._jitted = spy
+    with jax.transfer_guard(guard):
+      state = loop.run(state, iter(toy.batches(10)), num_steps=10)
+    assert loop.ledger.step == 10
+    # An Explicit mesh axis: placed first (a numpy argument would be traced unsharded).
+    handed = "ndarray" if guard == "allow" and mesh is None else "placed"
+    assert seen == [{handed}] * 3  # calls of 4, 4, 2
+    assert loop.program.compile_count() == 1
+    got[guard, mesh is None] = state
+  for a, b in zip(jax.tree.leaves(got["allow", True]), jax.tree.leaves(got["disallow", True])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # A placed chunk after numpy ones: JAX compiles again, and the warning says why.
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
+  state = loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=4)
+  with pytest.warns(RecompileWarning, match=r"batch leaf \['x'\] has .* sharding .*the first "
+                    r"call had .*a host \(numpy\) array, placed by the call"):
+    loop.program(state, *_one_chunk(loop))
 
 
 def test_sharded_state_kept_in_global_style():

@@ -177,6 +177,23 @@ def wait_for_orbax_writers(manager: Any, timeout_s: float = 60.0) -> None:
       f.result(timeout=timeout_s)
 
 
+# -- the transfer guard ----------------------------------------------------------
+
+_config = _probe("jax._src", "config")
+_host_to_device_guard = getattr(_config, "transfer_guard_host_to_device", None)
+
+
+def host_to_device_guard() -> str | None:
+  """This thread's host-to-device transfer guard: ``jax.transfer_guard(...)`` or
+  ``jax_transfer_guard*`` (None or ``"allow"``: implicit transfers allowed).
+
+  Returns ``"unknown"`` where this JAX keeps the setting elsewhere (callers then
+  place explicitly, which every guard allows).
+  """
+  value = getattr(_host_to_device_guard, "value", "unknown")
+  return value if value is None or isinstance(value, str) else "unknown"
+
+
 # -- the coordination service -------------------------------------------------------
 
 _distributed = _probe("jax._src", "distributed")

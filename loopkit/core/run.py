@@ -286,7 +286,8 @@ class Run:
                        data_parallel_size=config.data_parallel_size, prefetch=config.prefetch,
                        start_position=start_position, first_step=step0,
                        interrupt=self.preemption.event,
-                       global_batch_size=config.global_batch_size)
+                       global_batch_size=config.global_batch_size,
+                       call_places=True)  # the program pins batch_sharding
 
   def apply_restore(self, r: Restore, i: int) -> Any:
     """Takes a hook's :class:`~loopkit.core.context.Restore`: state, ledger, position, hook

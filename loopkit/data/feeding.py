@@ -6,9 +6,12 @@ batch on one process, the process-local part on multi-host). For each planned ca
 ``[max(K, MIN_SLOTS), B, ...]`` with zeros (padding slots are never computed on; K = 1
 chunks carry one zero slot so the program runs the K = 2 loop body without padding on
 the device, see :mod:`loopkit.core.program`) and places the chunk on the mesh with
-``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis). A
-background thread does this ``prefetch`` chunks ahead, so the host prepares and
-transfers the next chunk while the current call runs. A step-indexed source with
+``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis), or,
+for a consumer that pins the chunk's sharding on one process of CPU devices, hands it
+over as numpy for the jitted call to place (``call_places=True``,
+:func:`loopkit.data.placement.call_places_numpy`). A background thread does this
+``prefetch`` chunks ahead, so the host prepares and transfers the next chunk while the
+current call runs. A step-indexed source with
 ``chunk_at(step, n)`` (:class:`loopkit.ArraySource`) gives the ``n`` batches already
 stacked, in one call: no Python object per batch, one copy into the chunk.
 
@@ -55,7 +58,12 @@ from loopkit._internal.checks import (
   tree_mismatch,
 )
 from loopkit._internal.mesh import is_cpu_mesh
-from loopkit.data.placement import ALIGN_MIN_BYTES, Placer as _Placer, empty_host_buffer
+from loopkit.data.placement import (
+    ALIGN_MIN_BYTES,
+    Placer as _Placer,
+    call_places_numpy,
+    empty_host_buffer,
+)
 
 log = logging.getLogger("loopkit")
 
@@ -104,7 +112,8 @@ class Chunk:
 
   Attributes:
     batches: pytree of ``jax.Array`` ``[max(K, MIN_SLOTS), B, ...]`` on the mesh (slots
-      after ``length`` are zeros).
+      after ``length`` are zeros); numpy arrays of that shape when the feeder hands
+      chunks to the call unplaced (``call_places``).
     num_steps: int32 scalar ``jax.Array`` (replicated): real batches in the chunk.
     length: the same as a Python int.
     position: source position after the chunk's last batch (batches consumed
@@ -151,6 +160,10 @@ class ChunkFeeder:
     global_batch_size: B as the loop was told it (None: the first batch's); every
       leaf of the first batch must then be ``[B / processes, ...]``
       (:func:`loopkit._internal.checks.check_batch_layout`).
+    call_places: the consumer's jitted call pins ``batch_sharding`` in its
+      ``in_shardings``: where :func:`loopkit.data.placement.call_places_numpy` says
+      so (read here, on the constructing thread), chunks are handed over as numpy
+      and the call transfers them.
 
   Thread-safety: ``next``/``close`` from one consumer thread only.
   Raises (from ``next``): ValueError for a batch whose structure, shapes or
@@ -165,7 +178,7 @@ class ChunkFeeder:
                data_parallel_size: int, prefetch: int = 2, start_position: int = 0,
                first_step: int = 0, close_timeout_secs: float | None = None,
                interrupt: threading.Event | None = None,
-               global_batch_size: int | None = None):
+               global_batch_size: int | None = None, call_places: bool = False):
     self._close_timeout_secs = (CLOSE_TIMEOUT_SECS if close_timeout_secs is None
                                 else close_timeout_secs)
     self._interrupt = interrupt
@@ -185,6 +198,7 @@ class ChunkFeeder:
     self._spec_def: Any = None  # the first batch's structure (set by _check)
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
+    self._hand_numpy = call_places and call_places_numpy(batch_sharding)
     self._align = is_cpu_mesh(batch_sharding.mesh)
     self._small: dict[tuple, bool] = {}  # (leaf shape, dtype) -> np.empty is enough
     self._list_defs: dict[int, Any] = {}  # n -> structure of n first batches (_check_chunk)
@@ -413,6 +427,8 @@ class ChunkFeeder:
 
   def _place_chunk(self, arrays: list[np.ndarray]) -> Any:
     """The chunk's leaves placed on the batch sharding, as the batch pytree."""
+    if self._hand_numpy:  # the jitted call transfers them (call_places_numpy)
+      return jax.tree.unflatten(self._spec_def, arrays)
     if jax.process_count() == 1:  # one batched transfer (no cross-process check on 1 process)
       placed = self._place(arrays)
     else:

@@ -1,9 +1,10 @@
 """Host buffers for chunks and their transfer to the devices (used by :mod:`loopkit.data.feeding`).
 
-Two per-call costs of placing a chunk ``[K, B, ...]`` on one process, kept apart from
+Three per-call costs of placing a chunk ``[K, B, ...]`` on one process, kept apart from
 the feeding logic: the buffer (:func:`empty_host_buffer`: aligned on CPU devices so
-XLA:CPU uses it in place) and the transfer (:class:`Placer`: ``jax.device_put``'s
-Python checks hoisted out of the per-call path).
+XLA:CPU uses it in place), the transfer (:class:`Placer`: ``jax.device_put``'s
+Python checks hoisted out of the per-call path), and whether to transfer at all
+before the call (:func:`call_places_numpy`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from loopkit._internal import compat
+from loopkit._internal.mesh import is_cpu_mesh
 
 ALIGN_BYTES = 64  # host buffers this aligned are aliased by XLA:CPU, not copied
 ALIGN_MIN_BYTES = 1 << 16  # below this a copy costs less than aligning
@@ -42,6 +44,45 @@ def empty_host_buffer(shape: tuple[int, ...], dtype: Any, *, aligned: bool) -> n
   buf = np.empty(nbytes + ALIGN_BYTES, np.uint8)
   offset = -buf.__array_interface__["data"][0] % ALIGN_BYTES
   return buf[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def call_places_numpy(sharding: NamedSharding) -> bool:
+  """Whether a chunk for ``sharding`` goes to a jitted call as numpy, placed by the call.
+
+  True on one process whose mesh is CPU devices only, when this thread's
+  host-to-device transfer guard allows implicit transfers (the default). A
+  jitted call whose ``in_shardings`` pin the chunk's sharding then transfers
+  a numpy leaf itself, in C++ inside the dispatch, with the same values and
+  layout as ``jax.device_put``; placing first costs about 100 us more per call
+  on this CPU (``Placer`` then a dispatch with just-placed arrays: 165 us of
+  process CPU against 64 us for the call with numpy, 2 leaves ``[2, 32, 64]``
+  float32 and ``[2, 32]`` int32, jax 0.10.2, ``benchmarks/host_profile.py``
+  for the per-call effect). Not on accelerators (a prefetch thread's
+  ``device_put`` overlaps the copy with the running call there), not on
+  several processes (a call takes only global arrays there), not on a mesh with
+  an ``Explicit`` axis (:func:`_all_axes_auto`), and not under a
+  ``jax.transfer_guard`` that refuses or logs implicit transfers. With ``Auto``
+  axes the traced step and the compiled program are the same either way, so the
+  results are bitwise equal (``tests/test_loop.py``).
+
+  The caller's jitted function must pin the chunk's sharding in
+  ``in_shardings``: without it a numpy argument is placed on one device.
+  """
+  mesh = sharding.mesh
+  return (jax.process_count() == 1 and is_cpu_mesh(mesh) and _all_axes_auto(mesh)
+          and compat.host_to_device_guard() in (None, "allow"))
+
+
+def _all_axes_auto(mesh: Any) -> bool:
+  """Every mesh axis is ``AxisType.Auto`` (``loopkit.data_parallel_mesh``'s).
+
+  On an ``Explicit`` axis (``jax.make_mesh``'s default since jax 0.7) a placed
+  array's type carries its sharding into the trace and a numpy argument's does
+  not, so the step would be traced differently (a ``shard_map`` inside it refuses the
+  input: ``tests/test_device_data.py``); there the chunk is placed first.
+  """
+  types = getattr(mesh, "axis_types", None)
+  return types is not None and all(t == jax.sharding.AxisType.Auto for t in types)
 
 
 class Placer:
