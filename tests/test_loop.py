@@ -366,6 +366,25 @@ def test_num_steps_below_state_step_is_logged(caplog):
   assert int(state["step"]) == 4 and loop.ledger.step == 4
 
 
+def test_a_run_already_at_its_target_says_so_without_a_warning(caplog):
+  """Running a finished run again (the examples' way to only evaluate) is not a mistake: an
+  INFO line, no WARNING; the at_end hooks fire once."""
+  fired = []
+
+  class AtEnd(loopkit.Hook):
+    def on_trigger(self, info, state):
+      fired.append(info.end_step)
+
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
+                           hooks=[AtEnd(every_steps=100, at_end=True)])
+  state = loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=4)
+  with caplog.at_level("INFO", logger="loopkit"):
+    state = loop.run(state, iter(toy.batches(4)), num_steps=4)
+  assert [r.levelname for r in caplog.records if "nothing to" in r.getMessage()] == ["INFO"]
+  assert "the state is already at num_steps=4" in caplog.text
+  assert fired == [4, 4] and int(state["step"]) == 4
+
+
 def test_per_device_step_without_pmean_is_caught_after_the_first_call():
   """Forgetting lax.pmean trains each device's copy apart: an error names the leaf."""
   def no_pmean(state, batch):

@@ -231,9 +231,12 @@ class Run:
     """
     state = self.start_hooks(state)
     step0 = self.ledger.step  # a restore's step, else the state's
-    if step0 >= self.target:  # after restores: a checkpoint past the target too
+    if step0 > self.target:  # after restores: a checkpoint past the target too
       log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
                   self.target)
+    elif step0 == self.target:  # a finished run run again (it only evaluates): not a mistake
+      log.info("nothing to train: the state is already at num_steps=%d; the at_end hooks "
+               "run once", step0)
     check_epoch_marks(self.hooks, self.steps_per_epoch)
     for h in self.hooks:
       h.trigger.start_clock()
