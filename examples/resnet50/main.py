@@ -36,6 +36,8 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from examples.resnet50 import config_checks  # noqa: E402
+
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for checkpoints, TensorBoard/JSONL metrics and results.json "
     "(a shared one, e.g. gs://..., on a multi-host pod slice).")
@@ -87,6 +89,9 @@ def main(argv):
     raise app.UsageError(f"Too many command-line arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_quiet_libraries)
   config = _CONFIG.value
+  wrong = config_checks.problems(config)
+  if wrong:  # before JAX's backend, TensorFlow and the workdir
+    raise app.UsageError("the config has wrong values:\n  " + "\n  ".join(wrong))
   if _COMPILE_ONLY.value:
     return _compile_only(config, _COMPILE_ONLY.value, _WORKDIR.value)
   if _COMPILATION_CACHE.value:

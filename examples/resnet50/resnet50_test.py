@@ -22,10 +22,12 @@ import optax
 import pytest
 from flax import nnx
 
-from examples.resnet50 import input_pipeline, models, train
+from examples.resnet50 import config_checks, input_pipeline, models, train
 from examples.resnet50.configs import (
   cpu as cpu_config,
+  cpu_resnet50,
   default as default_config,
+  imagenet_flax,
   imagenet_tpu as tpu_config,
   smoke as smoke_config,
 )
@@ -450,6 +452,35 @@ def test_main_cli_smoke(tmp_path):
   assert "eval accuracy" in out.stdout and str(tmp_path) in out.stdout
   assert json.load(open(tmp_path / "results.json"))["step"] == 4
   assert any(f.startswith("jit__loop") for f in os.listdir(tmp_path / "jax_cache"))
+
+
+def test_main_refuses_wrong_config_values_before_it_starts(tmp_path):
+  """Mistyped --config values: every one named, no traceback, nothing written, and TensorFlow
+  never imported (the check runs before the backend, the data and the workdir)."""
+  workdir = tmp_path / "run"
+  out = subprocess.run(
+      [sys.executable, "-X", "importtime", "-m", "examples.resnet50.main",
+       f"--workdir={workdir}", "--config.input_pipeline=grian",
+       "--config.iterations_per_loop=0", "--config.global_batch_size=-8",
+       "--config.num_epochs=0"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  for line in ("config.input_pipeline must be one of ['grain', 'tfdata'], got 'grian'",
+               "config.iterations_per_loop must be an integer > 0, got 0",
+               "config.global_batch_size must be an integer > 0, got -8",
+               "config.num_epochs must be > 0 (or config.num_train_steps > 0), got "
+               "num_epochs=0, num_train_steps=-1"):
+    assert line in out.stderr, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr
+  assert not workdir.exists()
+  imported = {row.split("|")[-1].strip() for row in out.stderr.splitlines()
+              if row.startswith("import time:")}
+  assert "examples.resnet50.config_checks" in imported and "tensorflow" not in imported
+
+
+def test_the_shipped_configs_pass_the_checks():
+  for module in (cpu_config, cpu_resnet50, default_config, imagenet_flax, tpu_config,
+                 smoke_config):
+    assert config_checks.problems(module.get_config()) == [], module.__name__
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from flax import nnx
 
 import loopkit
 from examples.resnet50 import input_pipeline, models
+from examples.resnet50.config_checks import FILE_FORMATS
 from loopkit import evaluation
 from loopkit.observe import goodput, progress, writers
 
@@ -225,10 +226,6 @@ def preprocessing(config: ml_collections.ConfigDict) -> input_pipeline.Preproces
       area_range=tuple(config.area_range), aspect_ratio_range=tuple(config.aspect_ratio_range),
       flip=config.flip, crop_fraction=config.crop_fraction,
       resize_method=config.resize_method)
-
-
-# config.input_pipeline -> the TFDS file format it reads
-FILE_FORMATS = {"tfdata": "tfrecord", "grain": "array_record"}
 
 
 def file_format(config: ml_collections.ConfigDict) -> str:
