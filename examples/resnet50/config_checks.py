@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# config.input_pipeline -> the TFDS file format it reads (train.file_format)
+# config.input_pipeline -> the TFDS file format it reads (file_format)
 FILE_FORMATS = {"tfdata": "tfrecord", "grain": "array_record"}
 STEP_STYLES = ("global", "per_device")
 
@@ -28,6 +28,18 @@ def _is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 
 
+def file_format(config: Any) -> str:
+  """The TFDS file format ``config.input_pipeline`` reads: ``"tfrecord"`` or ``"array_record"``.
+
+  Raises:
+    ValueError: an unknown ``input_pipeline``, naming it and the known ones.
+  """
+  kind = config.get("input_pipeline", "tfdata")
+  if kind not in FILE_FORMATS:
+    raise ValueError(f"config.input_pipeline must be one of {sorted(FILE_FORMATS)}, got {kind!r}")
+  return FILE_FORMATS[kind]
+
+
 def problems(config: Any) -> list[str]:
   """What is wrong with ``config`` (an ``ml_collections.ConfigDict``), one line per field.
 
@@ -36,9 +48,10 @@ def problems(config: Any) -> list[str]:
     ``"config.iterations_per_loop must be an integer > 0, got 0"``.
   """
   out = []
-  kind = config.get("input_pipeline", "tfdata")
-  if kind not in FILE_FORMATS:
-    out.append(f"config.input_pipeline must be one of {sorted(FILE_FORMATS)}, got {kind!r}")
+  try:
+    file_format(config)
+  except ValueError as e:
+    out.append(str(e))
   style = config.get("step_style", "global")
   if style not in STEP_STYLES:
     out.append(f"config.step_style must be one of {list(STEP_STYLES)}, got {style!r}")

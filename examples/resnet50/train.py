@@ -33,7 +33,7 @@ from flax import nnx
 
 import loopkit
 from examples.resnet50 import input_pipeline, models
-from examples.resnet50.config_checks import FILE_FORMATS
+from examples.resnet50.config_checks import FILE_FORMATS, file_format
 from loopkit import evaluation
 from loopkit.observe import goodput, progress, writers
 
@@ -226,18 +226,6 @@ def preprocessing(config: ml_collections.ConfigDict) -> input_pipeline.Preproces
       area_range=tuple(config.area_range), aspect_ratio_range=tuple(config.aspect_ratio_range),
       flip=config.flip, crop_fraction=config.crop_fraction,
       resize_method=config.resize_method)
-
-
-def file_format(config: ml_collections.ConfigDict) -> str:
-  """The TFDS file format ``config.input_pipeline`` reads: ``"tfrecord"`` or ``"array_record"``.
-
-  Raises:
-    ValueError: an unknown ``input_pipeline``, naming it and the known ones.
-  """
-  kind = config.get("input_pipeline", "tfdata")
-  if kind not in FILE_FORMATS:
-    raise ValueError(f"config.input_pipeline must be one of {sorted(FILE_FORMATS)}, got {kind!r}")
-  return FILE_FORMATS[kind]
 
 
 def create_datasets(config: ml_collections.ConfigDict) -> tuple[Any, Any]:

@@ -277,11 +277,10 @@ def signature_change(first: list[tuple[str, tuple]], now: list[tuple[str, tuple]
             f"{[n for n, _ in first]}, this call {[n for n, _ in now]}")
   changed = []
   for (name, a), (_, b) in zip(first, now):
-    # A numpy leaf where the first call had a jax.Array (or the other way) compiles
-    # again even with the same pinned sharding (jax 0.10.2 and 0.12).
-    same_sharding = ((a[3] is None and b[3] is None)
-                     or (a[3] is not None and b[3] is not None
-                         and (a[3] == b[3] or a[3].is_equivalent_to(b[3], len(a[0])))))
+    if a[3] is None or b[3] is None:  # a numpy leaf (None): JAX compiles again for a
+      same_sharding = a[3] is b[3]      # placed one, even with the same pinned sharding
+    else:
+      same_sharding = a[3] == b[3] or a[3].is_equivalent_to(b[3], len(a[0]))
     if a[:3] != b[:3] or not same_sharding:
       changed.append(f"{name} has {_describe(b)}, the first call had {_describe(a)}")
   if not changed:
