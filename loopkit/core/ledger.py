@@ -30,6 +30,16 @@ class Bucket:
   EVAL = "eval"  # evaluation hooks
   REPLICA_CHECK = "replica_check"  # per-device style: comparing the devices' state copies
   LOST = "lost"  # work redone after restarts (loopkit.observe.goodput)
+  SETUP = "setup"  # a run's start and end outside the calls (see Ledger.seconds)
+
+  # The loop's own buckets; every other bucket holds hooks' time (a hook's time_bucket).
+  LOOP = (TOTAL, COMPILE, DISPATCH, DEVICE_WAIT, DATA_WAIT, REPLICA_CHECK, LOST, SETUP)
+
+
+def hook_seconds(seconds: Mapping[str, float]) -> float:
+  """The hooks' time in a ledger's ``seconds``: the sum of every bucket not in :attr:`Bucket.LOOP`
+  (``hooks``, ``checkpoint``, ``eval`` and any hook's own ``time_bucket``), in seconds."""
+  return float(sum(v for k, v in seconds.items() if k not in Bucket.LOOP))
 
 
 def epoch_of(step: int, steps_per_epoch: int | None) -> tuple[int, int]:
