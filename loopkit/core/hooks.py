@@ -141,7 +141,8 @@ class Hook:
   Attributes:
     needs_state: the hook reads the state in ``on_trigger`` (the loop then
       synchronises at its boundaries).
-    time_bucket: the ledger bucket its time goes to (:class:`~loopkit.core.ledger.Bucket`).
+    time_bucket: the ledger bucket its time goes to (:class:`~loopkit.core.ledger.Bucket`;
+      the default ``hooks`` becomes ``setup`` before a run's first call and after its last).
     hook_name: stable name for its saved state (None: the class name).
   """
 

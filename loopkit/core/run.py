@@ -187,6 +187,12 @@ class Run:
     self.timed = [i for i, h in enumerate(hooks) if h.trigger.every_secs is not None]
     self.single_process = jax.process_count() == 1
     self.t_mark = time.perf_counter()
+    # "start" until the first dispatch, "calls" until the last call's hooks ran, then "end".
+    # Outside "calls" the wall time goes to its buckets and the rest to Bucket.SETUP, so a
+    # run that trains nothing adds no productive time (add_time, tick_total).
+    self.phase = "start"
+    self.pending: dict[str, float] = {}  # "start": the time for the ledger of the first tick
+    self.bucketed = 0.0  # outside "calls": seconds add_time gave to buckets since the last tick
 
   # -- ledger writes --------------------------------------------------------
 
@@ -201,13 +207,46 @@ class Run:
     """Asks the run to stop at the next boundary, after the processes agreed on it."""
     self.stop_reason = reason
 
+  def add_time(self, bucket: str, secs: float) -> None:
+    """Adds ``secs`` of this run's wall time to ``bucket`` of the ledger.
+
+    Outside the calls (before the first dispatch, after the last call's hooks)
+    the generic ``hooks`` bucket is :attr:`Bucket.SETUP` (a logging or progress
+    hook's start and end are no training), and so is ``device_wait`` in a run
+    that dispatched no call; before the first dispatch the time
+    waits for the ledger the hooks' restores leave (:meth:`tick_total` adds it).
+    """
+    if self.phase == "calls":
+      self.ledger.add_time(bucket, secs)
+      return
+    if bucket == Bucket.HOOKS or (bucket == Bucket.DEVICE_WAIT and self.last is None):
+      bucket = Bucket.SETUP  # (waiting on a restored state, not on training, in a run of no call)
+    self.bucketed += secs
+    if self.phase == "start":
+      self.pending[bucket] = self.pending.get(bucket, 0.0) + secs
+    else:
+      self.ledger.add_time(bucket, secs)
+
   def tick_total(self) -> None:
     """Adds the wall time since the last tick to ``seconds["total"]`` (kept current
     at every boundary and before every ``on_run_end``, so a checkpoint saved by
-    a hook, or a summary at the end, includes it)."""
+    a hook, or a summary at the end, includes it).
+
+    Outside the calls it also adds the time waiting in :meth:`add_time` and
+    gives the rest of the interval, which no bucket took (placing the initial
+    state, opening the source, closing the feeder, the loop's bookkeeping), to
+    :attr:`Bucket.SETUP`.
+    """
     now = time.perf_counter()
-    self.ledger.add_time(Bucket.TOTAL, now - self.t_mark)
+    elapsed = now - self.t_mark
+    self.ledger.add_time(Bucket.TOTAL, elapsed)
     self.t_mark = now
+    if self.phase == "calls":
+      return
+    for bucket, secs in self.pending.items():
+      self.ledger.add_time(bucket, secs)
+    self.ledger.add_time(Bucket.SETUP, max(elapsed - self.bucketed, 0.0))
+    self.pending, self.bucketed = {}, 0.0
 
   def call_hook(self, i: int, fn: Any, *args: Any) -> Any:
     """Calls ``fn(*args)`` for hook ``i`` and adds its time to the hook's bucket."""
@@ -215,7 +254,7 @@ class Run:
     try:
       return fn(*args)
     finally:
-      self.ledger.add_time(self.buckets[i], time.perf_counter() - t0)
+      self.add_time(self.buckets[i], time.perf_counter() - t0)
 
   # -- start ----------------------------------------------------------------
 
@@ -330,6 +369,7 @@ class Run:
     try:
       state, feeder = self.start(state, batches)
     except BaseException as error:
+      self.tick_total()
       self.fail(error)
       raise
     self.state_position = self.data_position
@@ -337,6 +377,8 @@ class Run:
     try:
       self.preemption.install()
       state = self.call_until_done(state, feeder)
+      self.tick_total()  # the calls' time up to their last hook
+      self.phase = "end"
       state = self.stop(state)
       returning = True
     except BaseException as error:
@@ -395,7 +437,7 @@ class Run:
     """
     t0 = time.perf_counter()
     chunk = feeder.next()
-    self.ledger.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
+    self.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
     if chunk is None or (chunk.length == 0 and not chunk.interrupted):
       if chunk is not None:
         self.warn_exhausted(stacklevel=6)
@@ -411,6 +453,9 @@ class Run:
 
   def dispatch(self, state: Any, chunk: Chunk, time_due: dict[int, bool]) -> tuple[Any, Boundary]:
     """Dispatches one device call over ``chunk`` and records its :class:`Boundary`."""
+    if self.phase == "start":  # the run's start ends at its first dispatch
+      self.tick_total()
+      self.phase = "calls"
     ledger, program = self.ledger, self.program
     start = ledger.step
     t0 = time.perf_counter()
@@ -665,11 +710,11 @@ class Run:
     t0 = time.perf_counter()
     jax.block_until_ready(state)  # the call's own device time is device_wait, not the check's
     t1 = time.perf_counter()
-    self.ledger.add_time(Bucket.DEVICE_WAIT, t1 - t0)
+    self.add_time(Bucket.DEVICE_WAIT, t1 - t0)
     diverged = program.diverged_leaves(state)
     # The first check of a run includes compiling the check program.
-    self.ledger.add_time(Bucket.COMPILE if self.replicas_checked_at is None
-                         else Bucket.REPLICA_CHECK, time.perf_counter() - t1)
+    self.add_time(Bucket.COMPILE if self.replicas_checked_at is None
+                  else Bucket.REPLICA_CHECK, time.perf_counter() - t1)
     self.replicas_checked_at = self.ledger.step
     if diverged:
       axis = program.data_axis
