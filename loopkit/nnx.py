@@ -428,9 +428,23 @@ class NnxEvaluator:
     """Executables compiled for the current eval program (1 in a healthy run)."""
     return 0 if self._evaluator is None else self._evaluator.compile_count()
 
+  def for_eval_hook(self) -> tuple[Any, Callable[[Any], Any]]:
+    """How :class:`loopkit.EvalHook` runs this evaluator (:class:`loopkit.evaluation.ForEvalHook`).
+
+    ``EvalHook(NnxEvaluator(...), batches, every_epochs=1)`` in an :class:`NnxTrainLoop`'s
+    hooks evaluates, at each firing, the ``"model"`` part of the loop's state in inference
+    mode (:meth:`evaluate` with ``eval_mode=True``), and records an
+    :class:`~loopkit.evaluation.EvalResult` whose ``metrics`` are ``metrics.compute()``.
+
+    Returns:
+      ``(evaluator, state_fn)``: an object with ``evaluate(state, batches, *,
+      num_batches=None) -> EvalResult``, and ``lambda s: s["model"]``.
+    """
+    return _HookForm(self), _model_part
+
   def hook(self, batches: Iterable | Callable[[], Iterable], *, num_batches: int | None = None,
            writer: Any = None, prefix: str = "eval", **trigger) -> EvalHook:
-    """An :class:`loopkit.EvalHook` for an :class:`NnxTrainLoop`'s hooks.
+    """``loopkit.EvalHook(self, batches, ...)``: an eval hook for an :class:`NnxTrainLoop`.
 
     At each firing it evaluates the train state's model part in inference
     mode (the structure of ``model.eval()``, taken from a clone, so the
@@ -443,14 +457,25 @@ class NnxEvaluator:
       prefix: as for :class:`loopkit.EvalHook`.
       **trigger: as for :class:`loopkit.EvalHook` (``every_steps``, ...).
     """
-    evaluator = self
+    return EvalHook(self, batches, num_batches=num_batches, writer=writer, prefix=prefix,
+                    **trigger)
 
-    class _Adapter:
-      def evaluate(self, state, batches, *, num_batches=None):
-        values = evaluator.evaluate(batches, state=state, num_batches=num_batches, eval_mode=True)
-        last = evaluator.last
-        return EvalResult({k: float(v) for k, v in values.items()}, last.totals,
-                          last.num_examples, last.num_batches, last.num_calls)
 
-    return EvalHook(_Adapter(), batches, num_batches=num_batches, writer=writer, prefix=prefix,
-                    state_fn=lambda s: s["model"], **trigger)
+def _model_part(state: dict[str, Any]) -> Any:
+  """The model's pure state in an :class:`NnxTrainLoop` state."""
+  return state["model"]
+
+
+class _HookForm:
+  """An :class:`NnxEvaluator` in the form :class:`loopkit.EvalHook` calls."""
+
+  def __init__(self, evaluator: NnxEvaluator):
+    self.nnx_evaluator = evaluator
+
+  def evaluate(self, state: Any, batches: Iterable, *,
+               num_batches: int | None = None) -> EvalResult:
+    ev = self.nnx_evaluator
+    values = ev.evaluate(batches, state=state, num_batches=num_batches, eval_mode=True)
+    last = ev.last
+    return EvalResult({k: float(v) for k, v in values.items()}, last.totals,
+                      last.num_examples, last.num_batches, last.num_calls)
