@@ -37,7 +37,14 @@ from loopkit._internal.mesh import is_cpu_mesh
 from loopkit.core.agreement import agree_with_reason
 from loopkit.core.context import LedgerAdjustment, Restore, RunContext
 from loopkit.core.hook_state import collect_hook_states, give_hook_states, hook_names
-from loopkit.core.hooks import CallRecord, Hook, LoopInfo, NonFiniteWarning, record_fields
+from loopkit.core.hooks import (
+  CallRecord,
+  Hook,
+  LoopInfo,
+  NonFiniteWarning,
+  check_hooks,
+  record_fields,
+)
 from loopkit.core.ledger import Bucket, Ledger, LedgerView, epoch_of
 from loopkit.core.planner import TimeBasedK, plan_calls
 from loopkit.core.preemption import PreemptionWatcher
@@ -162,6 +169,7 @@ class Run:
     self.preemption_spent = False
     self.status: str | None = None
     self.stop_reason: str | None = None
+    check_hooks(self.hooks)  # hooks added to loop.hooks since the loop was built
     self.names = hook_names(self.hooks)
     self.buckets = [getattr(h, "time_bucket", Bucket.HOOKS) for h in self.hooks]
     self.contexts = [RunContext(self, i, self._hook_states) for i in range(len(self.hooks))]
