@@ -522,8 +522,9 @@ class EvalHook(Hook):
   needs_state = True
   time_bucket = Bucket.EVAL  # goodput: evaluation time, not generic hook time
 
-  def __init__(self, evaluator: SupportsEvaluate | ForEvalHook, batches: Iterable | Callable[[], Iterable], *,
-               num_batches: int | None = None, writer: Any = None, prefix: str = "eval",
+  def __init__(self, evaluator: SupportsEvaluate | ForEvalHook,
+               batches: Iterable | Callable[[], Iterable], *, num_batches: int | None = None,
+               writer: Any = None, prefix: str = "eval",
                state_fn: Callable[[Any], Any] | None = None, **trigger):
     super().__init__(**trigger)
     called, default_state_fn = _hook_evaluator(evaluator)

@@ -279,7 +279,9 @@ def _never_called(cls: type) -> str | None:
         continue
       if name not in RENAMED_HOOK_METHODS and not name.startswith(_HOOK_LIKE):
         continue
-      where = cls.__qualname__ if klass is cls else f"{cls.__qualname__} (from {klass.__qualname__})"
+      where = cls.__qualname__
+      if klass is not cls:
+        where += f" (from {klass.__qualname__})"
       now = RENAMED_HOOK_METHODS.get(name)
       if now is not None:
         why = (f"{name}() is loopkit 0.1's name: since 0.2 the loop calls "

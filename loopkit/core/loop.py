@@ -210,9 +210,13 @@ class TrainLoop:
       The final state, whose step equals ``self.ledger.step``.
 
     Raises:
+      TypeError: a state that is (or holds) a Flax NNX object (``nnx.Module``,
+        ``nnx.Optimizer``...), before it is donated: the message names
+        :class:`loopkit.nnx.NnxTrainLoop`.
       ValueError: bad arguments, batch shape/dtype changes (naming the leaf),
-        a step that changes the state's structure/shape/dtype, a step counter
-        that does not advance by one per step. Whatever ``run`` raises (also a
+        a step that changes the state's structure/shape/dtype; a step counter
+        that does not advance by one per step
+        (:class:`~loopkit.core.StepCounterError`). Whatever ``run`` raises (also a
         hook's or the source's exception, a ``KeyboardInterrupt``), the work
         done is kept: :attr:`last_state` is the state at the last completed
         boundary, at step ``self.ledger.step``.
