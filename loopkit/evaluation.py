@@ -540,6 +540,25 @@ class EvalHook(Hook):
     self.state_fn = state_fn if state_fn is not None else default_state_fn
     self.results: list[tuple[int, EvalResult]] = []
 
+  def on_run_start(self, ctx: Any, state: Any) -> None:
+    """Checks, before any step, that ``state_fn`` takes this loop's state.
+
+    Raises:
+      TypeError: ``state_fn`` raised on the run's initial state (e.g. an
+        :class:`~loopkit.nnx.NnxEvaluator`'s ``s["model"]`` in a plain ``TrainLoop``),
+        naming the error and ``state_fn=``.
+    """
+    del ctx
+    try:
+      self.state_fn(state)
+    except Exception as e:  # pylint: disable=broad-except  # re-raised with the hook named
+      raise TypeError(
+          f"EvalHook({type(self.evaluator).__name__}): its state_fn cannot take this loop's "
+          f"train state ({type(e).__name__}: {e}); an NnxEvaluator evaluates the 'model' part "
+          "of an NnxTrainLoop's state: in another loop, pass state_fn= mapping the train "
+          "state to the state the evaluator takes") from e
+    return None
+
   def flush(self) -> None:
     """Flushes the writer (a :class:`~loopkit.checkpoint.CheckpointHook` calls this at
     each save, so the eval rows a checkpoint covers survive a kill)."""

@@ -165,3 +165,13 @@ def test_c58_every_hook_class_of_loopkit_passes_the_rule():
   assert [c.__name__ for c in classes if _never_called(c)] == []
   assert _never_called(Misspelt) is not None  # (the same function refuses)
   assert set(HOOK_METHODS) >= {"on_run_start", "after_each_call", "on_trigger", "on_run_end"}
+
+
+def test_c58_nnx_train_loop_refuses_it_when_built():
+  nnx_models = pytest.importorskip("nnx_models")
+  import loopkit.nnx
+  model, optimizer, metrics, rngs = nnx_models.make()
+  with pytest.raises(TypeError, match=r"hook Collector defines observe\(\), which the loop never "
+                                      r"calls: observe\(\) is loopkit 0\.1's name"):
+    loopkit.nnx.NnxTrainLoop(nnx_models.train_step, model, optimizer, metrics, extra=(rngs,),
+                             iterations_per_loop=2, hooks=[Collector()])

@@ -211,3 +211,16 @@ def test_c56_nnx_evaluator_hook_is_the_same_eval_hook(data):
   hook = ev.hook(data[2], every_epochs=1, prefix="test")
   assert type(hook) is loopkit.EvalHook and hook.evaluator is ev and hook.prefix == "test"
   assert hook.state_fn({"model": "m", "optimizer": "o"}) == "m"
+
+
+def test_c56_an_nnx_evaluator_in_a_plain_train_loop_is_refused_before_the_first_step(data):
+  from tests import toy
+  model = nnx_models.make()[0]
+  hook = loopkit.EvalHook(loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model,
+                                                   nnx_models.make()[2]), data[2], every_steps=2)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[hook])
+  with pytest.raises(TypeError, match=r"EvalHook\(NnxEvaluator\): its state_fn cannot take this "
+                                      r"loop's train state \(KeyError: 'model'\); an NnxEvaluator "
+                                      r"evaluates the 'model' part of an NnxTrainLoop's state"):
+    loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=4)
+  assert loop.ledger.step == 0 and loop.ledger.loop_index == 0 and hook.results == []
