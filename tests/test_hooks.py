@@ -151,7 +151,8 @@ def test_c58_public_helpers_and_the_renamed_methods_pass_and_are_called():
 
 def test_c58_every_hook_class_of_loopkit_passes_the_rule():
   """The built-in hooks have no public method the rule would refuse."""
-  for module in ("loopkit.checkpoint", "loopkit.nnx", "loopkit.observe", "loopkit.evaluation"):
+  for module in ("loopkit.checkpoint", "loopkit.nnx", "loopkit.observe", "loopkit.evaluation",
+                 "loopkit.tools.tune"):
     importlib.import_module(module)
   classes, todo = [], [loopkit.Hook]
   while todo:
@@ -161,7 +162,7 @@ def test_c58_every_hook_class_of_loopkit_passes_the_rule():
       classes.append(cls)
   names = {c.__name__ for c in classes}
   assert names >= {"LoggingHook", "ProgressHook", "NanCheckHook", "CallbackHook", "EvalHook",
-                   "GoodputHook", "ProfilerHook", "CheckpointHook"}, names
+                   "GoodputHook", "ProfilerHook", "CheckpointHook", "_BoundaryClock"}, names
   assert [c.__name__ for c in classes if _never_called(c)] == []
   assert _never_called(Misspelt) is not None  # (the same function refuses)
   assert set(HOOK_METHODS) >= {"on_run_start", "after_each_call", "on_trigger", "on_run_end"}
