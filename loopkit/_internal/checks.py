@@ -7,6 +7,7 @@ Pure host functions; thread-safe.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -292,15 +293,62 @@ def signature_change(first: list[tuple[str, tuple]], now: list[tuple[str, tuple]
 MIN_SLOTS = 2
 
 
+_NNX_LOOP = ("loopkit.nnx.NnxTrainLoop(train_step, model, optimizer, metrics, "
+             "iterations_per_loop=...)")
+
+
 def default_step_of(state: Any) -> jax.Array:
-  """The step counter of a state: ``state.step`` or ``state["step"]``."""
+  """The step counter of a state: ``state.step`` or ``state["step"]``.
+
+  Raises:
+    ValueError: neither exists; for a Flax NNX state (``nnx.state(...)``) the message
+      names ``step_of`` for the optimizer's step and :class:`loopkit.nnx.NnxTrainLoop`.
+  """
   if hasattr(state, "step"):
     return state.step
   if isinstance(state, dict) and "step" in state:
     return state["step"]
+  hint = ""
+  if type(state).__module__.startswith("flax.nnx"):
+    hint = (f"; this is a Flax NNX {type(state).__name__}: its counter is the nnx.Optimizer's "
+            "step (e.g. step_of=lambda s: s['optimizer']['step']), or train the NNX objects "
+            f"with their in-place step as they are: {_NNX_LOOP}")
   raise ValueError(
       "the train state has no step counter: give it a scalar int `step` field "
-      "(attribute or dict key) or pass step_of=... to TrainLoop")
+      "(attribute or dict key) or pass step_of=... to TrainLoop" + hint)
+
+
+def check_not_nnx_objects(state: Any) -> None:
+  """Refuses a train state that holds Flax NNX graph objects (``nnx.Module``,
+  ``nnx.Optimizer``, ``nnx.MultiMetric``, ``nnx.Rngs``), before it is placed or donated.
+
+  ``TrainLoop`` runs a pure step on a pytree of arrays; an NNX module is a pytree too,
+  so it would be donated (the user's model then holds deleted arrays) and the step would
+  get a copy, not the user's objects. Looks only when ``flax.nnx`` is imported (a state
+  cannot hold its objects otherwise); a pure ``nnx.State`` passes.
+
+  Raises:
+    TypeError: naming the object's type and pytree path, and
+      :class:`loopkit.nnx.NnxTrainLoop`.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return
+  kinds = tuple(k for k in (getattr(nnx, "Pytree", None), getattr(nnx, "Object", None))
+                if isinstance(k, type))
+  if not kinds:
+    return
+  leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, kinds))[0]
+  for path, leaf in leaves:
+    if isinstance(leaf, kinds):
+      where = f" at {jax.tree_util.keystr(path)}" if path else ""
+      raise TypeError(
+          f"the train state is (or holds) a Flax NNX object, {type(leaf).__name__}{where}: "
+          "TrainLoop runs a pure train_step(state, batch) -> (state, metrics) on a pytree of "
+          "arrays (and donates it). For NNX objects and Flax's in-place step "
+          f"train_step(model, optimizer, [metrics,] batch, ...), use {_NNX_LOOP}, which "
+          "updates the objects after run; or pass TrainLoop the pure state of nnx.split "
+          "with a functional step and step_of=...")
 
 
 def process_of(process_index: int | None, process_count: int | None) -> tuple[int, int]:

@@ -25,7 +25,7 @@ from loopkit._internal.checks import check_global_batch_size, default_step_of
 from loopkit._internal.logs import install_default_handler
 from loopkit._internal.mesh import resolve_mesh
 from loopkit.core.hook_state import hook_names
-from loopkit.core.hooks import Hook
+from loopkit.core.hooks import Hook, check_hooks
 from loopkit.core.ledger import Bucket, Ledger
 from loopkit.core.planner import TimeBasedK, parse_duration
 from loopkit.core.preemption import DEFAULT_SIGNALS, PreemptionWatcher
@@ -121,6 +121,11 @@ class TrainLoop:
       (default) = on when the mesh is on CPU devices.
 
   Raises:
+    TypeError: a hook without the :class:`~loopkit.core.hooks.Hook` methods, or
+      with a public method the loop would never call (loopkit 0.1's ``observe`` /
+      ``after_call``, a misspelt ``on_run_started``; see
+      :func:`~loopkit.core.hooks.check_hooks`); also at ``run`` for hooks added to
+      :attr:`hooks` since.
     ValueError: K < 1 or not an int or duration; a duration K on several
       processes; ``max_iterations_per_loop`` with an int K;
       ``global_batch_size`` not divisible by the data-parallel size;
@@ -205,9 +210,13 @@ class TrainLoop:
       The final state, whose step equals ``self.ledger.step``.
 
     Raises:
+      TypeError: a state that is (or holds) a Flax NNX object (``nnx.Module``,
+        ``nnx.Optimizer``...), before it is donated: the message names
+        :class:`loopkit.nnx.NnxTrainLoop`.
       ValueError: bad arguments, batch shape/dtype changes (naming the leaf),
-        a step that changes the state's structure/shape/dtype, a step counter
-        that does not advance by one per step. Whatever ``run`` raises (also a
+        a step that changes the state's structure/shape/dtype; a step counter
+        that does not advance by one per step
+        (:class:`~loopkit.core.StepCounterError`). Whatever ``run`` raises (also a
         hook's or the source's exception, a ``KeyboardInterrupt``), the work
         done is kept: :attr:`last_state` is the state at the last completed
         boundary, at step ``self.ledger.step``.
@@ -403,19 +412,16 @@ def _fixed_steps_per_epoch(steps_per_epoch: int | str | None) -> int | None:
 
 
 def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
-  """``hooks`` as a list, after checking each has the hook methods and the names are unique.
+  """``hooks`` as a list, after checking them (:func:`~loopkit.core.hooks.check_hooks`) and that
+  their names are unique.
 
   Raises:
-    TypeError: a hook without the :class:`~loopkit.core.hooks.Hook` methods.
+    TypeError: a hook without the :class:`~loopkit.core.hooks.Hook` methods, or with a
+      method the loop would never call (named, with the nearest hook method).
     ValueError: a ``hook_name`` given twice.
   """
   hooks = list(hooks)
-  for h in hooks:
-    missing = [a for a in ("trigger", "needs_state", "on_run_start", "after_each_call",
-                           "on_trigger", "on_run_end") if not hasattr(h, a)]
-    if missing:
-      raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
-                      "(or wrap a function in loopkit.CallbackHook)")
+  check_hooks(hooks)
   _warn_logging_after_checkpoint(hooks)
   hook_names(hooks)  # raises now for a hook_name given twice
   return hooks

@@ -32,12 +32,19 @@ import jax
 import numpy as np
 
 from loopkit import metrics as metrics_lib
-from loopkit._internal.checks import tree_mismatch, warn_if_pmap_layout
+from loopkit._internal.checks import check_not_nnx_objects, tree_mismatch, warn_if_pmap_layout
 from loopkit._internal.mesh import is_cpu_mesh
 from loopkit.core.agreement import agree_with_reason
 from loopkit.core.context import LedgerAdjustment, Restore, RunContext
 from loopkit.core.hook_state import collect_hook_states, give_hook_states, hook_names
-from loopkit.core.hooks import CallRecord, Hook, LoopInfo, NonFiniteWarning, record_fields
+from loopkit.core.hooks import (
+  CallRecord,
+  Hook,
+  LoopInfo,
+  NonFiniteWarning,
+  check_hooks,
+  record_fields,
+)
 from loopkit.core.ledger import Bucket, Ledger, LedgerView, epoch_of
 from loopkit.core.planner import TimeBasedK, plan_calls
 from loopkit.core.preemption import PreemptionWatcher
@@ -50,6 +57,25 @@ log = logging.getLogger("loopkit")
 
 class DataExhaustedWarning(UserWarning):
   """The batch iterator ran out before ``num_steps``; the run stopped at the last full step."""
+
+
+class StepCounterError(ValueError):
+  """The state's step counter did not advance by exactly one per step in a device call.
+
+  Attributes:
+    counter: the counter after the call.
+    start_step: the loop's step before the call (the counter's value then).
+    end_step: the loop's step after the call.
+    loop_index: the call's index.
+  """
+
+  def __init__(self, message: str, *, counter: int, start_step: int, end_step: int,
+               loop_index: int):
+    super().__init__(message)
+    self.counter = counter
+    self.start_step = start_step
+    self.end_step = end_step
+    self.loop_index = loop_index
 
 
 def _fetch(tree: Any, copy_async: bool) -> Any:
@@ -162,6 +188,7 @@ class Run:
     self.preemption_spent = False
     self.status: str | None = None
     self.stop_reason: str | None = None
+    check_hooks(self.hooks)  # hooks added to loop.hooks since the loop was built
     self.names = hook_names(self.hooks)
     self.buckets = [getattr(h, "time_bucket", Bucket.HOOKS) for h in self.hooks]
     self.contexts = [RunContext(self, i, self._hook_states) for i in range(len(self.hooks))]
@@ -497,10 +524,12 @@ class Run:
       out_step, nonfinite = out.step, out.nonfinite
     ledger.add_time(Bucket.DEVICE_WAIT, time.perf_counter() - t0)
     if int(out_step) != b.end_step:
-      raise ValueError(
+      raise StepCounterError(
           f"the state's step counter is {int(out_step)} after device call {b.loop_index} "
           f"(steps {b.start_step + 1}..{b.end_step}); train_step must increment it by exactly "
-          f"1 per step, and it must equal the loop's step {b.end_step}")
+          f"1 per step, and it must equal the loop's step {b.end_step}",
+          counter=int(out_step), start_step=b.start_step, end_step=b.end_step,
+          loop_index=b.loop_index)
     self.data_position = b.data_position
     self.tick_total()
     self.last, self.last_info = b, None
@@ -741,9 +770,13 @@ class Run:
         (which becomes the train state the others are checked against).
 
     Raises:
+      TypeError: an initial state holding Flax NNX objects (names
+        :class:`loopkit.nnx.NnxTrainLoop`).
       ValueError: a replacement unlike the train state.
     """
-    if hook is not None:
+    if hook is None:
+      check_not_nnx_objects(state)
+    else:
       problem = tree_mismatch(self.state_spec, state, what=(
           f"{type(self.hooks[hook]).__name__} returned a state unlike the train state"))
       if problem:
