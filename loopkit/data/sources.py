@@ -541,10 +541,10 @@ def check_epoch_length(source: Any, steps_per_epoch: int | None) -> None:
   made = (f" ({examples} examples // global batch {batch})"
           if isinstance(examples, int) and isinstance(batch, int) else "")
   raise ValueError(
-      f"TrainLoop(steps_per_epoch={steps_per_epoch}) runs over a {what} whose epoch is {n} "
-      f"steps{made}: the loop's epochs (LoopInfo.epoch, every_epochs hooks, num_epochs) would "
-      f"not end where the source's do. Pass steps_per_epoch={n}, or steps_per_epoch='auto' "
-      "to take the source's")
+      f"TrainLoop(steps_per_epoch={steps_per_epoch}), but the {what} given to run has an epoch "
+      f"of {n} steps{made}: the loop's epochs (LoopInfo.epoch, every_epochs hooks, num_epochs) "
+      f"would not end where the source's do. Pass steps_per_epoch={n}, or "
+      "steps_per_epoch='auto' to take the source's")
 
 
 # -- opening a source at a saved position (used by the feeder) ---------------------------
