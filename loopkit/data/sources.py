@@ -17,8 +17,8 @@ step-indexed (``batch_at(step)``)         the global step, or ``position_at(step
 :class:`ArraySource`                      ``{"array_step": s, "seed", "global_batch_size",
                                           "num_examples"}``; checked (``check_position``,
                                           :mod:`loopkit.data.positions`), then step s
-:class:`~loopkit.data.GrainSource`        ``{"grain_step": s, ...}``; checked, then step s
-(Grain random access, ArrayRecord)
+:class:`~loopkit.data.GrainSource`        ``{"grain_step": s, ...}``; checked, then
+(Grain random access, ArrayRecord)        step s (no record re-read)
 :class:`~loopkit.data.DeviceDataset`      ``{"device_data_step": s, ...}``; checked, then s
 ========================================  ==========================================
 
