@@ -111,11 +111,12 @@ def tree_mismatch(expected: Any, got: Any, *, what: str,
   return None
 
 
-def _device_axis_leaf(x: Any) -> bool:
+def device_axis_leaf(x: Any) -> bool:
   """A ``jax.Array`` whose leading axis is a device axis: one row per device.
 
   What ``flax.jax_utils.prefetch_to_device`` (and ``jax.device_put_sharded``)
-  make of a pmap-layout batch ``[devices, B / devices, ...]``.
+  make of a pmap-layout batch ``[devices, B / devices, ...]``, and
+  ``flax.jax_utils.replicate`` of a state leaf (``[devices, ...]``).
   """
   sharding = getattr(x, "sharding", None)
   if not isinstance(x, jax.Array) or sharding is None or x.ndim < 1:
@@ -155,7 +156,7 @@ def check_device_axis_layout(batch: Any, global_batch_size: int | None = None, *
   """
   local = None if global_batch_size is None else global_batch_size // process_count
   for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-    if _device_axis_leaf(x) and np.shape(x)[0] != local:
+    if device_axis_leaf(x) and np.shape(x)[0] != local:
       name, shape = jax.tree_util.keystr(path) or "<root>", np.shape(x)
       raise ValueError(
           f"batch leaf {name} is a jax.Array of shape {shape} already on the devices with a "
@@ -199,7 +200,7 @@ def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int
   per = f"{local} per process, " if process_count > 1 else ""
   msg = (f"batch leaf {shown}{more}, but the loop's global_batch_size={global_batch_size} "
          f"needs a leading batch axis of {per}[{local}, ...]")
-  if any(_device_axis_leaf(x) for _, x in wrong):
+  if any(device_axis_leaf(x) for _, x in wrong):
     raise ValueError(
         f"{msg}: the batch is already on the devices with a leading device axis, as "
         "flax.jax_utils.prefetch_to_device (or jax.device_put_sharded) makes it for jax.pmap. "

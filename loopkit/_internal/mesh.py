@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from loopkit._internal.checks import check_data_axis
+from loopkit._internal.checks import check_data_axis, device_axis_leaf
 
 
 def data_parallel_mesh(data_axis: str = "data", devices: Any = None) -> Mesh:
@@ -130,7 +130,7 @@ def _lost_sharding_message(lost: list[tuple[str, Any, Any]], mesh: Mesh,
   """The error of :func:`pinned_state_shardings`, for its first refused leaf."""
   name, x, sh = lost[0]
   shape = tuple(np.shape(x))
-  default = mesh == data_parallel_mesh(mesh.axis_names[0]) if len(mesh.axis_names) == 1 else False
+  default = len(mesh.axis_names) == 1 and mesh == data_parallel_mesh(mesh.axis_names[0])
   loop_mesh = f"the loop's mesh is {describe_mesh(mesh)}" + (
       " (the default of a TrainLoop built without mesh=)" if default else "")
   count = f"{len(lost)} of {num_leaves} state leaves would lose their sharding"
@@ -149,8 +149,7 @@ def _lost_sharding_message(lost: list[tuple[str, Any, Any]], mesh: Mesh,
   if len(others) > 1:
     return (f"{msg}. The state's sharded leaves are on {len(others)} meshes ({'; '.join(others)})"
             ": put every leaf on one mesh and build the loop with it, TrainLoop(..., mesh=...)")
-  devices = getattr(sh, "device_set", ())
-  if shape and len(devices) > 1 and shape[0] == len(devices) and sh.shard_shape(shape)[0] == 1:
+  if device_axis_leaf(x):
     msg += (". Its leading axis is a device axis, one slice per device: this looks like a state "
             "replicated for pmap (flax.jax_utils.replicate); pass the unreplicated state "
             "(jax_utils.unreplicate, or jax.tree.map(lambda x: x[0], state)): loopkit places "
