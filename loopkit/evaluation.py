@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from loopkit._internal.checks import (
   MIN_SLOTS,
+  check_device_axis_layout,
   check_global_batch_size,
   check_iterations_per_loop,
   check_step_style,
@@ -184,6 +185,9 @@ class Evaluator:
   def _pad(self, batch: Any) -> dict[str, Any]:
     """Pads a process-local batch ``[b, ...]`` to ``[B / P, ...]``; adds the mask."""
     local = self.global_batch_size // jax.process_count()
+    if self._template is None:  # the first batch: prefetch_to_device output is refused
+      check_device_axis_layout(batch, None if self._batch_from_first else self.global_batch_size,
+                               process_count=jax.process_count())
     leaves = jax.tree.leaves(batch)
     b = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else None
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -241,7 +245,9 @@ class Evaluator:
 
     Raises:
       ValueError: a batch larger than the static batch or with ragged
-        leaves; more batches than ``num_batches``; ``num_batches`` or the
+        leaves; a first batch already on the devices with a leading device axis
+        (``flax.jax_utils.prefetch_to_device``: pass the numpy batches
+        ``[b, ...]``); more batches than ``num_batches``; ``num_batches`` or the
         Evaluator's ``global_batch_size`` missing on multi-host; a non
         per-example eval output (names the metric).
       Any exception raised by the source.

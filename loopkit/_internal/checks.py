@@ -112,17 +112,61 @@ def tree_mismatch(expected: Any, got: Any, *, what: str,
   return None
 
 
-def _device_axis_leaf(x: Any) -> bool:
+def device_axis_leaf(x: Any) -> bool:
   """A ``jax.Array`` whose leading axis is a device axis: one row per device.
 
   What ``flax.jax_utils.prefetch_to_device`` (and ``jax.device_put_sharded``)
-  make of a pmap-layout batch ``[devices, B / devices, ...]``.
+  make of a pmap-layout batch ``[devices, B / devices, ...]``, and
+  ``flax.jax_utils.replicate`` of a state leaf (``[devices, ...]``).
   """
   sharding = getattr(x, "sharding", None)
   if not isinstance(x, jax.Array) or sharding is None or x.ndim < 1:
     return False
   devices = len(sharding.device_set)
   return devices > 1 and x.shape[0] == devices and sharding.shard_shape(x.shape)[0] == 1
+
+
+_DEVICE_AXIS_FIX = (
+    "Pass numpy batches [B, ...] (drop prefetch_to_device and the reshape to "
+    "[devices, B / devices, ...]): loopkit places them on the devices itself and prefetches "
+    "(TrainLoop(prefetch=...))")
+
+
+def check_device_axis_layout(batch: Any, global_batch_size: int | None = None, *,
+                             process_count: int = 1) -> None:
+  """Refuses a batch already placed for ``jax.pmap``: a leading device axis, one slice per device.
+
+  ``flax.jax_utils.prefetch_to_device`` (Flax's ImageNet ``create_input_iter``) turns
+  batches reshaped to ``[devices, B / devices, ...]`` into ``jax.Array`` whose
+  leading axis has one row per device; the loop would take each device's slice as
+  one example. Unlike a numpy array of that shape (:func:`warn_if_pmap_layout`),
+  the array itself says so: its leading axis is its device count and each device
+  holds one slice of it.
+
+  Args:
+    batch: one batch, a pytree of arrays (the process-local part).
+    global_batch_size: B as the loop or evaluator was told it, or None. A leaf
+      whose leading axis is ``B / P`` is a global batch that happens to have one
+      example per device, and is taken.
+    process_count: P.
+
+  Raises:
+    ValueError: naming the first such leaf (path, shape, devices), saying how it
+      was made and what to pass instead (the batches before the reshape, or
+      ``global_batch_size=`` when each row is one example).
+  """
+  local = None if global_batch_size is None else global_batch_size // process_count
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    if device_axis_leaf(x) and np.shape(x)[0] != local:
+      name, shape = jax.tree_util.keystr(path) or "<root>", np.shape(x)
+      raise ValueError(
+          f"batch leaf {name} is a jax.Array of shape {shape} already on the devices with a "
+          f"leading device axis: its {shape[0]} rows lie one per device, the layout that "
+          "flax.jax_utils.prefetch_to_device (or jax.device_put_sharded) makes for jax.pmap "
+          f"from batches reshaped to [devices, B / devices, ...]; loopkit would take each "
+          f"device's slice [{', '.join(map(str, shape[1:]))}] as one example. "
+          f"{_DEVICE_AXIS_FIX}; if each row really is one example of a global batch of "
+          f"{shape[0] * process_count}, pass global_batch_size={shape[0] * process_count}")
 
 
 def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int = 1) -> None:
@@ -132,7 +176,9 @@ def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int
   (P processes, each feeding its part). A batch in ``jax.pmap``'s layout
   ``[devices, B / devices, ...]``, or already placed on the devices by
   ``flax.jax_utils.prefetch_to_device``, would otherwise train on a wrong
-  leading axis, silently.
+  leading axis, silently. (Without ``global_batch_size`` the feeder refuses the
+  placed layout with :func:`check_device_axis_layout` and warns about the numpy
+  one with :func:`warn_if_pmap_layout`.)
 
   Args:
     batch: one batch, a pytree of arrays (the process-local part).
@@ -155,13 +201,11 @@ def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int
   per = f"{local} per process, " if process_count > 1 else ""
   msg = (f"batch leaf {shown}{more}, but the loop's global_batch_size={global_batch_size} "
          f"needs a leading batch axis of {per}[{local}, ...]")
-  if any(_device_axis_leaf(x) for _, x in wrong):
+  if any(device_axis_leaf(x) for _, x in wrong):
     raise ValueError(
         f"{msg}: the batch is already on the devices with a leading device axis, as "
         "flax.jax_utils.prefetch_to_device (or jax.device_put_sharded) makes it for jax.pmap. "
-        "Pass numpy batches [B, ...] (drop prefetch_to_device and the reshape to "
-        "[devices, B / devices, ...]): loopkit places them on the devices itself and "
-        "prefetches (TrainLoop(prefetch=...))")
+        f"{_DEVICE_AXIS_FIX}")
   _, x = wrong[0]
   shape = np.shape(x)
   if len(shape) >= 2 and shape[0] * shape[1] == local:

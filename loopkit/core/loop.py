@@ -31,7 +31,7 @@ from loopkit.core.planner import TimeBasedK, parse_duration
 from loopkit.core.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.core.program import MultiStepProgram, StepStyle
 from loopkit.core.run import DataExhaustedWarning, Run, RunConfig, check_epoch_marks
-from loopkit.data.sources import steps_per_epoch_of
+from loopkit.data.sources import check_epoch_length, steps_per_epoch_of
 
 __all__ = ["DataExhaustedWarning", "TrainLoop"]
 
@@ -96,7 +96,11 @@ class TrainLoop:
     max_iterations_per_loop: slot count for a duration ``iterations_per_loop``
       (default 100; calls shorter than it transfer padding batches).
     hooks: :class:`loopkit.core.hooks.Hook` objects, called in order at boundaries.
-    mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices).
+    mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices). A state
+      leaf with a ``NamedSharding`` on it keeps its sharding; unsharded and fully
+      replicated leaves are replicated on it. A leaf sharded on another mesh (a
+      model-parallel state built on a ``("data", "fsdp", "tensor")`` mesh, with this
+      argument left out) is refused at ``run``, before any step: pass that mesh here.
     data_axis: name of the mesh axis the batch is split over.
     step_style: ``"global"`` (the step sees global arrays) or ``"per_device"``
       (pmap style: the step sees its device's slice and uses collectives over
@@ -104,13 +108,18 @@ class TrainLoop:
     steps_per_epoch: steps in one epoch; calls never cross an epoch end.
       ``"auto"``: the length of the source given to each ``run`` (one epoch;
       :func:`loopkit.data.sources.steps_per_epoch_of`: ``len``, tf.data
-      cardinality, ``ArraySource.steps_per_epoch``).
+      cardinality, ``ArraySource.steps_per_epoch``). A source that declares its own
+      epoch (``ArraySource``, ``GrainSource``, ``DeviceDataset``) and an int here that
+      differs from it is refused at ``run``
+      (:func:`loopkit.data.sources.check_epoch_length`).
     global_batch_size: if given, checked now against the data-parallel size, and
       at ``run`` against the first batch: every leaf must be ``[B, ...]``
       (``[B / processes, ...]`` on multi-host), else a ValueError names the leaf
       and its shape (pmap layout ``[devices, B / devices, ...]``,
       ``prefetch_to_device`` output) before any step. Without it the batch size
-      is the first batch's, and a pmap-looking layout only warns.
+      is the first batch's: a first batch already on the devices with a leading
+      device axis (``prefetch_to_device`` output) is still refused, since the
+      arrays say so; a numpy batch that looks like pmap layout only warns.
     prefetch: chunks prepared ahead by a background thread (0 = none).
     step_of: returns the state's step counter (default ``state.step``).
     preemption_signals: signals that stop the run at the next boundary with
@@ -213,7 +222,10 @@ class TrainLoop:
       TypeError: a state that is (or holds) a Flax NNX object (``nnx.Module``,
         ``nnx.Optimizer``...), before it is donated: the message names
         :class:`loopkit.nnx.NnxTrainLoop`.
-      ValueError: bad arguments, batch shape/dtype changes (naming the leaf),
+      ValueError: bad arguments; a source whose own epoch is not
+        ``steps_per_epoch`` steps (naming both); a state leaf sharded on another
+        mesh than the loop's, which would lose its sharding (naming the leaf, both
+        meshes and ``mesh=``); batch shape/dtype changes (naming the leaf),
         a step that changes the state's structure/shape/dtype; a step counter
         that does not advance by one per step
         (:class:`~loopkit.core.StepCounterError`). Whatever ``run`` raises (also a
@@ -227,6 +239,7 @@ class TrainLoop:
     """
     if self._auto_steps_per_epoch:
       self.steps_per_epoch = steps_per_epoch_of(batches)
+    check_epoch_length(batches, self.steps_per_epoch)
     target = self._target(num_steps, num_epochs)
     self.target_step = target
     config = self._config
