@@ -161,7 +161,8 @@ def test_sigkill_at_random_moments_fault_test(tmp_path, reference, record_proper
   assert stats["corrupt"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_checkpoint_process.py::test_sigkill_at_random_moments_fault_test",
+                  reason="40 kills instead of 10")
 def test_sigkill_at_random_moments_fault_test_long(tmp_path, reference):
   """40 kills; shorter and longer windows so kills land in compile, steps and writes."""
   stats = run_fault_trials(
