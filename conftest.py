@@ -68,6 +68,7 @@ def pytest_collection_modifyitems(config, items):
   """Checks each ``slow`` mark's ``held_by``; skips the tests marked ``tf`` where TensorFlow or
   TFDS is not installed."""
   budget.check_slow_marks(items)
+  budget.long_files_first(items)
   del config
   if not _MISSING_TF:
     return

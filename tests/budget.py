@@ -7,8 +7,8 @@
    not exist or is slow, is a usage error at collection.
 2. **A time budget per default-suite test.** A test whose setup + call + teardown takes more
    than :data:`BUDGET_S` seconds must be listed, with its reason, in
-   ``tests/durations_budget.txt`` (one ``FILE::TEST  # reason`` per line; the entry covers
-   every parametrisation). An unlisted one is printed at the end of the session, and fails
+   ``tests/durations_budget.txt`` (one ``FILE::TEST  # SECONDS s: reason`` per line, the
+   seconds measured alone; the entry covers every parametrisation). An unlisted one is printed at the end of the session, and fails
    the session where the environment variable ``LOOPKIT_TEST_BUDGET_S`` is set: .ci/run sets
    it to the budget scaled to its two suites side by side on 2 cores.
 """
@@ -64,6 +64,19 @@ def listed() -> dict[str, str]:
     if name.strip():
       out[name.strip()] = reason.strip()
   return out
+
+
+def long_files_first(items) -> None:
+  """Reorders ``items`` in place: the files with a test in the budget file first (longest
+  listed seconds first), each file's tests in their order. xdist hands out files in this
+  order, so the longest start first instead of ending the session on one worker."""
+  weight: collections.Counter[str] = collections.Counter()
+  for name, reason in listed().items():
+    secs = reason.split(" s", 1)[0].rsplit(" ", 1)[-1]
+    weight[name.split("::", 1)[0]] += float(secs) if secs.replace(".", "").isdigit() else 1.0
+  order = {f: i for i, f in enumerate(dict.fromkeys(i.nodeid.split("::", 1)[0] for i in items))}
+  items.sort(key=lambda i: (-weight[i.nodeid.split("::", 1)[0]],
+                            order[i.nodeid.split("::", 1)[0]]))
 
 
 def record(report) -> None:

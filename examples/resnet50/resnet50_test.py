@@ -78,12 +78,14 @@ def test_resnet50_v1_5_stride_in_3x3_and_zero_init_last_bn(small_models):
 
 
 def test_output_shapes_dtypes_and_batch_stats(small_models):
+  # one program per call (eager calls compile each layer's ops: twice the time here)
+  forward = nnx.jit(lambda m, x, train: m(x, train=train), static_argnames="train")
   for m in small_models.values():
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 64, 64, 3))
-    y_eval = m(x, train=False)
+    y_eval = forward(m, x, train=False)
     after_eval = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
-    y_train = m(x, train=True)
+    y_train = forward(m, x, train=True)
     after_train = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
     assert y_eval.shape == y_train.shape == (3, 7)
     assert y_eval.dtype == y_train.dtype == jnp.float32
@@ -93,7 +95,8 @@ def test_output_shapes_dtypes_and_batch_stats(small_models):
                                            after_train))
     assert all(changed)  # train: every running mean/var moved
   r50 = small_models[50, jnp.float32]
-  assert r50(jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 7)  # 32 / 32 = 1x1 at the end
+  # 32 / 32 = 1x1 at the end
+  assert forward(r50, jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 7)
 
 
 def test_unknown_depth_raises():
