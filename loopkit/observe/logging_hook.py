@@ -207,7 +207,9 @@ class LoggingHook(Hook):
            "throughput/secs_per_call": dt / calls,
            "throughput/loop_secs_per_call": max(dt - hook_secs, 0.0) / calls,
            "throughput/hook_secs": hook_secs}
-    out.update(self._utilization(info.end_step - s0, out["throughput/loop_secs_per_call"] * calls))
+    if self.writer is not None:  # the compute keys go to the writer only (as the others)
+      out.update(self._utilization(info.end_step - s0,
+                                   out["throughput/loop_secs_per_call"] * calls))
     if self._ctx is not None:
       ledger = self._ctx.ledger
       g = goodput.summarize(ledger, info.end_step).goodput
