@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
 from loopkit._internal.compat import lowering_count
@@ -26,6 +27,7 @@ from tests import toy
 
 B, IN, HID, OUT = 128, 64, 128, 32
 DEVICES = 8
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 ANALYTIC = 2 * (B // DEVICES) * (2 * IN * HID + 3 * HID * OUT)  # matmul FLOPs per step, device
 
 
@@ -87,6 +89,38 @@ def test_flops_per_step_are_the_mlps_for_every_k_and_compile_nothing(style):
   assert ANALYTIC <= flops[1] < 1.1 * ANALYTIC, (flops, ANALYTIC)
   # equal up to the reductions of the [K] metric traces after the loop (measured: 42 FLOPs)
   assert abs(flops[3] - flops[1]) < 1e-3 * ANALYTIC, flops
+
+
+def test_flops_per_step_of_a_sharded_state_are_one_devices_share():
+  """Parameters split over a ``model`` axis, the batch over ``data`` ((4, 2) mesh): each device
+  computes a quarter of the batch through half of each layer, 1/8 of the step like the
+  data-parallel run; the cost is read from the cached executable all the same."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  state = _state()
+  specs = {"w1": P(None, "model"), "w2": P("model", None)}
+  state["params"] = {k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+                     for k, v in state["params"].items()}
+  loop = loopkit.TrainLoop(_global_step, iterations_per_loop=2, mesh=mesh, data_axis="data")
+  state = loop.run(state, _batches(4), num_steps=4)
+  assert state["params"]["w1"].sharding.spec == P(None, "model")
+  before = lowering_count()
+  flops = loop.program.flops_per_step()
+  assert lowering_count() == before and loop.program.compile_count() == 1
+  assert ANALYTIC <= flops < 1.1 * ANALYTIC, (flops, ANALYTIC)
+
+
+def test_a_cache_miss_gives_no_flops_instead_of_a_second_compile():
+  """With JAX's caches cleared, reading the cost would compile the program again: loopkit
+  lowers (and finds the miss), compiles nothing, and reports no FLOPs."""
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, secs, **kw: compiles.append(event) if event == BACKEND_COMPILE else None)
+  loop = loopkit.TrainLoop(_global_step, iterations_per_loop=2)
+  loop.run(_state(), _batches(2), num_steps=2)
+  jax.clear_caches()
+  del compiles[:]
+  assert loop.program.flops_per_step() is None and loop.program.cost_analysis() is None
+  assert compiles == [] and loop.program.compile_count() == 1
 
 
 def _throughput_run(monkeypatch, hooks, k=2, steps=12):

@@ -230,8 +230,9 @@ class LoggingHook(Hook):
       self._compute = (flops, peak)
       say = log.info if jax.process_index() == 0 else log.debug
       if flops is None:
-        say("LoggingHook: no throughput/tflops_per_device or throughput/mfu: XLA's cost "
-            "analysis of the train program gives no FLOPs")
+        say("LoggingHook: no throughput/tflops_per_device or throughput/mfu: no FLOPs per "
+            "step for the train program (XLA's cost analysis gives none, or reading it would "
+            "compile the program again: loopkit.core.MultiStepProgram.cost_analysis)")
       elif peak is None:
         known = peaks.PEAKS.get(kind)
         why = (f"device kind {kind!r} has no {self.peak_dtype} peak in "
