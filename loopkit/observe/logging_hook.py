@@ -70,25 +70,31 @@ class LoggingHook(Hook):
       ``throughput/goodput`` (:func:`loopkit.observe.goodput.summarize` of the loop's
       ledger: the productive fraction of the job so far, in [0, 1]). A row
       whose window holds only the run's first call has no throughput keys.
-      Compute rows (MaxText's and Levanter's): ``throughput/tflops_per_device``, the TFLOP/s
-      one device ran, ``flops_per_step * steps / loop seconds / 1e12`` with the window's
-      steps, its loop seconds (``loop_secs_per_call * calls``: the hooks' time left out) and
-      ``flops_per_step`` the train program's FLOPs of one step on one device, from XLA's cost
-      analysis of the executable the run dispatches (:meth:`loopkit.core.MultiStepProgram.
-      flops_per_step`: no second compilation, the same for every K); and, where the device's
-      peak is known, ``throughput/mfu = tflops_per_device * 1e12 / peak`` (model FLOPs
-      utilization, 1 = the chip's peak), the peak from :data:`loopkit.observe.peaks.PEAKS`
-      for the mesh's ``device_kind`` and ``peak_dtype``. Where no peak is known (CPUs,
-      chips not in the table, float32 on TPUs) there is no ``mfu`` key, and the reason is
-      logged once per run at INFO; where XLA reports no FLOPs, neither compute key.
+      Compute rows (as MaxText and Levanter log them): ``throughput/tflops_per_device``,
+      the TFLOP/s one device ran, ``flops_per_step * steps / loop seconds / 1e12`` with the
+      window's steps, its loop seconds (``loop_secs_per_call * calls``: the hooks' time left
+      out) and ``flops_per_step`` the train program's FLOPs of one step on one device, from
+      XLA's cost analysis of the executable the run dispatches
+      (:meth:`loopkit.core.MultiStepProgram.flops_per_step`: no second compilation, the same
+      for every K); and, where the device's peak is known, ``throughput/mfu =
+      tflops_per_device * 1e12 / peak`` (model FLOPs utilization, 1 = the chip's peak), the
+      peak from :data:`loopkit.observe.peaks.PEAKS` for the mesh's ``device_kind`` and
+      ``peak_dtype``. Where no peak is known (CPUs, chips not in the table, float32 on TPUs)
+      there is no ``mfu`` key, and the reason is logged once per run at INFO; where there are
+      no FLOPs (see :meth:`~loopkit.core.MultiStepProgram.cost_analysis`), neither compute
+      key. Written only with a ``writer``.
+    clock: monotonic clock in seconds for the throughput (inject in tests).
     peak_dtype: the dtype whose peak the MFU divides by: ``"bfloat16"`` (default: the
-      matmul dtype of mixed-precision training, and the one MaxText reports against) or
-      ``"float32"`` (a program whose matmuls run in float32); a name or a dtype. loopkit does
-      not guess it from the program: a model in float32 with bfloat16 matmuls is common.
+      matmul dtype of mixed-precision training) or ``"float32"`` (a program whose matmuls
+      run in float32); a name or a dtype. loopkit does not guess it from the program: a
+      model kept in float32 with bfloat16 matmuls is common.
     peak_flops_per_device: the peak FLOP/s of one device, for a chip not in the table
       (overrides the table and ``peak_dtype``).
-    clock: monotonic clock in seconds for the throughput (inject in tests).
     **trigger: see :class:`Hook` (default: every call).
+
+  Raises:
+    ValueError: ``peak_dtype`` other than bfloat16 or float32, or ``peak_flops_per_device``
+      not a positive number (the message names the value).
 
   Durability: :meth:`flush` flushes the writer; the loop calls it (for every
   hook with a ``flush``) before a :class:`~loopkit.checkpoint.CheckpointHook`
