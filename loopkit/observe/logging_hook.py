@@ -19,7 +19,7 @@ from loopkit import metrics as metrics_lib
 from loopkit.core.context import RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import hook_seconds
-from loopkit.observe import goodput
+from loopkit.observe import goodput, peaks
 from loopkit.observe.writers import ConsoleWriter, as_writer, keep_rows_through
 
 log = logging.getLogger("loopkit")
@@ -70,8 +70,31 @@ class LoggingHook(Hook):
       ``throughput/goodput`` (:func:`loopkit.observe.goodput.summarize` of the loop's
       ledger: the productive fraction of the job so far, in [0, 1]). A row
       whose window holds only the run's first call has no throughput keys.
+      Compute rows (as MaxText and Levanter log them): ``throughput/tflops_per_device``,
+      the TFLOP/s one device ran, ``flops_per_step * steps / loop seconds / 1e12`` with the
+      window's steps, its loop seconds (``loop_secs_per_call * calls``: the hooks' time left
+      out) and ``flops_per_step`` the train program's FLOPs of one step on one device, from
+      XLA's cost analysis of the executable the run dispatches
+      (:meth:`loopkit.core.MultiStepProgram.flops_per_step`: no second compilation, the same
+      for every K); and, where the device's peak is known, ``throughput/mfu =
+      tflops_per_device * 1e12 / peak`` (model FLOPs utilization, 1 = the chip's peak), the
+      peak from :data:`loopkit.observe.peaks.PEAKS` for the mesh's ``device_kind`` and
+      ``peak_dtype``. Where no peak is known (CPUs, chips not in the table, float32 on TPUs)
+      there is no ``mfu`` key, and the reason is logged once per run at INFO; where there are
+      no FLOPs (see :meth:`~loopkit.core.MultiStepProgram.cost_analysis`), neither compute
+      key. Written only with a ``writer``.
     clock: monotonic clock in seconds for the throughput (inject in tests).
+    peak_dtype: the dtype whose peak the MFU divides by: ``"bfloat16"`` (default: the
+      matmul dtype of mixed-precision training) or ``"float32"`` (a program whose matmuls
+      run in float32); a name or a dtype. loopkit does not guess it from the program: a
+      model kept in float32 with bfloat16 matmuls is common.
+    peak_flops_per_device: the peak FLOP/s of one device, for a chip not in the table
+      (overrides the table and ``peak_dtype``).
     **trigger: see :class:`Hook` (default: every call).
+
+  Raises:
+    ValueError: ``peak_dtype`` other than bfloat16 or float32, or ``peak_flops_per_device``
+      not a positive number (the message names the value).
 
   Durability: :meth:`flush` flushes the writer; the loop calls it (for every
   hook with a ``flush``) before a :class:`~loopkit.checkpoint.CheckpointHook`
@@ -91,8 +114,16 @@ class LoggingHook(Hook):
   needs_state = False
 
   def __init__(self, writer: Any = None, *, per_step: bool = False, throughput: bool = True,
-               clock: Callable[[], float] = time.perf_counter, **trigger):
+               clock: Callable[[], float] = time.perf_counter, peak_dtype: Any = "bfloat16",
+               peak_flops_per_device: float | None = None, **trigger):
     super().__init__(**trigger)
+    self.peak_dtype = peaks.peak_dtype_name(peak_dtype)
+    if peak_flops_per_device is not None and not (
+        isinstance(peak_flops_per_device, (int, float)) and math.isfinite(peak_flops_per_device)
+        and peak_flops_per_device > 0):
+      raise ValueError("peak_flops_per_device must be a positive number of FLOP/s, got "
+                       f"{peak_flops_per_device!r}")
+    self.peak_flops_per_device = peak_flops_per_device
     self.writer = None if writer is None else as_writer(writer)
     self.per_step = per_step
     self.throughput = throughput
@@ -104,6 +135,7 @@ class LoggingHook(Hook):
     # (time, step, examples, calls, hooks' seconds in the ledger) at the window's start
     self._mark: tuple[float, int, int, int, float] | None = None
     self._calls = 0
+    self._compute: tuple[float | None, float | None] | None = None  # (FLOPs per step, peak)
     self.records: list[tuple[int, dict[str, float]]] = []
     self.first_steps: list[int | None] = []
 
@@ -111,6 +143,7 @@ class LoggingHook(Hook):
     del state
     self._ctx = ctx
     self._mark = None
+    self._compute = None
 
   def adjust_ledger(self, ctx: RunContext) -> None:
     """Tells the writer the step the run continues from (restores applied), so a resumed
@@ -180,11 +213,52 @@ class LoggingHook(Hook):
            "throughput/secs_per_call": dt / calls,
            "throughput/loop_secs_per_call": max(dt - hook_secs, 0.0) / calls,
            "throughput/hook_secs": hook_secs}
+    if self.writer is not None:  # the compute keys go to the writer only (as the others)
+      out.update(self._utilization(info.end_step - s0,
+                                   out["throughput/loop_secs_per_call"] * calls))
     if self._ctx is not None:
       ledger = self._ctx.ledger
       g = goodput.summarize(ledger, info.end_step).goodput
       if math.isfinite(g):
         out["throughput/goodput"] = g
+    return out
+
+  def _flops_and_peak(self) -> tuple[float | None, float | None]:
+    """(FLOPs per step per device, peak FLOP/s per device), read once per run; logs at INFO
+    why a row will lack ``tflops_per_device`` or ``mfu``."""
+    if self._compute is None:
+      assert self._ctx is not None
+      flops = self._ctx.flops_per_step
+      kind = self._ctx.mesh.devices.flat[0].device_kind
+      peak = self.peak_flops_per_device
+      if peak is None:
+        peak = peaks.peak_flops(kind, self.peak_dtype)
+      self._compute = (flops, peak)
+      say = log.info if jax.process_index() == 0 else log.debug
+      if flops is None:
+        say("LoggingHook: no throughput/tflops_per_device or throughput/mfu: no FLOPs per "
+            "step for the train program (XLA's cost analysis gives none, or reading it would "
+            "compile the program again: loopkit.core.MultiStepProgram.cost_analysis)")
+      elif peak is None:
+        known = peaks.PEAKS.get(kind)
+        why = (f"device kind {kind!r} has no {self.peak_dtype} peak in "
+               "loopkit.observe.peaks.PEAKS (its source publishes none)" if known else
+               f"device kind {kind!r} is not in loopkit.observe.peaks.PEAKS")
+        say("LoggingHook: no throughput/mfu: %s; pass LoggingHook(peak_flops_per_device=...) "
+            "to set the peak (%.6g FLOPs per step per device)", why, flops)
+    return self._compute
+
+  def _utilization(self, steps: int, loop_secs: float) -> dict[str, float]:
+    """``tflops_per_device`` and ``mfu`` over a window of ``steps`` steps and ``loop_secs``."""
+    if self._ctx is None or steps <= 0 or loop_secs <= 0:
+      return {}
+    flops, peak = self._flops_and_peak()
+    if flops is None:
+      return {}
+    tflops = flops * steps / loop_secs / 1e12
+    out = {"throughput/tflops_per_device": tflops}
+    if peak is not None:
+      out["throughput/mfu"] = tflops * 1e12 / peak
     return out
 
   def on_trigger(self, info, state):
