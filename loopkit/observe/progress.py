@@ -13,9 +13,11 @@ smoothed over boundaries as tqdm smooths its own (:class:`RateMeter`). The
 time of a call that compiled (the ledger's ``Bucket.COMPILE`` grew during it:
 the first call of a loop) is left out of the rate and the ETA; until a call
 without compiling has been measured both show ``?``. The metrics are the last
-call's values. While the bar is open, console log lines (loopkit's, and those
-of stdout/stderr handlers of the root logger) print on their own line above it
-(:func:`loopkit._internal.logs.console_lines_above_bar`). When the stream is not a
+call's values. While the bar is open, console lines (loopkit's rows whichever
+logging handler shows them, other libraries' log lines, ``print``, warnings)
+print on their own line above it
+(:func:`loopkit._internal.logs.console_lines_above_bar`); a run that raises
+closes the bar first. When the stream is not a
 terminal (CI logs, ``nohup``, a batch scheduler), or is a terminal with no
 width (0 columns: some job consoles and container ttys), a bar would write
 carriage returns into the log or nothing at all, so the hook writes one plain
@@ -222,6 +224,12 @@ class ProgressHook(Hook):
           and self._logged_step != self._last_step):  # stopped early: say where
       self._line(self._last_step, self.clock())
 
+  def on_run_error(self, ctx: Any, error: BaseException) -> None:
+    """The run raises: the bar is closed (its last frame kept, the line ended), so the
+    traceback starts on a line of its own and console lines no longer wait for a bar."""
+    del ctx, error
+    self._close_bar()
+
   # -- internals ---------------------------------------------------------------
 
   def _compile_secs(self) -> float:
@@ -281,7 +289,7 @@ class ProgressHook(Hook):
       self._bar = tqdm(total=self._total, initial=info.end_step, unit="step",
                        file=self._stream, dynamic_ncols=True, bar_format=BAR_FORMAT,
                        postfix=postfix)
-      self._lines_above = logs.console_lines_above_bar(tqdm)
+      self._lines_above = logs.console_lines_above_bar(tqdm, self._stream)
       self._lines_above.__enter__()
     else:
       self._bar.n = info.end_step
