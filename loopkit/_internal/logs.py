@@ -235,7 +235,7 @@ def _console_stream_handlers() -> list[logging.StreamHandler]:
   return list(found.values())
 
 
-_above: dict[int, _AboveBar] | None = None  # id(console stream) -> its stand-in, while a bar is open
+_above: dict[int, _AboveBar] | None = None  # id(console stream) -> stand-in, while a bar is open
 
 
 @contextlib.contextmanager
