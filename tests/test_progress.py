@@ -132,6 +132,28 @@ def test_one_line_per_boundary_never_repeats_a_step(k):
   assert steps == expected
 
 
+def test_a_run_that_raises_closes_the_bar_and_gives_the_console_back():
+  """The bar's line is ended (the traceback starts on a line of its own) and sys.stdout,
+  sys.stderr are the console again, not the bar's stand-ins."""
+  import sys
+
+  from loopkit._internal import logs
+
+  def boom(info, state):
+    raise RuntimeError(f"stop at step {info.end_step}")
+
+  clock, out = FakeClock(), TtyStream()
+  console = sys.stdout, sys.stderr
+  bar = loopkit.ProgressHook(stream=out, metric_names=(), clock=clock)
+  with pytest.raises(RuntimeError, match="stop at step 30"):
+    run(bar, clock, n=100, k=10, extra=[loopkit.CallbackHook(boom, at_steps=[30], at_end=False,
+                                                             needs_state=False)])
+  assert (sys.stdout, sys.stderr) == console and logs._above is None
+  assert bar._bar is None
+  last = out.getvalue().rsplit("\r", 1)[-1]
+  assert last.startswith("step 30/100 |") and last.endswith("\n"), repr(out.getvalue())
+
+
 # -- in a real pseudo-terminal ----------------------------------------------------------------
 # A subprocess trains 100 steps, K = 10 (10 boundaries), global batch 8, on a fake clock: the
 # first call costs 100 s (a slow compile), then calls alternate 1.5 s and 0.5 s (10 steps/s on
