@@ -51,6 +51,16 @@ class Recorder(loopkit.Hook):
     self.infos.append((info.end_step, info.epoch, info.step_in_epoch))
 
 
+def test_each_save_is_announced_with_its_step_and_directory(tmp_path, caplog):
+  """C70: the first save of a run takes seconds (Orbax starts up); each says what it saves."""
+  hook = CheckpointHook(tmp_path / "c", every_steps=4)
+  with caplog.at_level("INFO", logger="loopkit"):
+    make_loop(2, [hook]).run(toy.init_state(), toy.batches(10), num_steps=10)
+  assert [m for m in caplog.messages if "checkpoint" in m] == [
+      f"checkpoints in {tmp_path / 'c'}"] + [
+      f"saving checkpoint {s} in {tmp_path / 'c'}" for s in (4, 8, 10)]
+
+
 # -- resume equivalence ---------------------------------------------------------------------
 
 

@@ -77,6 +77,15 @@ def test_c18_eval_tail_one_padded_batch_compiled_once():
   assert ev.compile_count() == 1 and ev.trace_count == 1
 
 
+def test_the_first_call_says_it_compiles_once(caplog):
+  """C70: the first evaluation's wait (the compile) is announced, once per evaluator."""
+  ev = Evaluator(accuracy_step, iterations_per_loop=4, mesh=mesh_of(8), global_batch_size=16)
+  with caplog.at_level("INFO", logger="loopkit"):
+    ev.evaluate(STATE, batch_arrays(_examples(37), 16))
+    ev.evaluate(STATE, batch_arrays(_examples(10), 16))
+  assert caplog.messages == ["evaluation: compiling the eval program (batch 16, 4 per device call)"]
+
+
 @pytest.mark.parametrize("style", ["global", "per_device"])
 @pytest.mark.parametrize("ndev", [1, 2, 8])
 def test_eval_counts_exact_on_1_2_8_devices(ndev, style):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -182,6 +184,61 @@ def test_config_values_and_tpu_k_divides_an_epoch():
 def _digits_builder(data_dir):
   from examples.resnet50 import digits_tfds
   return digits_tfds.ensure_prepared(data_dir)
+
+
+@pytest.mark.tf  # TFDS
+def test_building_the_digits_says_so_and_tfds_stays_quiet(tmp_path, capfd, caplog):
+  """C70: the first build logs what it builds, where, and how long it took; TFDS's own output
+  ("Downloading and preparing dataset Unknown size ...", its progress bars, "Dataset ...
+  downloaded and prepared") is not printed. A prepared dataset is read without a word."""
+  from examples.resnet50 import digits_tfds
+  capfd.readouterr()
+  with caplog.at_level(logging.INFO, logger="absl"):
+    builder = digits_tfds.ensure_prepared(str(tmp_path), file_format="array_record")
+    digits_tfds.ensure_prepared(str(tmp_path), file_format="array_record")
+  out, err = capfd.readouterr()
+  for fragment in ("Downloading", "prepar", "Generating", "Shuffling", "examples/s"):
+    assert fragment not in out + err, out + err
+  ours = [r.getMessage() for r in caplog.records if r.pathname.endswith("digits_tfds.py")]
+  assert len(ours) == 2, ours
+  assert ours[0] == ("building the sklearn_digits dataset (scikit-learn's 1,797 digits, no "
+                     f"download) as array_record files in {builder.data_dir}")
+  assert re.fullmatch(r"built sklearn_digits in \d+\.\d s: 1,437 train and 360 test examples in "
+                      + re.escape(builder.data_dir), ours[1]), ours[1]
+
+
+@pytest.mark.tf  # imports TensorFlow
+def test_main_pins_the_cpu_config_to_the_cpu_and_quiets_tensorflow():
+  """C70: a CPU config never probes for a TPU (libtpu is installed here: its probe prints
+  libtpu's errors and "Unable to initialize backend 'tpu'"), and TensorFlow's C++ INFO lines
+  at import ("All log messages before absl::InitializeLog()", "This TensorFlow binary is
+  optimized ...", "oneDNN custom operations are on") are off, for child processes too."""
+  code = ("import os\n"
+          "from examples.resnet50 import main\n"
+          "from examples.resnet50.configs import cpu\n"
+          "main.use_platform(cpu.get_config().platform)\n"
+          "import jax, tensorflow as tf\n"
+          "print(jax.devices()[0].platform, float(tf.constant(1.0) + 1))\n"
+          "print(os.environ['JAX_PLATFORMS'], os.environ['TF_CPP_MIN_LOG_LEVEL'])\n")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["cpu", "2.0", "cpu", "1"], out.stdout
+  assert out.stderr == "", out.stderr
+
+
+def test_config_platform_is_checked():
+  config = cpu_config.get_config()
+  assert config.platform == "cpu" and default_config.get_config().platform == ""
+  config.platform = "cpu,tpu"
+  assert config_checks.problems(config) == []
+  for wrong in ("cpus", "CPU", "cpu,"):
+    config.platform = wrong
+    assert config_checks.problems(config) == [
+        "config.platform must be '' (JAX picks) or one or more of ['cpu', 'cuda', 'gpu', "
+        f"'rocm', 'tpu'] separated by commas, got {wrong!r}"]
 
 
 @pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
@@ -481,6 +538,57 @@ def test_the_shipped_configs_pass_the_checks():
   for module in (cpu_config, cpu_resnet50, default_config, imagenet_flax, tpu_config,
                  smoke_config):
     assert config_checks.problems(module.get_config()) == [], module.__name__
+
+
+def _own_module_names() -> set[str]:
+  """The file names of this example's and loopkit's modules (absl's log lines name them)."""
+  names = {f for f in os.listdir(os.path.dirname(__file__)) if f.endswith(".py")}
+  for _, _, files in os.walk(os.path.join(REPO, "loopkit")):
+    names |= {f for f in files if f.endswith(".py")}
+  return names
+
+
+ABSL_LINE = re.compile(r"[IWEF]\d{4} [\d:.]+ +\d+ (\S+?):\d+\] (.*)")
+GOODPUT_TABLE = re.compile(r"goodput [\d.]+% at step \d+ .*|bucket +seconds +share|"
+                           r" *[a-z_ ]+? +[\d.]+ +[\d.]+%")
+
+
+@pytest.mark.slow
+@pytest.mark.tf  # TFDS, TensorFlow in the Grain worker
+def test_a_first_run_prints_only_its_own_lines(tmp_path):
+  """C70: the Quickstart's command on a fresh machine (no dataset, no JAX_PLATFORMS, libtpu
+  installed), cut to 2 steps of a small ResNet-18, a checkpoint and the final evaluation:
+  every stderr line is a log line of this example or of loopkit (or the goodput table),
+  stdout holds only the run's summary, and each long wait is announced in order."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
+  out = subprocess.run(
+      [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path / 'run'}",
+       f"--config.data_dir={tmp_path / 'tfds'}", "--config.num_train_steps=2",
+       "--config.iterations_per_loop=2", "--config.log_every_steps=2",
+       "--config.model.num_filters=4", "--config.image_size=8",
+       "--config.global_batch_size=16", "--config.checkpoint_every_epochs=0",
+       "--config.checkpoint_every_steps=2"], cwd=REPO, env=env, capture_output=True, text=True,
+      timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  own, messages = _own_module_names(), []
+  for line in out.stderr.splitlines():
+    m = ABSL_LINE.fullmatch(line)
+    if m:
+      assert m.group(1) in own, line
+      messages.append(m.group(2))
+    else:
+      assert GOODPUT_TABLE.fullmatch(line), line
+  assert [line.split(":")[0] for line in out.stdout.splitlines()] == [
+      "ResNet-18", "results (JSON)", "metrics (JSONL, TB)", "checkpoints (Orbax)"], out.stdout
+  announced = ["building the sklearn_digits dataset", "built sklearn_digits in",
+               "initialising the ResNet-18 parameters (seed 0)", "ResNet-18: 45,102 parameters",
+               "step 0/2: compiling the first device call", "step 2: accuracy=",
+               "saving checkpoint 2 in", "evaluation: compiling the eval program",
+               "step 2 eval: accuracy="]
+  at = [next((i for i, msg in enumerate(messages) if msg.startswith(a)), None)
+        for a in announced]
+  assert None not in at and at == sorted(at), list(zip(announced, at))
 
 
 @pytest.mark.slow
