@@ -19,9 +19,11 @@ the host adds the per-batch sums in float64 in batch order, so a metric is
 and the same bits for every K: the program runs the training
 program's loop (:func:`loopkit.core.program.run_slots`), so K = 1 compiles the
 K = 2 body, and no float32 sum spans batches. Every call length and every eval
-run reuses one executable; an evaluator's first call, which compiles it (seconds
-to minutes with nothing else on the console), logs ``evaluation: compiling the
-eval program (batch B, K per device call)`` first.
+run reuses one executable. An evaluator's first evaluation, which waits for its
+first batches and compiles that executable (seconds to minutes with nothing else
+on the console), logs ``evaluation: waiting for the first batches, then
+compiling the eval program (batch B, K per device call)`` before it reads a
+batch.
 
 An eval step written for batch means (Flax's examples) is made per-example by
 :func:`per_example` (each example evaluated as a batch of one); an NNX eval
@@ -140,7 +142,7 @@ class Evaluator:
     self._batch_sharding = NamedSharding(self.mesh, P(None, data_axis))
     self._replicated = NamedSharding(self.mesh, P())
     self._compiles = 0  # calls that compiled (loopkit._internal.compat.lowering_count)
-    self._called = False  # a first call was made (it compiles: announced on the console)
+    self._announced = False  # the first evaluation's wait was announced (one log line)
     self._jitted = build_program(self._loop, mesh=self.mesh, data_axis=data_axis,
                                  style=step_style, out_shardings=self._replicated)
 
@@ -263,6 +265,12 @@ class Evaluator:
       # when shards are uneven (10 examples over 4 processes: 3 vs 2 local).
       raise ValueError("on multi-host, give the Evaluator global_batch_size (the same on every "
                        "process): it cannot be inferred from uneven per-process batches")
+    if not self._announced:  # the first call's wait (seconds to minutes): say what it is
+      batch = ("its batch size from the first batch" if self.global_batch_size is None
+               else f"batch {self.global_batch_size}")
+      log.info("evaluation: waiting for the first batches, then compiling the eval program "
+               "(%s, %d per device call)", batch, self.iterations_per_loop)
+      self._announced = True
     it = self._sized(iter(batches))
     if it is None:
       return EvalResult({}, {}, 0, 0, 0)
@@ -300,10 +308,6 @@ class Evaluator:
         chunk = feeder.next()
         if chunk is None or chunk.length == 0:
           break
-        if not self._called:  # a wait of seconds to minutes: say what it is
-          log.info("evaluation: compiling the eval program (batch %d, %d per device call)",
-                   self.global_batch_size, k)
-          self._called = True
         lowered = lowering_count()
         outs.append(self._jitted(state, chunk.batches, chunk.num_steps))
         self._compiles += int(lowering_count() > lowered)

@@ -455,7 +455,8 @@ def test_progress_bar_in_a_terminal_keeps_log_lines_on_their_own_lines():
   loss, one rate and a labelled ETA, no stale bar left above."""
   raw = run_in_terminal(BAR_SCRIPT)
   shown = screen(raw)
-  assert shown[0] == "step 0/40: compiling the first device call", shown
+  assert shown[0] == ("step 0/40: waiting for the first batches, then compiling the first device "
+                      "call"), shown
   assert shown[1] == "step 20: loss=9.5, epoch=0, examples_seen=320", shown
   assert shown[2] == "step 40: loss=29.5, epoch=0, examples_seen=640", shown
   assert re.fullmatch(r"step 40/40 \|\u2588{20}\| 100%, \d+(\.\d)? steps/s, ETA 0:00:00, "

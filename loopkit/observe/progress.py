@@ -1,7 +1,9 @@
 """Progress display at loop boundaries: a tqdm bar, or plain lines when not a terminal.
 
-At the start of a run one line says the first device call is compiling (it
-can take a while, and nothing else would appear meanwhile). The bar appears at
+At the start of a run one line says what the first device call waits for: its
+batches (a data pipeline's first batches can take seconds: worker processes
+starting, buffers filling) and its compilation (seconds to minutes), when
+nothing else would appear meanwhile. The bar appears at
 the first boundary and is drawn once per boundary (one frame per device call)
 at a fixed width that fits 80 columns with one metric::
 
@@ -46,6 +48,8 @@ from loopkit.core.ledger import Bucket
 
 __all__ = ["ProgressHook", "RateMeter", "format_eta", "format_rate"]
 
+# What a run's first device call waits for (ProgressHook's first line, after "step 0/N: ").
+FIRST_CALL = "waiting for the first batches, then compiling the first device call"
 # Fixed bar width: tqdm's default gives the bar whatever the text leaves, one character at
 # 80 columns once a postfix is shown.
 BAR_FORMAT = "step {n_fmt}/{total_fmt} |{bar:20}| {percentage:3.0f}%{postfix}"
@@ -144,7 +148,7 @@ class ProgressHook(Hook):
   Plain line format (smoothed rates; ETA = steps left / rate; ``?`` while only
   a compiling call has been measured)::
 
-    step 0/100: compiling the first device call
+    step 0/100: waiting for the first batches, then compiling the first device call
     step 10/100 (10.0%): ? steps/s, ? examples/s, ETA ?
     step 40/100 (40.0%): 20.0 steps/s, 640.0 examples/s, ETA 0:00:03
 
@@ -197,8 +201,9 @@ class ProgressHook(Hook):
     self._logged_step: int | None = None
     if self._enabled and loop.ledger is not None and (
         self._total is None or loop.ledger.step < self._total):
-      self._emit(f"step {loop.ledger.step}/{self._total}: compiling the first device call"
-                 if self._total else f"step {loop.ledger.step}: compiling the first device call")
+      head = (f"step {loop.ledger.step}/{self._total}" if self._total
+              else f"step {loop.ledger.step}")
+      self._emit(f"{head}: {FIRST_CALL}")
 
   def after_each_call(self, info: LoopInfo) -> None:
     if not self._enabled:
