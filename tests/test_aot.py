@@ -32,6 +32,8 @@ def _batch(b):
           "y": jax.ShapeDtypeStruct((b, M), jnp.float32)}
 
 
+@pytest.mark.slow(held_by="tests/test_aot.py::test_eval_program_with_the_train_program",
+                  reason="ResNet-50 compiled for a TPU topology: 25 s alone")
 def test_resnet_smoke_compiles_for_v5e_2x2():
   """The example's smoke ResNet-50 at 32x32, K = 4, train + eval, for 4 v5e chips."""
   from examples.resnet50 import train

@@ -35,6 +35,7 @@ from examples.resnet50.configs import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = "examples/resnet50/resnet50_test.py"  # held_by= names (tests/budget.py)
 
 
 def _abstract(depth, num_classes=1000, **kw):
@@ -79,12 +80,14 @@ def test_resnet50_v1_5_stride_in_3x3_and_zero_init_last_bn(small_models):
 
 
 def test_output_shapes_dtypes_and_batch_stats(small_models):
+  # one program per call (eager calls compile each layer's ops: twice the time here)
+  forward = nnx.jit(lambda m, x, train: m(x, train=train), static_argnames="train")
   for m in small_models.values():
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 64, 64, 3))
-    y_eval = m(x, train=False)
+    y_eval = forward(m, x, train=False)
     after_eval = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
-    y_train = m(x, train=True)
+    y_train = forward(m, x, train=True)
     after_train = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
     assert y_eval.shape == y_train.shape == (3, 7)
     assert y_eval.dtype == y_train.dtype == jnp.float32
@@ -94,7 +97,8 @@ def test_output_shapes_dtypes_and_batch_stats(small_models):
                                            after_train))
     assert all(changed)  # train: every running mean/var moved
   r50 = small_models[50, jnp.float32]
-  assert r50(jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 7)  # 32 / 32 = 1x1 at the end
+  # 32 / 32 = 1x1 at the end
+  assert forward(r50, jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 7)
 
 
 def test_unknown_depth_raises():
@@ -212,20 +216,28 @@ def test_main_pins_the_cpu_config_to_the_cpu_and_quiets_tensorflow():
   """C70: a CPU config never probes for a TPU (libtpu is installed here: its probe prints
   libtpu's errors and "Unable to initialize backend 'tpu'"), and TensorFlow's C++ INFO lines
   at import ("All log messages before absl::InitializeLog()", "This TensorFlow binary is
-  optimized ...", "oneDNN custom operations are on") are off, for child processes too."""
-  code = ("import os\n"
+  optimized ...", "oneDNN custom operations are on") are off, for child processes too (the
+  environment says so). The absl filter main.py installs drops Orbax's and TFDS's INFO records
+  (a line per save, per dataset step) and keeps their warnings and everything else."""
+  code = ("import importlib.util, logging, os\n"
           "from examples.resnet50 import main\n"
           "from examples.resnet50.configs import cpu\n"
           "main.use_platform(cpu.get_config().platform)\n"
           "import jax, tensorflow as tf\n"
           "print(jax.devices()[0].platform, float(tf.constant(1.0) + 1))\n"
-          "print(os.environ['JAX_PLATFORMS'], os.environ['TF_CPP_MIN_LOG_LEVEL'])\n")
+          "print(os.environ['JAX_PLATFORMS'], os.environ['TF_CPP_MIN_LOG_LEVEL'])\n"
+          "paths = [importlib.util.find_spec(m).origin for m in\n"
+          "         ('orbax.checkpoint', 'tensorflow_datasets', 'loopkit.evaluation', 'grain')]\n"
+          "for level in (logging.INFO, logging.WARNING):\n"
+          "  print(*[main._quiet_libraries(logging.LogRecord('absl', level, path, 1, 'm', (),\n"
+          "                                                None)) for path in paths])\n")
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.split() == ["cpu", "2.0", "cpu", "1"], out.stdout
+  assert out.stdout.splitlines() == ["cpu 2.0", "cpu 1", "False False True True",
+                                     "True True True True"], out.stdout
   assert out.stderr == "", out.stderr
 
 
@@ -387,6 +399,10 @@ def _few_steps(config, data_dir, num_steps, checkpoint_every_steps=0):
   return config
 
 
+@pytest.mark.slow(held_by=[f"{_HERE}::test_resume_from_checkpoint_continues_at_the_right_step",
+                           f"{_HERE}::test_grain_pipeline_same_global_batches_on_any_process_count",
+                           "tests/test_grain_source.py::test_a_resume_reads_no_record_before_its_step"],
+                  reason="two ResNet-18 runs with evaluation: 80 s alone")
 @pytest.mark.tf  # TFDS (the digits built as ArrayRecord), TF image functions in Grain
 def test_cpu_config_on_grain_runs_and_resumes_bitwise(tmp_path, digits_array_record_dir,
                                                      compilation_cache):
@@ -474,7 +490,8 @@ def test_input_rate_lines_divide_the_roofline_rate_over_the_hosts():
   assert "no chip numbers" in train.input_rate_lines(nochip)[0]
 
 
-@pytest.mark.slow  # about 3 minutes on 2 shared cores (ResNet-18 train and eval compiles)
+@pytest.mark.slow(held_by=f"{_HERE}::test_smoke_two_loops_on_mock_imagenet",
+                  reason="the tf.data pipeline trains ResNet-18: ~3 min of compiles")
 def test_cpu_config_on_the_tfdata_pipeline_runs(tmp_path, digits_dir):
   config = _few_steps(cpu_config.get_config(), digits_dir, 4)
   config.input_pipeline = "tfdata"
@@ -485,7 +502,8 @@ def test_cpu_config_on_the_tfdata_pipeline_runs(tmp_path, digits_dir):
   assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by=f"{_HERE}::test_resume_from_checkpoint_continues_at_the_right_step",
+                  reason="three more smoke runs of ResNet-50")
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
   config = smoke_config.get_config()
   config.num_train_steps = 6
@@ -499,7 +517,8 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
                jax.device_get(resumed["state"]))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by=f"{_HERE}::test_main_refuses_wrong_config_values_before_it_starts",
+                  reason="main.py end to end in a subprocess: compiles ResNet-50 again")
 def test_main_cli_smoke(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
@@ -548,22 +567,55 @@ def _own_module_names() -> set[str]:
   return names
 
 
-ABSL_LINE = re.compile(r"[IWEF]\d{4} [\d:.]+ +\d+ (\S+?):\d+\] (.*)")
+# absl's line: level, date, time, thread, file:line] message.
+ABSL_LINE = re.compile(r"([IWEF])\d{4} (\d\d):(\d\d):(\d\d\.\d+) +\d+ (\S+?):\d+\] (.*)")
+# The goodput summary's table (the lines after "goodput summary:").
 GOODPUT_TABLE = re.compile(r"goodput [\d.]+% at step \d+ .*|bucket +seconds +share|"
                            r" *[a-z_ ]+? +[\d.]+ +[\d.]+%")
+# What other libraries print on a first run (C70): TFDS, the TPU probe, TensorFlow's C++ start-up
+# lines, Python warnings.
+NOT_OURS = ("Downloading", "Unable to initialize backend", "libtpu", "TPU_", "InitGoogle",
+            "absl::InitializeLog", "oneDNN", "This TensorFlow binary", "cpu_feature_guard",
+            "Warning:", "warn(")
 
 
-@pytest.mark.slow
+def console_records(stderr: str) -> list[tuple[float, str, str]]:
+  """``(seconds since midnight, file, message)`` of each absl record on ``stderr``; the lines
+  of a multi-line record (a console row wider than 100 columns, the goodput summary) are
+  checked to be that record's and joined to it. Any other line fails the test."""
+  records: list[tuple[float, str, str]] = []
+  for line in stderr.splitlines():
+    m = ABSL_LINE.fullmatch(line)
+    if m:
+      h, mi, sec = int(m.group(2)), int(m.group(3)), float(m.group(4))
+      records.append((3600 * h + 60 * mi + sec, m.group(5), m.group(6)))
+      continue
+    assert records, line
+    t, file, message = records[-1]
+    if re.fullmatch(r"step \d+:.*", message):  # a wide row: indented cells
+      assert line.startswith("  "), line
+    else:
+      assert message.startswith("goodput summary:") and GOODPUT_TABLE.fullmatch(line), line
+    records[-1] = (t, file, message + "\n" + line)
+  return records
+
+
+@pytest.mark.slow(held_by="tests/test_logs.py::test_a_first_run_says_what_it_waits_for_first",
+                  reason="the whole Quickstart example, cut to 2 steps (100 s on 2 busy cores)")
 @pytest.mark.tf  # TFDS, TensorFlow in the Grain worker
 def test_a_first_run_prints_only_its_own_lines(tmp_path):
-  """C70: the Quickstart's command on a fresh machine (no dataset, no JAX_PLATFORMS, libtpu
-  installed), cut to 2 steps of a small ResNet-18, a checkpoint and the final evaluation:
-  every stderr line is a log line of this example or of loopkit (or the goodput table),
-  stdout holds only the run's summary, and each long wait is announced in order."""
+  """C70: the Quickstart's command on a fresh machine (no dataset, no JAX_PLATFORMS,
+  TF_CPP_MIN_LOG_LEVEL or XLA_FLAGS; libtpu installed here), cut to 2 steps of a small ResNet-18,
+  a checkpoint and the final evaluation: every stderr line is a log record of this example or of
+  loopkit, stdout holds only the run's summary, nothing of TFDS, the TPU probe or TensorFlow's
+  start-up shows, and each long wait is announced, in order, before it: the first call's line
+  before the data wait and compile that the run's goodput row counts, the eval line before the
+  evaluation's seconds."""
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
+  workdir = tmp_path / "run"
   out = subprocess.run(
-      [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path / 'run'}",
+      [sys.executable, "-m", "examples.resnet50.main", f"--workdir={workdir}",
        f"--config.data_dir={tmp_path / 'tfds'}", "--config.num_train_steps=2",
        "--config.iterations_per_loop=2", "--config.log_every_steps=2",
        "--config.model.num_filters=4", "--config.image_size=8",
@@ -571,27 +623,37 @@ def test_a_first_run_prints_only_its_own_lines(tmp_path):
        "--config.checkpoint_every_steps=2"], cwd=REPO, env=env, capture_output=True, text=True,
       timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
-  own, messages = _own_module_names(), []
-  for line in out.stderr.splitlines():
-    m = ABSL_LINE.fullmatch(line)
-    if m:
-      assert m.group(1) in own, line
-      messages.append(m.group(2))
-    else:
-      assert GOODPUT_TABLE.fullmatch(line), line
+  for fragment in NOT_OURS:
+    assert fragment not in out.stderr + out.stdout, (fragment, out.stderr)
+  records = console_records(out.stderr)
+  own = _own_module_names()
+  assert [r for r in records if r[1] not in own] == [], out.stderr
   assert [line.split(":")[0] for line in out.stdout.splitlines()] == [
       "ResNet-18", "results (JSON)", "metrics (JSONL, TB)", "checkpoints (Orbax)"], out.stdout
-  announced = ["building the sklearn_digits dataset", "built sklearn_digits in",
+  messages = [r[2] for r in records]
+  announced = ["JAX process 0/1, 8 devices (8 local) x cpu",
+               "importing TensorFlow (the input pipeline), Flax and the training code",
+               "building the sklearn_digits dataset", "built sklearn_digits in",
                "initialising the ResNet-18 parameters (seed 0)", "ResNet-18: 45,102 parameters",
-               "step 0/2: compiling the first device call", "step 2: accuracy=",
-               "saving checkpoint 2 in", "evaluation: compiling the eval program",
-               "step 2 eval: accuracy="]
+               "step 0/2: waiting for the first batches, then compiling the first device call",
+               "step 2: accuracy=", "saving checkpoint 2 in",
+               "evaluation: waiting for the first batches, then compiling the eval program "
+               "(batch 360, 1 per device call)", "step 2 eval: accuracy="]
   at = [next((i for i, msg in enumerate(messages) if msg.startswith(a)), None)
         for a in announced]
   assert None not in at and at == sorted(at), list(zip(announced, at))
+  # The waits lie after their lines: the time to the next record covers the goodput ledger's
+  # seconds of the wait (the row at the end of the run).
+  with open(workdir / "metrics.jsonl") as f:
+    goodput = [row for row in map(json.loads, f) if "goodput/compile_secs" in row][-1]
+  gap = lambda i: records[i + 1][0] - records[i][0]
+  first_call = goodput["goodput/data_wait_secs"] + goodput["goodput/compile_secs"]
+  assert gap(at[6]) >= first_call - 0.01, (gap(at[6]), goodput)
+  assert gap(at[9]) >= 0.9 * goodput["goodput/eval_secs"] - 0.01, (gap(at[9]), goodput)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_aot.py::test_eval_program_with_the_train_program",
+                  reason="ResNet-50 train and eval programs compiled for v5e:2x2 by main.py")
 def test_main_cli_compile_only_for_a_tpu_topology(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
@@ -606,7 +668,8 @@ def test_main_cli_compile_only_for_a_tpu_topology(tmp_path):
   assert not os.path.exists(tmp_path / "checkpoints")  # nothing trained
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_gpu_bench.py::test_ratios_and_mfu_come_from_the_measured_rows",
+                  reason="the GPU benchmark script end to end")
 def test_gpu_bench_tiny_runs_on_cpu():
   out = subprocess.run([sys.executable, "examples/resnet50/gpu_bench.py", "--tiny"], cwd=REPO,
                        capture_output=True, text=True, timeout=900)
