@@ -5,6 +5,7 @@ CLU did to the root logger; an application's own logging configuration wins
 The fault lives in process-wide logging state, so each case runs a script in a subprocess."""
 
 import io
+import json
 import logging
 import os
 import re
@@ -407,3 +408,95 @@ def test_lines_above_the_bar_wait_for_their_end_and_every_stream_is_put_back(mon
   bar.close()
   assert sys.stderr is console and [h.stream for h in logger.handlers] == [console, console]
   assert console.getvalue() == "partial\nrow\nrow\ntail"
+
+
+# C70: a user's first run (a plain script, Orbax imported first), whose input takes a while to
+# start (a pipeline's workers: 0.5 s of sleep before the first batch, train and eval). The
+# "loopkit" handler's filter notes, at each printed line, where the run stands: the ledger's
+# data-wait and compile seconds, the train and eval compile counts, the eval batches drawn and
+# the checkpoints saved. It prints them as JSON lines on stdout at the end.
+FIRST_RUN_SCRIPT = """\
+import orbax.checkpoint
+import json, logging, time
+import jax.numpy as jnp
+import numpy as np
+import loopkit
+
+def train_step(state, batch):
+  loss = jnp.mean(batch["x"])
+  return {"step": state["step"] + 1, "w": state["w"] + loss}, {"loss": loss}
+
+def eval_step(state, batch):
+  return {"err": batch["x"][:, 0] + state["w"]}
+
+batches = [{"x": np.full((8, 2), float(i), np.float32)} for i in range(20)]
+eval_drawn = []
+
+def slow_start(items, drawn=None):
+  time.sleep(0.5)
+  for item in items:
+    if drawn is not None:
+      drawn.append(1)
+    yield item
+
+evaluator = loopkit.Evaluator(eval_step, global_batch_size=8)
+ckpt = loopkit.CheckpointHook(CKPT_DIR, every_steps=10)
+hooks = [loopkit.LoggingHook(None, every_steps=10), ckpt,
+         loopkit.EvalHook(evaluator, lambda: slow_start(batches[:2], eval_drawn), every_steps=20,
+                          at_end=False),
+         loopkit.ProgressHook(logger=logging.getLogger("loopkit"), log_every_secs=3600)]
+loop = loopkit.TrainLoop(train_step, iterations_per_loop=5, hooks=hooks)
+said = []
+
+def snapshot(record):
+  seconds = loop.ledger.seconds if loop.ledger is not None else {}
+  said.append([record.getMessage(), seconds.get("data_wait", 0.0), seconds.get("compile", 0.0),
+               loop.program.compile_count(), evaluator.compile_count(), len(eval_drawn),
+               list(ckpt.saved_steps)])
+  return True
+
+(handler,) = logging.getLogger("loopkit").handlers  # loopkit's own (no logging configured)
+handler.addFilter(snapshot)
+loop.run({"step": jnp.zeros((), jnp.int32), "w": jnp.zeros((), jnp.float32)},
+         slow_start(batches), num_steps=20)
+for s in said:
+  print(json.dumps(s))
+"""
+
+
+@needs_orbax
+def test_a_first_run_says_what_it_waits_for_first(tmp_path):
+  """C70: a first run prints loopkit's lines only, and each wait (the first batches and the
+  first compile, each checkpoint save, the first evaluation's batches and compile) is said by
+  one line before it starts, and the next line comes after it: at the first call's line the
+  ledger holds no data-wait or compile seconds and nothing is compiled, at the next both are
+  counted; at the eval line no eval batch is drawn and nothing compiled; at each save's line
+  that step is not saved yet."""
+  ckpt = tmp_path / "ckpt"
+  code = FIRST_RUN_SCRIPT.replace("CKPT_DIR", repr(str(ckpt)))
+  out = subprocess.run(bootstrap.command("-c", code, devices=1), capture_output=True, text=True,
+                       env=bootstrap.env(), timeout=300)
+  assert out.returncode == 0, out.stderr
+  said = [json.loads(line) for line in out.stdout.splitlines()]
+  assert out.stderr.splitlines() == [s[0] for s in said]  # nothing but loopkit's lines
+  first_call = "step 0/20: waiting for the first batches, then compiling the first device call"
+  eval_line = ("evaluation: waiting for the first batches, then compiling the eval program "
+               "(batch 8, 1 per device call)")
+  lines = [s[0] for s in said]
+  assert lines[:4] + lines[5:] == [
+      f"checkpoints in {ckpt}", first_call,
+      "step 10: loss=4.5, epoch=0, examples_seen=80", f"saving checkpoint 10 in {ckpt}",
+      "step 20: loss=14.5, epoch=0, examples_seen=160", f"saving checkpoint 20 in {ckpt}",
+      eval_line, "step 20 eval: err=190.5 (16 examples)"], out.stderr
+  # ProgressHook needs no state: it runs one call late, before the last call's row.
+  assert re.fullmatch(r"step 20/20 \(100\.0%\): [\d.]+ steps/s, [\d.]+ examples/s, ETA 0:00:00",
+                      lines[4]), lines[4]
+  at = {s[0]: s[1:] for s in said}
+  # (data_wait s, compile s, train compiles, eval compiles, eval batches drawn, saved steps)
+  assert at[first_call] == [0.0, 0.0, 0, 0, 0, []]
+  data_wait, compile_secs, train_compiles = at[lines[2]][:3]
+  assert data_wait > 0.0 and compile_secs > 0.0 and train_compiles == 1, at[lines[2]]
+  assert at[f"saving checkpoint 10 in {ckpt}"][5] == []
+  assert at[f"saving checkpoint 20 in {ckpt}"][5] == [10]
+  assert at[eval_line][3:5] == [0, 0]
+  assert at["step 20 eval: err=190.5 (16 examples)"][3:5] == [1, 2]

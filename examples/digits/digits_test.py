@@ -5,6 +5,7 @@ Runs with 8 fake CPU devices (the repository's root ``conftest.py``).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -103,8 +104,7 @@ def test_short_training_learns_and_reports_exact_steps(tmp_path):
 
 def test_main_prints_where_results_went(tmp_path):
   """As a user runs it (no XLA_FLAGS, no JAX_PLATFORMS; libtpu installed here): every stderr
-  line is a log line of the example or of loopkit (C70: no TPU probe's errors)."""
-  import re
+  line is an INFO line of the example or of loopkit (C70: no TPU probe's errors, no warnings)."""
   workdir = tmp_path / "wd"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # main.py sets 8 fake devices itself

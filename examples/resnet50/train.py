@@ -414,8 +414,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   total_steps = num_train_steps(config, steps_per_epoch)
   schedule = learning_rate_schedule(config, steps_per_epoch)
   tx = create_optimizer(config, schedule)
-  # Eager initialisation compiles one small program per weight shape: ~10-20 s for ResNet-18 on
-  # 2 CPU cores, the longest wait before the loop's first line, so it is announced.
+  # Eager initialisation compiles one small program per weight shape: 8-48 s for ResNet-18 on
+  # 2 shared CPU cores (47.5 s at a load average of 6), a wait before the loop's first line, so
+  # it is announced.
   absl_logging.info("initialising the ResNet-%d parameters (seed %d)", config.model.depth,
                     config.seed)
   t0 = time.perf_counter()
