@@ -592,7 +592,7 @@ def console_records(stderr: str) -> list[tuple[float, str, str]]:
       continue
     assert records, line
     t, file, message = records[-1]
-    if re.fullmatch(r"step \d+:.*", message):  # a wide row: indented cells
+    if re.fullmatch(r"step \d+:", message.split("\n")[0]):  # a wide row: indented cells
       assert line.startswith("  "), line
     else:
       assert message.startswith("goodput summary:") and GOODPUT_TABLE.fullmatch(line), line
@@ -623,13 +623,18 @@ def test_a_first_run_prints_only_its_own_lines(tmp_path):
        "--config.checkpoint_every_steps=2"], cwd=REPO, env=env, capture_output=True, text=True,
       timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
+  check_first_run_console(out.stdout, out.stderr, workdir)
+
+
+def check_first_run_console(stdout: str, stderr: str, workdir) -> None:
+  """The checks of :func:`test_a_first_run_prints_only_its_own_lines` on a run's console."""
   for fragment in NOT_OURS:
-    assert fragment not in out.stderr + out.stdout, (fragment, out.stderr)
-  records = console_records(out.stderr)
+    assert fragment not in stderr + stdout, (fragment, stderr)
+  records = console_records(stderr)
   own = _own_module_names()
-  assert [r for r in records if r[1] not in own] == [], out.stderr
-  assert [line.split(":")[0] for line in out.stdout.splitlines()] == [
-      "ResNet-18", "results (JSON)", "metrics (JSONL, TB)", "checkpoints (Orbax)"], out.stdout
+  assert [r for r in records if r[1] not in own] == [], stderr
+  assert [line.split(":")[0] for line in stdout.splitlines()] == [
+      "ResNet-18", "results (JSON)", "metrics (JSONL, TB)", "checkpoints (Orbax)"], stdout
   messages = [r[2] for r in records]
   announced = ["JAX process 0/1, 8 devices (8 local) x cpu",
                "importing TensorFlow (the input pipeline), Flax and the training code",
