@@ -19,7 +19,11 @@ the host adds the per-batch sums in float64 in batch order, so a metric is
 and the same bits for every K: the program runs the training
 program's loop (:func:`loopkit.core.program.run_slots`), so K = 1 compiles the
 K = 2 body, and no float32 sum spans batches. Every call length and every eval
-run reuses one executable.
+run reuses one executable. An evaluator's first evaluation, which waits for its
+first batches and compiles that executable (seconds to minutes with nothing else
+on the console), logs ``evaluation: waiting for the first batches, then
+compiling the eval program (batch B, K per device call)`` before it reads a
+batch.
 
 An eval step written for batch means (Flax's examples) is made per-example by
 :func:`per_example` (each example evaluated as a batch of one); an NNX eval
@@ -140,6 +144,7 @@ class Evaluator:
       self._set_batch_size(global_batch_size)
     self._replicated = NamedSharding(self.mesh, P())
     self._compiles = 0  # calls that compiled (loopkit._internal.compat.lowering_count)
+    self._announced = False  # the first evaluation's wait was announced (one log line)
     self._jitted = build_program(self._loop, mesh=self.mesh, data_axis=data_axis,
                                  style=step_style, out_shardings=self._replicated)
 
@@ -262,6 +267,12 @@ class Evaluator:
       # when shards are uneven (10 examples over 4 processes: 3 vs 2 local).
       raise ValueError("on multi-host, give the Evaluator global_batch_size (the same on every "
                        "process): it cannot be inferred from uneven per-process batches")
+    if not self._announced:  # the first call's wait (seconds to minutes): say what it is
+      batch = ("its batch size from the first batch" if self.global_batch_size is None
+               else f"batch {self.global_batch_size}")
+      log.info("evaluation: waiting for the first batches, then compiling the eval program "
+               "(%s, %d per device call)", batch, self.iterations_per_loop)
+      self._announced = True
     it = self._sized(iter(batches))
     if it is None:
       return EvalResult({}, {}, 0, 0, 0)

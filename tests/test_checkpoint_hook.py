@@ -7,6 +7,7 @@ restore must replace. Kills and other processes: tests/test_checkpoint_process.p
 """
 
 import dataclasses
+import logging
 import os
 import signal
 import warnings
@@ -49,6 +50,30 @@ class Recorder(loopkit.Hook):
   def after_each_call(self, info):
     self.calls.append((info.end_step, info.epoch, {k: v.copy() for k, v in info.traces.items()}))
     self.infos.append((info.end_step, info.epoch, info.step_in_epoch))
+
+
+def test_each_save_is_announced_before_it_starts(tmp_path, caplog):
+  """C70: the first save of a process takes seconds (Orbax starting up): each save says what it
+  saves, and where, before the save starts (no earlier save of that step is under way)."""
+  hook = CheckpointHook(tmp_path / "c", every_steps=4)
+  said: list[tuple[str, list[int]]] = []
+
+  class Snapshot(logging.Handler):
+    def emit(self, record):
+      said.append((record.getMessage(), list(hook.saved_steps)))
+
+  handler = Snapshot()
+  logging.getLogger("loopkit").addHandler(handler)
+  try:
+    with caplog.at_level("INFO", logger="loopkit"):
+      make_loop(2, [hook]).run(toy.init_state(), toy.batches(10), num_steps=10)
+  finally:
+    logging.getLogger("loopkit").removeHandler(handler)
+  c = tmp_path / "c"
+  assert [(m, s) for m, s in said if "checkpoint" in m] == [
+      (f"checkpoints in {c}", []), (f"saving checkpoint 4 in {c}", []),
+      (f"saving checkpoint 8 in {c}", [4]), (f"saving checkpoint 10 in {c}", [4, 8])]
+  assert hook.saved_steps == [4, 8, 10]
 
 
 # -- resume equivalence ---------------------------------------------------------------------

@@ -78,6 +78,35 @@ def test_c18_eval_tail_one_padded_batch_compiled_once():
   assert ev.compile_count() == 1 and ev.trace_count == 1
 
 
+ANNOUNCED = ("evaluation: waiting for the first batches, then compiling the eval program "
+             "({}, 4 per device call)")
+
+
+@pytest.mark.parametrize("batch_size,said", [(16, "batch 16"),
+                                             (None, "its batch size from the first batch")])
+def test_the_first_evaluation_says_what_it_waits_for_before_it_waits(caplog, batch_size, said):
+  """C70: an evaluator's first call waits for its first batches (a pipeline starting) and its
+  compile: one line says so before the first batch is read and before the compile; a second
+  evaluation says nothing."""
+  ev = Evaluator(accuracy_step, iterations_per_loop=4, mesh=mesh_of(8),
+                 global_batch_size=batch_size)
+  seen_at_first_batch = []
+
+  def source(n):
+    for i, batch in enumerate(batch_arrays(_examples(n), 16)):
+      if i == 0:
+        seen_at_first_batch.append((list(caplog.messages), ev.compile_count()))
+      yield batch
+
+  with caplog.at_level("INFO", logger="loopkit"):
+    first = ev.evaluate(STATE, source(37))
+    ev.evaluate(STATE, source(10))
+  said = ANNOUNCED.format(said)
+  assert seen_at_first_batch == [([said], 0), ([said], 1)]
+  assert caplog.messages == [said]
+  assert (first.num_examples, ev.compile_count()) == (37, 1)
+
+
 @pytest.mark.parametrize("style", ["global", "per_device"])
 @pytest.mark.parametrize("ndev", [1, 2, 8])
 def test_eval_counts_exact_on_1_2_8_devices(ndev, style):

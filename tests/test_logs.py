@@ -5,6 +5,7 @@ CLU did to the root logger; an application's own logging configuration wins
 The fault lives in process-wide logging state, so each case runs a script in a subprocess."""
 
 import io
+import json
 import logging
 import os
 import re
@@ -279,3 +280,223 @@ def test_a_bare_handler_made_before_absl_is_the_applications(monkeypatch):
   for seen_empty in (False, True):
     monkeypatch.setattr(logs, "_root_seen_empty", seen_empty)
     assert logs._made_after_absl(handler) is seen_empty
+
+
+# -- rows above a progress bar (C55) ----------------------------------------------------------
+# A ProgressHook's bar on a terminal, rows every 50 steps (LoggingHook, EvalHook), a checkpoint
+# at each row, a print() at steps 30, 60 and 90. {prelude} is what the script did to logging
+# first: Orbax imported (its import installs absl's stand-in root handler), CLU's logging writer
+# as the LoggingHook's writer (it logs through absl on its own thread: the stand-in then comes
+# while the bar is open), basicConfig at INFO, absl.app.run (ABSLHandler on the root).
+BAR_SCRIPT = """\
+{prelude}
+import jax.numpy as jnp
+import numpy as np
+import loopkit
+
+def train_step(state, batch):
+  loss = jnp.mean(batch["x"])
+  return {{"step": state["step"] + 1, "w": state["w"] + loss}}, {{"loss": loss}}
+
+def eval_step(state, batch):
+  return {{"err": batch["x"][:, 0] + state["w"]}}
+
+batches = [{{"x": np.full((8, 2), float(i), np.float32)}} for i in range(100)]
+
+def main(argv=()):
+  hooks = [loopkit.LoggingHook({writer}, every_steps=50),
+           loopkit.EvalHook(loopkit.Evaluator(eval_step), batches[:2], every_steps=50),
+           loopkit.CheckpointHook({ckpt!r}, every_steps=50),
+           loopkit.CallbackHook(lambda info, state: print(f"print at step {{info.end_step}}"),
+                                every_steps=30, at_end=False, needs_state=False),
+           loopkit.ProgressHook()]
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=10, hooks=hooks)
+  loop.run({{"step": jnp.zeros((), jnp.int32), "w": jnp.zeros((), jnp.float32)}}, batches,
+           num_steps=100)
+
+{main}
+"""
+BAR_ROWS = ["step 50: loss=24.5, epoch=0, examples_seen=400",
+            "step 50 eval: err=1225.5 (16 examples)",
+            "step 100: loss=74.5, epoch=0, examples_seen=800",
+            "step 100 eval: err=4950.5 (16 examples)"]
+PRINTS = ["print at step 30", "print at step 60", "print at step 90"]
+BAR_PRELUDES = {
+    "orbax": ("import orbax.checkpoint", "None", "main()", ""),
+    "clu": ("from clu import metric_writers",
+            "metric_writers.create_default_writer(just_logging=True)", "main()", ""),
+    "basicConfig": ("import logging\nlogging.basicConfig(level=logging.INFO)", "None", "main()",
+                    "INFO:loopkit:"),
+    "absl.app.run": ("from absl import app", "None", "app.run(main)", r"I\d{4} [^]]*\] "),
+}
+
+
+def bar_script(tmp_path, prelude: str) -> tuple[str, str]:
+  """The script for ``prelude`` and the pattern its rows' prefix matches."""
+  code, writer, main, prefix = BAR_PRELUDES[prelude]
+  if prelude == "clu" and not has_module("clu.metric_writers"):
+    pytest.skip("needs clu (and TensorFlow, which its metric_writers import)")
+  return BAR_SCRIPT.format(prelude=code, writer=writer, main=main,
+                           ckpt=str(tmp_path / "ckpt")), prefix
+
+
+@needs_orbax
+@pytest.mark.parametrize("prelude", list(BAR_PRELUDES))
+def test_a_bar_in_a_terminal_shows_every_row_once_above_it(tmp_path, prelude):
+  """100 columns: each row, eval line and print is one whole line of the screen, once, in step
+  order, above the bar, which ends the screen; none is written onto a frame of the bar."""
+  from tests.test_observability import run_in_terminal, screen
+  code, prefix = bar_script(tmp_path, prelude)
+  raw = run_in_terminal(code, cols=100)
+  shown = screen(raw)
+  expected = [PRINTS[0], *BAR_ROWS[:2], *PRINTS[1:], *BAR_ROWS[2:]]
+  ours = [line for line in shown if any(line.endswith(e) for e in expected)]
+  assert len(ours) == len(expected), shown
+  for line, e in zip(ours, expected):
+    pattern = re.escape(e) if e in PRINTS else prefix + re.escape(e)
+    assert re.fullmatch(pattern, line), (line, shown)
+    assert raw.count(e) == 1, raw  # printed once (not also by absl's stand-in)
+  assert re.fullmatch(r"step 100/100 \|\u2588{20}\| 100%, .*, loss=94\.5", shown[-1]), shown
+  assert not [line for line in shown[:-1] if "|" in line and "step " in line], shown
+
+
+@needs_orbax
+@pytest.mark.parametrize("where", ["pipe", "0-column pty"])
+def test_without_a_bar_orbax_rows_print_once_as_plain_lines(tmp_path, where):
+  code, _ = bar_script(tmp_path, "orbax")
+  if where == "pipe":
+    out = subprocess.run(bootstrap.command("-c", code, devices=1), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=bootstrap.env(), timeout=300)
+    assert out.returncode == 0, out.stdout
+    text = out.stdout
+  else:
+    from tests.test_observability import run_in_terminal
+    text = run_in_terminal(code, cols=0).replace("\r\n", "\n")
+  assert "\r" not in text and "\u2588" not in text, text
+  lines = text.splitlines()
+  for e in BAR_ROWS + PRINTS:
+    assert lines.count(e) == 1 and text.count(e) == 1, (e, text)
+  assert [line for line in lines if line in BAR_ROWS + PRINTS] == [
+      PRINTS[0], *BAR_ROWS[:2], *PRINTS[1:], *BAR_ROWS[2:]], text
+  assert len([line for line in lines if line.startswith("step 100/100 (100.0%): ")]) == 1, text
+
+
+def test_lines_above_the_bar_wait_for_their_end_and_every_stream_is_put_back(monkeypatch):
+  """In process: a line is written whole, with the bar cleared before and redrawn after; a
+  partial line waits; a handler made while the bar is open (absl's stand-in at Orbax's first
+  save) writes through the stand-in too; on exit sys.stderr and every handler's stream are the
+  console again, and the pending partial line is written."""
+  tqdm = pytest.importorskip("tqdm").tqdm
+  console, bar_file = io.StringIO(), io.StringIO()
+  monkeypatch.setattr(sys, "stderr", console)
+  logger = logging.getLogger("test_logs_bar")
+  monkeypatch.setattr(logger, "handlers", [logging.StreamHandler(console)])
+  monkeypatch.setattr(logger, "propagate", False)
+  bar = tqdm(total=10, file=bar_file, bar_format="BAR {n}", mininterval=0)
+  frames = bar_file.getvalue().count("BAR 0")
+  with logs.console_lines_above_bar(tqdm, bar_file):
+    assert sys.stderr is not console and logger.handlers[0].stream is sys.stderr
+    logger.addHandler(logging.StreamHandler())  # takes sys.stderr now: the stand-in
+    sys.stderr.write("part")
+    assert console.getvalue() == "" and bar_file.getvalue().count("BAR 0") == frames
+    print("ial", file=sys.stderr)
+    assert console.getvalue() == "partial\n"
+    assert bar_file.getvalue().count("BAR 0") == frames + 1  # cleared, then redrawn
+    logger.warning("row")
+    assert console.getvalue() == "partial\nrow\nrow\n"  # once per handler
+    sys.stderr.write("tail")
+  bar.close()
+  assert sys.stderr is console and [h.stream for h in logger.handlers] == [console, console]
+  assert console.getvalue() == "partial\nrow\nrow\ntail"
+
+
+# C70: a user's first run (a plain script, Orbax imported first), whose input takes a while to
+# start (a pipeline's workers: 0.5 s of sleep before the first batch, train and eval). The
+# "loopkit" handler's filter notes, at each printed line, where the run stands: the ledger's
+# data-wait and compile seconds, the train and eval compile counts, the eval batches drawn and
+# the checkpoints saved. It prints them as JSON lines on stdout at the end.
+FIRST_RUN_SCRIPT = """\
+import orbax.checkpoint
+import json, logging, time
+import jax.numpy as jnp
+import numpy as np
+import loopkit
+
+def train_step(state, batch):
+  loss = jnp.mean(batch["x"])
+  return {"step": state["step"] + 1, "w": state["w"] + loss}, {"loss": loss}
+
+def eval_step(state, batch):
+  return {"err": batch["x"][:, 0] + state["w"]}
+
+batches = [{"x": np.full((8, 2), float(i), np.float32)} for i in range(20)]
+eval_drawn = []
+
+def slow_start(items, drawn=None):
+  time.sleep(0.5)
+  for item in items:
+    if drawn is not None:
+      drawn.append(1)
+    yield item
+
+evaluator = loopkit.Evaluator(eval_step, global_batch_size=8)
+ckpt = loopkit.CheckpointHook(CKPT_DIR, every_steps=10)
+hooks = [loopkit.LoggingHook(None, every_steps=10), ckpt,
+         loopkit.EvalHook(evaluator, lambda: slow_start(batches[:2], eval_drawn), every_steps=20,
+                          at_end=False),
+         loopkit.ProgressHook(logger=logging.getLogger("loopkit"), log_every_secs=3600)]
+loop = loopkit.TrainLoop(train_step, iterations_per_loop=5, hooks=hooks)
+said = []
+
+def snapshot(record):
+  seconds = loop.ledger.seconds if loop.ledger is not None else {}
+  said.append([record.getMessage(), seconds.get("data_wait", 0.0), seconds.get("compile", 0.0),
+               loop.program.compile_count(), evaluator.compile_count(), len(eval_drawn),
+               list(ckpt.saved_steps)])
+  return True
+
+(handler,) = logging.getLogger("loopkit").handlers  # loopkit's own (no logging configured)
+handler.addFilter(snapshot)
+loop.run({"step": jnp.zeros((), jnp.int32), "w": jnp.zeros((), jnp.float32)},
+         slow_start(batches), num_steps=20)
+for s in said:
+  print(json.dumps(s))
+"""
+
+
+@needs_orbax
+def test_a_first_run_says_what_it_waits_for_first(tmp_path):
+  """C70: a first run prints loopkit's lines only, and each wait (the first batches and the
+  first compile, each checkpoint save, the first evaluation's batches and compile) is said by
+  one line before it starts, and the next line comes after it: at the first call's line the
+  ledger holds no data-wait or compile seconds and nothing is compiled, at the next both are
+  counted; at the eval line no eval batch is drawn and nothing compiled; at each save's line
+  that step is not saved yet."""
+  ckpt = tmp_path / "ckpt"
+  code = FIRST_RUN_SCRIPT.replace("CKPT_DIR", repr(str(ckpt)))
+  out = subprocess.run(bootstrap.command("-c", code, devices=1), capture_output=True, text=True,
+                       env=bootstrap.env(), timeout=300)
+  assert out.returncode == 0, out.stderr
+  said = [json.loads(line) for line in out.stdout.splitlines()]
+  assert out.stderr.splitlines() == [s[0] for s in said]  # nothing but loopkit's lines
+  first_call = "step 0/20: waiting for the first batches, then compiling the first device call"
+  eval_line = ("evaluation: waiting for the first batches, then compiling the eval program "
+               "(batch 8, 1 per device call)")
+  lines = [s[0] for s in said]
+  assert lines[:4] + lines[5:] == [
+      f"checkpoints in {ckpt}", first_call,
+      "step 10: loss=4.5, epoch=0, examples_seen=80", f"saving checkpoint 10 in {ckpt}",
+      "step 20: loss=14.5, epoch=0, examples_seen=160", f"saving checkpoint 20 in {ckpt}",
+      eval_line, "step 20 eval: err=190.5 (16 examples)"], out.stderr
+  # ProgressHook needs no state: it runs one call late, before the last call's row.
+  assert re.fullmatch(r"step 20/20 \(100\.0%\): [\d.]+ steps/s, [\d.]+ examples/s, ETA 0:00:00",
+                      lines[4]), lines[4]
+  at = {s[0]: s[1:] for s in said}
+  # (data_wait s, compile s, train compiles, eval compiles, eval batches drawn, saved steps)
+  assert at[first_call] == [0.0, 0.0, 0, 0, 0, []]
+  data_wait, compile_secs, train_compiles = at[lines[2]][:3]
+  assert data_wait > 0.0 and compile_secs > 0.0 and train_compiles == 1, at[lines[2]]
+  assert at[f"saving checkpoint 10 in {ckpt}"][5] == []
+  assert at[f"saving checkpoint 20 in {ckpt}"][5] == [10]
+  assert at[eval_line][3:5] == [0, 0]
+  assert at["step 20 eval: err=190.5 (16 examples)"][3:5] == [1, 2]

@@ -120,7 +120,8 @@ def test_only_process_zero_writes_logs_tensorboard_and_progress(two_process_runs
   np.testing.assert_allclose(rows[0]["loss"], np.mean(p0["losses"][:5]), rtol=1e-6)
   progress0 = (logdir / "progress_0.txt").read_text().splitlines()
   assert [line.split(" ")[1] for line in progress0] == ["0/12:", "5/12", "10/12", "12/12"]
-  assert progress0[0] == "step 0/12: compiling the first device call"
+  assert progress0[0] == (
+      "step 0/12: waiting for the first batches, then compiling the first device call")
   assert (logdir / "progress_1.txt").read_text() == ""
   metric_lines = lambda r: [m for m in r["log_lines"] if m.startswith("step ")]
   assert metric_lines(p1) == []

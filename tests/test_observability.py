@@ -259,6 +259,43 @@ def test_logging_hook_flushes_its_writer_at_each_checkpoint_save(tmp_path):
   assert rec.flushes == 3 + 1  # each save, and the end of the run
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_rows_written_before_run_raises_are_on_disk(tmp_path, error):
+  """C57: create_default_writer (TensorBoard and JSONL on a background thread, console lines),
+  a hook that raises at step 50: the rows at 10..40 of LoggingHook, EvalHook and GoodputHook
+  are in metrics.jsonl and in the event file, read back, when the error reaches the caller."""
+  import jax.numpy as jnp
+
+  def train_step(state, batch):
+    loss = jnp.mean(batch["x"])
+    return {"w": state["w"] + loss, "step": state["step"] + 1}, {"loss": loss}
+
+  def boom(info, state):
+    raise error(f"stop at step {info.end_step}")
+
+  batches = [{"x": np.full((8, 2), float(i), np.float32)} for i in range(100)]
+  writer = loopkit.observe.create_default_writer(tmp_path)
+  evaluator = loopkit.Evaluator(lambda state, batch: {"x": batch["x"][:, 0]})
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=5, hooks=[
+      loopkit.CallbackHook(boom, at_steps=[50], at_end=False, needs_state=False),
+      loopkit.LoggingHook(writer, every_steps=10),
+      loopkit.EvalHook(evaluator, batches[:2], writer=writer, every_steps=20, at_end=False),
+      loopkit.observe.GoodputHook(writer, every_steps=20)])
+  with pytest.raises(error, match="stop at step 50"):
+    loop.run({"w": jnp.zeros(()), "step": jnp.zeros((), jnp.int32)}, batches, num_steps=100)
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["loss"]) for r in rows if "loss" in r] == [
+      (10, 4.5), (20, 14.5), (30, 24.5), (40, 34.5)]
+  assert [(r["step"], r["eval/x"]) for r in rows if "eval/x" in r] == [(20, 0.5), (40, 0.5)]
+  assert [(r["step"], r["goodput/steps"]) for r in rows if "goodput/steps" in r] == [
+      (20, 20), (40, 40)]
+  tb = read_tb(tmp_path)
+  assert tb["loss"] == [(10, 4.5), (20, 14.5), (30, 24.5), (40, 34.5)]
+  assert tb["eval/x"] == [(20, 0.5), (40, 0.5)]
+  assert tb["goodput/steps"] == [(20, 20.0), (40, 40.0)]
+  writer.close()
+
+
 def test_throughput_rows_follow_the_injected_clock():
   """0.5 s per step, K=2, rows every 4 steps, batch 16: 2 steps/s, 32 examples/s, 1 s per call.
 
@@ -421,7 +458,8 @@ def test_progress_bar_in_a_terminal_keeps_log_lines_on_their_own_lines():
   loss, one rate and a labelled ETA, no stale bar left above."""
   raw = run_in_terminal(BAR_SCRIPT)
   shown = screen(raw)
-  assert shown[0] == "step 0/40: compiling the first device call", shown
+  assert shown[0] == ("step 0/40: waiting for the first batches, then compiling the first device "
+                      "call"), shown
   assert shown[1] == "step 20: loss=9.5, epoch=0, examples_seen=320", shown
   assert shown[2] == "step 40: loss=29.5, epoch=0, examples_seen=640", shown
   assert re.fullmatch(r"step 40/40 \|\u2588{20}\| 100%, \d+(\.\d)? steps/s, ETA 0:00:00, "

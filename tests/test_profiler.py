@@ -46,6 +46,21 @@ def test_trace_stops_when_the_run_ends_inside_the_range(tmp_path):
   jax.profiler.stop_trace()
 
 
+def test_a_run_that_raises_inside_the_range_writes_its_trace(tmp_path):
+  def boom(info, state):
+    raise KeyboardInterrupt(f"stop at step {info.end_step}")
+
+  prof = loopkit.observe.ProfilerHook(tmp_path, start_step=0, num_steps=100)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[
+      prof, loopkit.CallbackHook(boom, at_steps=[8], at_end=False, needs_state=False)])
+  with pytest.raises(KeyboardInterrupt, match="stop at step 8"):
+    loop.run(toy.init_state(), toy.batches(20), num_steps=20)
+  assert not prof.active
+  files = glob.glob(os.path.join(tmp_path, "plugins", "profile", "*", "*.xplane.pb"))
+  assert len(files) == 1 and os.path.getsize(files[0]) > 0
+  assert prof.trace_dirs == [os.path.dirname(files[0])]
+
+
 @pytest.mark.parametrize("kw", [dict(start_step=-1, num_steps=2), dict(start_step=0, num_steps=0)])
 def test_bad_range(tmp_path, kw):
   with pytest.raises(ValueError, match="must be"):

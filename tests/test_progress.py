@@ -50,7 +50,7 @@ def test_plain_lines_when_not_a_tty():
   clock, out = FakeClock(), io.StringIO()
   run(loopkit.ProgressHook(stream=out, log_every_secs=25.0, clock=clock), clock)
   assert out.getvalue().splitlines() == [
-      "step 0/100: compiling the first device call",
+      "step 0/100: waiting for the first batches, then compiling the first device call",
       "step 30/100 (30.0%): 1.0 steps/s, 16.0 examples/s, ETA 0:01:10",
       "step 60/100 (60.0%): 1.0 steps/s, 16.0 examples/s, ETA 0:00:40",
       "step 90/100 (90.0%): 1.0 steps/s, 16.0 examples/s, ETA 0:00:10",
@@ -65,7 +65,7 @@ def test_rates_follow_the_clock_and_lines_can_go_to_a_logger(caplog):
   with caplog.at_level(logging.INFO, logger="loopkit"):
     run(hook, clock, n=30, k=10, secs_per_step=0.25)
   assert caplog.messages == [  # the first call compiled: no rate from it
-      "step 0/30: compiling the first device call",
+      "step 0/30: waiting for the first batches, then compiling the first device call",
       "step 10/30 (33.3%): ? steps/s, ? examples/s, ETA ?",
       "step 20/30 (66.7%): 4.0 steps/s, 64.0 examples/s, ETA 0:00:02",
       "step 30/30 (100.0%): 4.0 steps/s, 64.0 examples/s, ETA 0:00:00",
@@ -84,7 +84,7 @@ def test_early_stop_gets_a_final_line():
   loop.run(init(), batches(100), num_steps=100)
   assert loop.ledger.step in (40, 50)  # stops at the next boundary (one call late at most)
   assert out.getvalue().splitlines() == [
-      "step 0/100: compiling the first device call",
+      "step 0/100: waiting for the first batches, then compiling the first device call",
       f"step {loop.ledger.step}/100 ({loop.ledger.step:.1f}%): 1.0 steps/s, 16.0 examples/s, "
       f"ETA 0:00:{100 - loop.ledger.step:02d}"]
 
@@ -116,7 +116,7 @@ def test_total_steps_override_and_eta_format():
   run(loopkit.ProgressHook(total_steps=3620, stream=out, log_every_secs=1e9, clock=clock), clock,
       n=20, k=10)
   assert out.getvalue().splitlines() == [
-      "step 0/3620: compiling the first device call",
+      "step 0/3620: waiting for the first batches, then compiling the first device call",
       "step 20/3620 (0.6%): 1.0 steps/s, 16.0 examples/s, ETA 1:00:00"]
   from loopkit.observe.progress import format_eta
   assert format_eta(59.6) == "0:01:00"
@@ -130,6 +130,28 @@ def test_one_line_per_boundary_never_repeats_a_step(k):
   steps = [int(line.split()[1].split("/")[0]) for line in out.getvalue().splitlines()[1:]]
   expected = list(range(k, 10, k)) + [10]
   assert steps == expected
+
+
+def test_a_run_that_raises_closes_the_bar_and_gives_the_console_back():
+  """The bar's line is ended (the traceback starts on a line of its own) and sys.stdout,
+  sys.stderr are the console again, not the bar's stand-ins."""
+  import sys
+
+  from loopkit._internal import logs
+
+  def boom(info, state):
+    raise RuntimeError(f"stop at step {info.end_step}")
+
+  clock, out = FakeClock(), TtyStream()
+  console = sys.stdout, sys.stderr
+  bar = loopkit.ProgressHook(stream=out, metric_names=(), clock=clock)
+  with pytest.raises(RuntimeError, match="stop at step 30"):
+    run(bar, clock, n=100, k=10, extra=[loopkit.CallbackHook(boom, at_steps=[30], at_end=False,
+                                                             needs_state=False)])
+  assert (sys.stdout, sys.stderr) == console and logs._above is None
+  assert bar._bar is None
+  last = out.getvalue().rsplit("\r", 1)[-1]
+  assert last.startswith("step 30/100 |") and last.endswith("\n"), repr(out.getvalue())
 
 
 # -- in a real pseudo-terminal ----------------------------------------------------------------
@@ -239,7 +261,7 @@ def test_a_0_column_pty_gets_plain_lines_every_log_every_secs(tmp_path):
   # A line when 3 s have passed since the last one (or the start): the fake clock reads 100,
   # 101.5, 102, 103.5, 104, 105.5, 106, 107.5, 108, 109.5 at boundaries 0..9, and the last.
   rates = smoothed_rates(CALL_SECS)
-  expected = ["step 0/100: compiling the first device call"]
+  expected = ["step 0/100: waiting for the first batches, then compiling the first device call"]
   for b in (0, 3, 7, 9):
     step, r = 10 * (b + 1), rates[b]
     eta = progress.format_eta((100 - step) / r) if step < 100 else "0:00:00"

@@ -5,6 +5,7 @@ Runs with 8 fake CPU devices (the repository's root ``conftest.py``).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -102,9 +103,12 @@ def test_short_training_learns_and_reports_exact_steps(tmp_path):
 
 
 def test_main_prints_where_results_went(tmp_path):
+  """As a user runs it (no XLA_FLAGS, no JAX_PLATFORMS; libtpu installed here): every stderr
+  line is an INFO line of the example or of loopkit (C70: no TPU probe's errors, no warnings)."""
   workdir = tmp_path / "wd"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # main.py sets 8 fake devices itself
+  env.pop("JAX_PLATFORMS", None)  # config.platform says "cpu"
   proc = subprocess.run(
       [sys.executable, "-m", "examples.digits.main", f"--workdir={workdir}",
        "--config.num_epochs=1", "--config.hidden_sizes=(32,)"],
@@ -112,6 +116,13 @@ def test_main_prints_where_results_went(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"metrics (JSON lines): {workdir}/metrics.jsonl" in proc.stdout
   assert f"summary (JSON):       {workdir}/results.json" in proc.stdout
+  own = {f for f in os.listdir(os.path.dirname(__file__)) if f.endswith(".py")}
+  for _, _, files in os.walk(os.path.join(REPO_ROOT, "loopkit")):
+    own |= {f for f in files if f.endswith(".py")}
+  for line in proc.stderr.splitlines():
+    m = re.fullmatch(r"I\d{4} [\d:.]+ +\d+ (\S+?):\d+\] .*", line)
+    assert m and m.group(1) in own, proc.stderr
+  assert "JAX devices: 8 x cpu" in proc.stderr
   with open(workdir / "results.json") as f:
     results = json.load(f)
   assert (results["step"], results["device_calls"], results["num_devices"]) == (22, 2, 8)

@@ -5,7 +5,8 @@
 
 On a CPU-only machine the run uses 8 fake CPU devices (data parallel over all
 of them), set through ``XLA_FLAGS`` before JAX is imported unless ``XLA_FLAGS``
-already names a device count.
+already names a device count; ``config.platform = "cpu"`` keeps JAX from probing
+for a TPU or GPU first (a failed probe prints libtpu's errors where it is installed).
 """
 
 import os
@@ -29,9 +30,18 @@ _CONFIG = config_flags.DEFINE_config_file(
 flags.mark_flags_as_required(["workdir"])
 
 
+def use_platform(platform: str) -> None:
+  """Makes ``platform`` (``config.platform``) JAX's only one before its backends start
+  (``""``, or ``JAX_PLATFORMS`` in the environment: left to JAX and the environment)."""
+  if platform and "JAX_PLATFORMS" not in os.environ:
+    os.environ["JAX_PLATFORMS"] = platform
+    jax.config.update("jax_platforms", platform)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Too many command-line arguments: {argv[1:]}")
+  use_platform(_CONFIG.value.get("platform", ""))
   t0 = time.perf_counter()
   logging.info("JAX devices: %d x %s", jax.device_count(), jax.devices()[0].platform)
   results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)

@@ -14,6 +14,7 @@ from typing import Any
 # config.input_pipeline -> the TFDS file format it reads (file_format)
 FILE_FORMATS = {"tfdata": "tfrecord", "grain": "array_record"}
 STEP_STYLES = ("global", "per_device")
+PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")  # config.platform: "" or comma-separated
 
 # Fields that must be integers > 0, and integers >= 0 (0: off, or "from the metadata").
 _POSITIVE = ("global_batch_size", "eval_batch_size", "iterations_per_loop",
@@ -55,6 +56,11 @@ def problems(config: Any) -> list[str]:
   style = config.get("step_style", "global")
   if style not in STEP_STYLES:
     out.append(f"config.step_style must be one of {list(STEP_STYLES)}, got {style!r}")
+  platform = config.get("platform", "")
+  if not isinstance(platform, str) or (
+      platform and not set(platform.split(",")) <= set(PLATFORMS)):
+    out.append(f"config.platform must be '' (JAX picks) or one or more of {list(PLATFORMS)} "
+               f"separated by commas, got {platform!r}")
   for name in _POSITIVE:
     value = config.get(name, 1)
     if not _is_int(value) or value <= 0:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +188,69 @@ def test_config_values_and_tpu_k_divides_an_epoch():
 def _digits_builder(data_dir):
   from examples.resnet50 import digits_tfds
   return digits_tfds.ensure_prepared(data_dir)
+
+
+@pytest.mark.tf  # TFDS
+def test_building_the_digits_says_so_and_tfds_stays_quiet(tmp_path, capfd, caplog):
+  """C70: the first build logs what it builds, where, and how long it took; TFDS's own output
+  ("Downloading and preparing dataset Unknown size ...", its progress bars, "Dataset ...
+  downloaded and prepared") is not printed. A prepared dataset is read without a word."""
+  from examples.resnet50 import digits_tfds
+  capfd.readouterr()
+  with caplog.at_level(logging.INFO, logger="absl"):
+    builder = digits_tfds.ensure_prepared(str(tmp_path), file_format="array_record")
+    digits_tfds.ensure_prepared(str(tmp_path), file_format="array_record")
+  out, err = capfd.readouterr()
+  for fragment in ("Downloading", "prepar", "Generating", "Shuffling", "examples/s"):
+    assert fragment not in out + err, out + err
+  ours = [r.getMessage() for r in caplog.records if r.pathname.endswith("digits_tfds.py")]
+  assert len(ours) == 2, ours
+  assert ours[0] == ("building the sklearn_digits dataset (scikit-learn's 1,797 digits, no "
+                     f"download) as array_record files in {builder.data_dir}")
+  assert re.fullmatch(r"built sklearn_digits in \d+\.\d s: 1,437 train and 360 test examples in "
+                      + re.escape(builder.data_dir), ours[1]), ours[1]
+
+
+@pytest.mark.tf  # imports TensorFlow
+def test_main_pins_the_cpu_config_to_the_cpu_and_quiets_tensorflow():
+  """C70: a CPU config never probes for a TPU (libtpu is installed here: its probe prints
+  libtpu's errors and "Unable to initialize backend 'tpu'"), and TensorFlow's C++ INFO lines
+  at import ("All log messages before absl::InitializeLog()", "This TensorFlow binary is
+  optimized ...", "oneDNN custom operations are on") are off, for child processes too (the
+  environment says so). The absl filter main.py installs drops Orbax's and TFDS's INFO records
+  (a line per save, per dataset step) and keeps their warnings and everything else."""
+  code = ("import importlib.util, logging, os\n"
+          "from examples.resnet50 import main\n"
+          "from examples.resnet50.configs import cpu\n"
+          "main.use_platform(cpu.get_config().platform)\n"
+          "import jax, tensorflow as tf\n"
+          "print(jax.devices()[0].platform, float(tf.constant(1.0) + 1))\n"
+          "print(os.environ['JAX_PLATFORMS'], os.environ['TF_CPP_MIN_LOG_LEVEL'])\n"
+          "paths = [importlib.util.find_spec(m).origin for m in\n"
+          "         ('orbax.checkpoint', 'tensorflow_datasets', 'loopkit.evaluation', 'grain')]\n"
+          "for level in (logging.INFO, logging.WARNING):\n"
+          "  print(*[main._quiet_libraries(logging.LogRecord('absl', level, path, 1, 'm', (),\n"
+          "                                                None)) for path in paths])\n")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.splitlines() == ["cpu 2.0", "cpu 1", "False False True True",
+                                     "True True True True"], out.stdout
+  assert out.stderr == "", out.stderr
+
+
+def test_config_platform_is_checked():
+  config = cpu_config.get_config()
+  assert config.platform == "cpu" and default_config.get_config().platform == ""
+  config.platform = "cpu,tpu"
+  assert config_checks.problems(config) == []
+  for wrong in ("cpus", "CPU", "cpu,"):
+    config.platform = wrong
+    assert config_checks.problems(config) == [
+        "config.platform must be '' (JAX picks) or one or more of ['cpu', 'cuda', 'gpu', "
+        f"'rocm', 'tpu'] separated by commas, got {wrong!r}"]
 
 
 @pytest.mark.tf  # TFDS (the digits TFDS build, tfds.testing.mock_data)
@@ -492,6 +557,104 @@ def test_the_shipped_configs_pass_the_checks():
   for module in (cpu_config, cpu_resnet50, default_config, imagenet_flax, tpu_config,
                  smoke_config):
     assert config_checks.problems(module.get_config()) == [], module.__name__
+
+
+def _own_module_names() -> set[str]:
+  """The file names of this example's and loopkit's modules (absl's log lines name them)."""
+  names = {f for f in os.listdir(os.path.dirname(__file__)) if f.endswith(".py")}
+  for _, _, files in os.walk(os.path.join(REPO, "loopkit")):
+    names |= {f for f in files if f.endswith(".py")}
+  return names
+
+
+# absl's line: level, date, time, thread, file:line] message.
+ABSL_LINE = re.compile(r"([IWEF])\d{4} (\d\d):(\d\d):(\d\d\.\d+) +\d+ (\S+?):\d+\] (.*)")
+# The goodput summary's table (the lines after "goodput summary:").
+GOODPUT_TABLE = re.compile(r"goodput [\d.]+% at step \d+ .*|bucket +seconds +share|"
+                           r" *[a-z_ ]+? +[\d.]+ +[\d.]+%")
+# What other libraries print on a first run (C70): TFDS, the TPU probe, TensorFlow's C++ start-up
+# lines, Python warnings.
+NOT_OURS = ("Downloading", "Unable to initialize backend", "libtpu", "TPU_", "InitGoogle",
+            "absl::InitializeLog", "oneDNN", "This TensorFlow binary", "cpu_feature_guard",
+            "Warning:", "warn(")
+
+
+def console_records(stderr: str) -> list[tuple[float, str, str]]:
+  """``(seconds since midnight, file, message)`` of each absl record on ``stderr``; the lines
+  of a multi-line record (a console row wider than 100 columns, the goodput summary) are
+  checked to be that record's and joined to it. Any other line fails the test."""
+  records: list[tuple[float, str, str]] = []
+  for line in stderr.splitlines():
+    m = ABSL_LINE.fullmatch(line)
+    if m:
+      h, mi, sec = int(m.group(2)), int(m.group(3)), float(m.group(4))
+      records.append((3600 * h + 60 * mi + sec, m.group(5), m.group(6)))
+      continue
+    assert records, line
+    t, file, message = records[-1]
+    if re.fullmatch(r"step \d+:", message.split("\n")[0]):  # a wide row: indented cells
+      assert line.startswith("  "), line
+    else:
+      assert message.startswith("goodput summary:") and GOODPUT_TABLE.fullmatch(line), line
+    records[-1] = (t, file, message + "\n" + line)
+  return records
+
+
+@pytest.mark.slow(held_by="tests/test_logs.py::test_a_first_run_says_what_it_waits_for_first",
+                  reason="the whole Quickstart example, cut to 2 steps (100 s on 2 busy cores)")
+@pytest.mark.tf  # TFDS, TensorFlow in the Grain worker
+def test_a_first_run_prints_only_its_own_lines(tmp_path):
+  """C70: the Quickstart's command on a fresh machine (no dataset, no JAX_PLATFORMS,
+  TF_CPP_MIN_LOG_LEVEL or XLA_FLAGS; libtpu installed here), cut to 2 steps of a small ResNet-18,
+  a checkpoint and the final evaluation: every stderr line is a log record of this example or of
+  loopkit, stdout holds only the run's summary, nothing of TFDS, the TPU probe or TensorFlow's
+  start-up shows, and each long wait is announced, in order, before it: the first call's line
+  before the data wait and compile that the run's goodput row counts, the eval line before the
+  evaluation's seconds."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
+  workdir = tmp_path / "run"
+  out = subprocess.run(
+      [sys.executable, "-m", "examples.resnet50.main", f"--workdir={workdir}",
+       f"--config.data_dir={tmp_path / 'tfds'}", "--config.num_train_steps=2",
+       "--config.iterations_per_loop=2", "--config.log_every_steps=2",
+       "--config.model.num_filters=4", "--config.image_size=8",
+       "--config.global_batch_size=16", "--config.checkpoint_every_epochs=0",
+       "--config.checkpoint_every_steps=2"], cwd=REPO, env=env, capture_output=True, text=True,
+      timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  check_first_run_console(out.stdout, out.stderr, workdir)
+
+
+def check_first_run_console(stdout: str, stderr: str, workdir) -> None:
+  """The checks of :func:`test_a_first_run_prints_only_its_own_lines` on a run's console."""
+  for fragment in NOT_OURS:
+    assert fragment not in stderr + stdout, (fragment, stderr)
+  records = console_records(stderr)
+  own = _own_module_names()
+  assert [r for r in records if r[1] not in own] == [], stderr
+  assert [line.split(":")[0] for line in stdout.splitlines()] == [
+      "ResNet-18", "results (JSON)", "metrics (JSONL, TB)", "checkpoints (Orbax)"], stdout
+  messages = [r[2] for r in records]
+  announced = ["JAX process 0/1, 8 devices (8 local) x cpu",
+               "importing TensorFlow (the input pipeline), Flax and the training code",
+               "building the sklearn_digits dataset", "built sklearn_digits in",
+               "initialising the ResNet-18 parameters (seed 0)", "ResNet-18: 45,102 parameters",
+               "step 0/2: waiting for the first batches, then compiling the first device call",
+               "step 2: accuracy=", "saving checkpoint 2 in",
+               "evaluation: waiting for the first batches, then compiling the eval program "
+               "(batch 360, 1 per device call)", "step 2 eval: accuracy="]
+  at = [next((i for i, msg in enumerate(messages) if msg.startswith(a)), None)
+        for a in announced]
+  assert None not in at and at == sorted(at), list(zip(announced, at))
+  # The waits lie after their lines: the time to the next record covers the goodput ledger's
+  # seconds of the wait (the row at the end of the run).
+  with open(workdir / "metrics.jsonl") as f:
+    goodput = [row for row in map(json.loads, f) if "goodput/compile_secs" in row][-1]
+  gap = lambda i: records[i + 1][0] - records[i][0]
+  first_call = goodput["goodput/data_wait_secs"] + goodput["goodput/compile_secs"]
+  assert gap(at[6]) >= first_call - 0.01, (gap(at[6]), goodput)
+  assert gap(at[9]) >= 0.9 * goodput["goodput/eval_secs"] - 0.01, (gap(at[9]), goodput)
 
 
 @pytest.mark.slow(held_by="tests/test_aot.py::test_eval_program_with_the_train_program",

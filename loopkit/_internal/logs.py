@@ -45,7 +45,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import jax
@@ -80,7 +81,7 @@ class _DefaultHandler(logging.StreamHandler):
       return
     if record.levelno < logging.WARNING and _process_index() != 0:
       return
-    self.stream = _bar_safe(sys.stderr)
+    self.stream = sys.stderr  # while a bar is open, its stand-in (console_lines_above_bar)
     super().emit(record)
 
 
@@ -102,7 +103,7 @@ def _is_bare_basic_config(handler: logging.Handler) -> bool:
   """Whether ``handler`` is what ``logging.basicConfig()`` without arguments adds."""
   if (type(handler) is not logging.StreamHandler or handler.level != logging.NOTSET
       or handler.filters or handler.formatter is None
-      or handler.stream not in (sys.stderr, sys.__stderr__)):
+      or _real_stream(handler.stream) not in (_real_stream(sys.stderr), sys.__stderr__)):
     return False
   record = _probe_record()
   return handler.format(record) == logging.Formatter(logging.BASIC_FORMAT).format(record)
@@ -162,60 +163,135 @@ def _unconfigured() -> bool:
   return _absl_stand_in(root)
 
 
-class _BarSafeStream:
-  """A console stream whose writes go through ``tqdm.write``: the open bars are cleared,
-  the text is written on its own line, the bars are redrawn below it."""
+class _AboveBar:
+  """A console stream (``sys.stderr``, ``sys.stdout``) while a tqdm bar is open.
 
-  def __init__(self, stream: IO[str], tqdm_class: Any):
+  Each complete line is written with the bars on ``bar_file`` cleared first and redrawn
+  after (tqdm's ``external_write_mode``), so it lands on its own line above them. A partial
+  line (``print`` writes the text, then the newline) waits for its end: a bar redrawn after
+  it would overwrite it. After :meth:`release` (the bar closed) writes go straight through.
+  Every other attribute (``fileno``, ``isatty``, ``encoding``...) is the stream's.
+  Thread-safe.
+  """
+
+  def __init__(self, stream: IO[str], tqdm_class: Any, bar_file: IO[str]):
     self.stream = stream
-    self.tqdm_class = tqdm_class
+    self._tqdm_class = tqdm_class
+    self._bar_file = bar_file
+    self._pending = ""
+    self._open = True
+    self._lock = threading.RLock()
 
-  def write(self, text: str) -> None:
-    self.tqdm_class.write(text, file=self.stream, end="")
+  def write(self, text: str) -> int:
+    with self._lock:
+      if not self._open:
+        return self.stream.write(text)
+      lines, newline, self._pending = (self._pending + text).rpartition("\n")
+      if newline:
+        with self._tqdm_class.external_write_mode(file=self._bar_file):
+          self.stream.write(lines + newline)
+          self.stream.flush()
+    return len(text)
+
+  def writelines(self, lines: Iterable[str]) -> None:
+    for line in lines:
+      self.write(line)
 
   def flush(self) -> None:
-    self.stream.flush()
+    self.stream.flush()  # a partial line stays pending (see the class docstring)
+
+  def release(self) -> None:
+    """Writes the pending partial line; later writes go straight to the stream."""
+    with self._lock:
+      self._open = False
+      pending, self._pending = self._pending, ""
+      if pending:
+        self.stream.write(pending)
+        self.stream.flush()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.stream, name)
 
 
-_bar_class: Any = None  # the tqdm class while a progress bar is open
+def _real_stream(stream: Any) -> Any:
+  """``stream``, or the console stream an :class:`_AboveBar` stands in for."""
+  return stream.stream if isinstance(stream, _AboveBar) else stream
 
 
-def _bar_safe(stream: IO[str]) -> Any:
-  return stream if _bar_class is None else _BarSafeStream(stream, _bar_class)
+def _console_stream_handlers() -> list[logging.StreamHandler]:
+  """Every ``StreamHandler`` a record can reach: those of the root and of every logger made so
+  far, and absl's ``PythonHandler`` behind its ``ABSLHandler``; loopkit's default handler
+  aside (it takes ``sys.stderr`` at each record)."""
+  loggers = [logging.getLogger()] + [
+      lg for lg in list(logging.Logger.manager.loggerDict.values())
+      if isinstance(lg, logging.Logger)]
+  found: dict[int, logging.StreamHandler] = {}
+  for lg in loggers:
+    for h in list(lg.handlers):
+      if _is_absl_handler(h):
+        h = getattr(h, "python_handler", h)
+      if isinstance(h, logging.StreamHandler) and not isinstance(h, _DefaultHandler):
+        found[id(h)] = h
+  return list(found.values())
+
+
+_above: dict[int, _AboveBar] | None = None  # id(console stream) -> stand-in, while a bar is open
 
 
 @contextlib.contextmanager
-def console_lines_above_bar(tqdm_class: Any) -> Iterator[None]:
-  """While open, console log lines print above a tqdm bar instead of onto it.
+def console_lines_above_bar(tqdm_class: Any, bar_file: IO[str]) -> Iterator[None]:
+  """While open, console lines print on their own line above a tqdm bar instead of onto it.
 
-  Covers loopkit's default handler and every ``StreamHandler`` on stdout or
-  stderr of the root and ``"loopkit"`` loggers (their streams are wrapped to
-  write through ``tqdm_class.write``). Unlike
-  ``tqdm.contrib.logging.logging_redirect_tqdm`` it adds no handler, so a
-  logger that printed nothing still prints nothing, and a handler keeps its
-  own filters and level. Not re-entrant (an inner use is a no-op).
+  ``sys.stdout`` and ``sys.stderr`` are replaced by stand-ins (:class:`_AboveBar`) that write
+  each line with the bars on ``bar_file`` cleared first and redrawn after, and so is the
+  stream of every logging ``StreamHandler`` that writes to them (the root's, any logger's,
+  absl's). That covers loopkit's own lines whichever handler shows them (loopkit's default
+  handler, absl's stand-in, ``basicConfig``, ``absl.app.run``), other libraries' log lines,
+  ``print`` and ``warnings``; a handler made while the bar is open (absl's stand-in at
+  Orbax's first save) takes the stand-in of ``sys.stderr`` and is covered too. Nothing is
+  added or removed: a logger that printed nothing still prints nothing, a handler keeps its
+  filters, level and format, and the logging configuration reads the same (the checks in
+  this module see through the stand-ins). On exit every stand-in is put back to its stream.
+  Not re-entrant (an inner use is a no-op).
 
   Args:
     tqdm_class: the bar's class (``tqdm.auto.tqdm``).
+    bar_file: the stream the bar draws on.
   """
-  global _bar_class
-  if _bar_class is not None:
+  global _above
+  if _above is not None:
     yield
     return
-  swapped = []
-  for logger in (logging.getLogger(), logging.getLogger(LOGGER_NAME)):
-    for h in logger.handlers:
-      if (isinstance(h, logging.StreamHandler) and not isinstance(h, _DefaultHandler)
-          and h.stream in (sys.stdout, sys.stderr)):
-        swapped.append((h, h.stream))
-        h.stream = _BarSafeStream(h.stream, tqdm_class)
-  _bar_class = tqdm_class
+  above: dict[int, _AboveBar] = {}
+  consoles = {id(s) for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+              if s is not None}
+
+  def stand_in(stream: Any) -> Any:
+    if id(stream) not in consoles:
+      return stream
+    if id(stream) not in above:
+      above[id(stream)] = _AboveBar(stream, tqdm_class, bar_file)
+    return above[id(stream)]
+
+  saved = (sys.stdout, sys.stderr)
+  sys.stdout, sys.stderr = stand_in(sys.stdout), stand_in(sys.stderr)
+  for h in _console_stream_handlers():
+    h.setStream(stand_in(h.stream))
+  _above = above
   try:
     yield
   finally:
-    _bar_class = None
-    for h, stream in swapped:
-      h.stream = stream
+    _above = None
+    mine = {id(s) for s in above.values()}
+    if id(sys.stdout) in mine:
+      sys.stdout = saved[0]
+    if id(sys.stderr) in mine:
+      sys.stderr = saved[1]
+    for h in _console_stream_handlers():
+      if id(h.stream) in mine:
+        h.setStream(_real_stream(h.stream))
+    for s in above.values():
+      s.release()
 
 
 def _process_index() -> int:

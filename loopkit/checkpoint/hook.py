@@ -410,6 +410,7 @@ class CheckpointHook(Hook):
         data=ocp.args.JsonSave(_encode_positions(data_position)),
         hooks=ocp.args.JsonSave(dict((hook_states() if callable(hook_states)
                                       else hook_states) or {})))
+    log.info("saving checkpoint %d in %s", step, self.directory)  # the first takes seconds
     try:
       manager.save(step, args=args, metrics=ranked, force=True)
     except Exception as e:  # pylint: disable=broad-except

@@ -146,7 +146,8 @@ class Hook:
   saves it with each checkpoint, keyed by the hook's stable name
   (``hook_name``, default the class name, ``#2``... for repeats; see
   :func:`loopkit.core.hook_state.hook_names`), and the loop hands it back on a restore.
-  A hook with ``flush()`` is flushed by the loop before a checkpoint is saved.
+  A hook with ``flush()`` is flushed by the loop before a checkpoint is saved and,
+  when ``run`` raises, before its ``on_run_error``.
 
   Attributes:
     needs_state: the hook reads the state in ``on_trigger`` (the loop then
@@ -216,11 +217,13 @@ class Hook:
     Every hook whose ``on_run_start`` was called gets it, in hook order: all
     of them for an error after the start; when an ``on_run_start`` raises,
     the hooks before it and that hook itself (it may have half-opened
-    something), not the hooks after it, which never started. For cleanup that
-    must finish before the error reaches the caller, e.g. waiting for a
-    background write (:class:`~loopkit.checkpoint.CheckpointHook` waits for
-    its in-flight save and releases its directory). ``on_run_end`` is not
-    called then; the loop keeps the work done in ``loop.last_state``.
+    something), not the hooks after it, which never started; a hook with
+    ``flush()`` is flushed just before. For cleanup that must finish before
+    the error reaches the caller, e.g. waiting for a background write
+    (:class:`~loopkit.checkpoint.CheckpointHook` waits for its in-flight save
+    and releases its directory), closing a progress bar, stopping a profiler
+    trace. ``on_run_end`` is not called then; the loop keeps the work done in
+    ``loop.last_state``.
     Exceptions raised here are logged, not raised: ``run`` raises ``error``.
 
     Args:

@@ -612,18 +612,25 @@ class Run:
     deleted (a call that failed while taking its donated input) is dropped:
     :attr:`state` becomes None.
 
-    Then calls ``on_run_error`` of every hook whose ``on_run_start`` was
-    called, the one that raised included (invariant 5: no save left in
-    flight); their own failures are logged, ``error`` propagates.
+    Then, for every hook whose ``on_run_start`` was called, the one that
+    raised included, in hook order: its ``flush()`` if it has one (the rows
+    its writer took before the error are on disk, as at a checkpoint save or
+    ``on_run_end``), then its ``on_run_error`` (invariant 5: no save left in
+    flight). Their own failures are logged; ``error`` propagates.
     """
     leaves = jax.tree.leaves(self.state)
     if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
       self.state = None
     for i, h in enumerate(self.hooks[:self.started]):
-      try:
-        getattr(h, "on_run_error", lambda ctx, e: None)(self.contexts[i], error)
-      except Exception:  # pylint: disable=broad-except  # the run's own error propagates
-        log.exception("%s.on_run_error failed", type(h).__name__)
+      for method, args in (("flush", ()), ("on_run_error", (self.contexts[i], error))):
+        fn = getattr(h, method, None)
+        if not callable(fn):
+          continue
+        try:
+          fn(*args)
+        except Exception:  # pylint: disable=broad-except  # the run's own error propagates
+          log.exception("%s.%s failed while the run raised %s", type(h).__name__, method,
+                        type(error).__name__)
 
   # -- boundary helpers ----------------------------------------------------
 

@@ -302,6 +302,13 @@ class GoodputHook(Hook):
       if self._write_row(summarize(ledger, info.end_step)):
         self._write_record(ledger, info.end_step)
 
+  def flush(self) -> None:
+    """Flushes the writer (the loop calls it before each checkpoint save and when ``run``
+    raises, so the ``goodput/*`` rows written so far are on disk)."""
+    flush = getattr(self.writer, "flush", None)
+    if flush is not None:
+      flush()
+
   def on_run_end(self, ctx: RunContext, state: Any) -> None:
     del state
     ledger = ctx.ledger  # its total is current: the loop ticks it before each on_run_end

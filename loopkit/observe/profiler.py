@@ -86,6 +86,12 @@ class ProfilerHook(Hook):
     if self._active:  # the run ended inside the range
       self._stop()
 
+  def on_run_error(self, ctx: Any, error: BaseException) -> None:
+    """The run raises inside the traced range: the trace is stopped and written."""
+    del ctx, error
+    if self._active:
+      self._stop()
+
   def _start(self) -> None:
     profile_dir = os.path.join(self.logdir, "plugins", "profile")
     before = set(os.listdir(profile_dir)) if os.path.isdir(profile_dir) else set()

@@ -1,7 +1,9 @@
 """Progress display at loop boundaries: a tqdm bar, or plain lines when not a terminal.
 
-At the start of a run one line says the first device call is compiling (it
-can take a while, and nothing else would appear meanwhile). The bar appears at
+At the start of a run one line says what the first device call waits for: its
+batches (a data pipeline's first batches can take seconds: worker processes
+starting, buffers filling) and its compilation (seconds to minutes), when
+nothing else would appear meanwhile. The bar appears at
 the first boundary and is drawn once per boundary (one frame per device call)
 at a fixed width that fits 80 columns with one metric::
 
@@ -13,9 +15,11 @@ smoothed over boundaries as tqdm smooths its own (:class:`RateMeter`). The
 time of a call that compiled (the ledger's ``Bucket.COMPILE`` grew during it:
 the first call of a loop) is left out of the rate and the ETA; until a call
 without compiling has been measured both show ``?``. The metrics are the last
-call's values. While the bar is open, console log lines (loopkit's, and those
-of stdout/stderr handlers of the root logger) print on their own line above it
-(:func:`loopkit._internal.logs.console_lines_above_bar`). When the stream is not a
+call's values. While the bar is open, console lines (loopkit's rows whichever
+logging handler shows them, other libraries' log lines, ``print``, warnings)
+print on their own line above it
+(:func:`loopkit._internal.logs.console_lines_above_bar`); a run that raises
+closes the bar first. When the stream is not a
 terminal (CI logs, ``nohup``, a batch scheduler), or is a terminal with no
 width (0 columns: some job consoles and container ttys), a bar would write
 carriage returns into the log or nothing at all, so the hook writes one plain
@@ -44,6 +48,8 @@ from loopkit.core.ledger import Bucket
 
 __all__ = ["ProgressHook", "RateMeter", "format_eta", "format_rate"]
 
+# What a run's first device call waits for (ProgressHook's first line, after "step 0/N: ").
+FIRST_CALL = "waiting for the first batches, then compiling the first device call"
 # Fixed bar width: tqdm's default gives the bar whatever the text leaves, one character at
 # 80 columns once a postfix is shown.
 BAR_FORMAT = "step {n_fmt}/{total_fmt} |{bar:20}| {percentage:3.0f}%{postfix}"
@@ -142,7 +148,7 @@ class ProgressHook(Hook):
   Plain line format (smoothed rates; ETA = steps left / rate; ``?`` while only
   a compiling call has been measured)::
 
-    step 0/100: compiling the first device call
+    step 0/100: waiting for the first batches, then compiling the first device call
     step 10/100 (10.0%): ? steps/s, ? examples/s, ETA ?
     step 40/100 (40.0%): 20.0 steps/s, 640.0 examples/s, ETA 0:00:03
 
@@ -195,8 +201,9 @@ class ProgressHook(Hook):
     self._logged_step: int | None = None
     if self._enabled and loop.ledger is not None and (
         self._total is None or loop.ledger.step < self._total):
-      self._emit(f"step {loop.ledger.step}/{self._total}: compiling the first device call"
-                 if self._total else f"step {loop.ledger.step}: compiling the first device call")
+      head = (f"step {loop.ledger.step}/{self._total}" if self._total
+              else f"step {loop.ledger.step}")
+      self._emit(f"{head}: {FIRST_CALL}")
 
   def after_each_call(self, info: LoopInfo) -> None:
     if not self._enabled:
@@ -221,6 +228,12 @@ class ProgressHook(Hook):
     elif (not self._use_bar and self._last_step is not None
           and self._logged_step != self._last_step):  # stopped early: say where
       self._line(self._last_step, self.clock())
+
+  def on_run_error(self, ctx: Any, error: BaseException) -> None:
+    """The run raises: the bar is closed (its last frame kept, the line ended), so the
+    traceback starts on a line of its own and console lines no longer wait for a bar."""
+    del ctx, error
+    self._close_bar()
 
   # -- internals ---------------------------------------------------------------
 
@@ -281,7 +294,7 @@ class ProgressHook(Hook):
       self._bar = tqdm(total=self._total, initial=info.end_step, unit="step",
                        file=self._stream, dynamic_ncols=True, bar_format=BAR_FORMAT,
                        postfix=postfix)
-      self._lines_above = logs.console_lines_above_bar(tqdm)
+      self._lines_above = logs.console_lines_above_bar(tqdm, self._stream)
       self._lines_above.__enter__()
     else:
       self._bar.n = info.end_step

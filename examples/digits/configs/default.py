@@ -36,4 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Exact evaluation on the 360 test digits: batches of 120 (3 batches, one device call).
   config.eval_batch_size = 120
   config.eval_iterations_per_loop = 4
+  # JAX's platform: the CPU (8 fake devices), without probing for a TPU or GPU first (where
+  # libtpu is installed the failed probe prints libtpu's errors); "" lets JAX pick.
+  config.platform = "cpu"
   return config

@@ -86,5 +86,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_epochs = 1   # 0 and checkpoint_every_steps 0: no checkpoints
   config.checkpoint_every_steps = 0
   config.max_checkpoints_to_keep = 3
+  config.platform = ""                 # JAX's platform: "" = JAX picks (TPU, GPU, else CPU)
   config.distributed = False           # call jax.distributed.initialize() (multi-host)
   return config
