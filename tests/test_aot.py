@@ -32,6 +32,8 @@ def _batch(b):
           "y": jax.ShapeDtypeStruct((b, M), jnp.float32)}
 
 
+@pytest.mark.slow(held_by="tests/test_aot.py::test_eval_program_with_the_train_program",
+                  reason="ResNet-50 compiled for a TPU topology: 25 s alone")
 def test_resnet_smoke_compiles_for_v5e_2x2():
   """The example's smoke ResNet-50 at 32x32, K = 4, train + eval, for 4 v5e chips."""
   from examples.resnet50 import train
@@ -68,8 +70,11 @@ def test_resnet_smoke_compiles_for_v5e_2x2():
   assert t.compute_bound_secs == t.flops_per_step / v5e.peak_bf16_flops
   assert t.memory_secs == t.bytes_accessed_per_step / v5e.hbm_bytes_per_sec
   assert t.step_secs == t.compute_bound_secs and t.examples_per_sec == 16 / t.step_secs
+  assert t.mfu_ceiling == t.compute_bound_secs / max(t.compute_bound_secs, t.memory_secs)
   text = str(report)
   assert "v5e:2x2" in text and "headroom" in text and v5e.source in text
+  assert (f"MFU (bf16 peak): 100% at the compute bound; a measured step of t ms runs at MFU "
+          f"{t.step_secs * 1e3:.4g} ms / t; at most {t.mfu_ceiling * 100:.3g}%") in text
   assert report.to_dict()["programs"]["train"]["flops_per_step"] == t.flops_per_step
   assert jax.default_backend() == "cpu" and jax.devices()[0].platform == "cpu"
 
@@ -94,6 +99,12 @@ def test_flops_are_one_step_per_device_for_every_k(style):
     # the chunk a run feeds: K = 1 has a zero second slot (feeding.py), [max(K, 2), B/D, ...]
     assert r.train.chunk_bytes == max(k, 2) * (64 // 4) * (N * 2 + M * 4)  # x bf16, y f32
     flops.append(r.train.flops_per_step)
+    # the compute bound's MFU: 1 unless XLA's HBM traffic estimate at peak bandwidth is longer
+    t = r.train
+    assert t.mfu_ceiling == min(1.0, t.compute_bound_secs / t.memory_secs) and (
+        0 < t.mfu_ceiling <= 1)
+    assert (f"a measured step of t ms runs at MFU {t.step_secs * 1e3:.4g} ms / t; at most "
+            f"{t.mfu_ceiling * 100:.3g}% if XLA's HBM traffic estimate is real") in str(r)
   matmuls = 2 * (2 * (64 // 4) * N * M)
   assert abs(flops[0] - flops[1]) < 100  # only the reductions of the [K] metric traces differ
   assert matmuls <= flops[0] < 1.2 * matmuls, (flops, matmuls)
@@ -125,6 +136,7 @@ def test_local_devices_report_without_chip():
   t = r.train
   assert t.per_device_batch == 2 and t.prefetch_chunks == 1
   assert t.hbm_bytes is None and t.headroom_bytes is None and t.step_secs is None
+  assert t.mfu_ceiling is None and "MFU" not in str(r)  # no chip, no peak
   assert t.alias_bytes == N * M * 4 + 4  # w and step, donated
   assert loop.program.compile_count() == 0
 

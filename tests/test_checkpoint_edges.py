@@ -119,7 +119,8 @@ def test_c33_error_while_a_save_is_in_flight(tmp_path, big_reference):
   assert restored == [8, 8, 8]  # a healthy save is waited for, never abandoned
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_checkpoint_edges.py::test_c33_failed_in_flight_save_is_cleaned_up",
+                  reason="20 repeats of the race")
 def test_c33_error_while_a_save_is_in_flight_20_repeats(tmp_path, big_reference):
   restored = _c33_repeats(tmp_path, big_reference, 20)
   assert restored == [8] * 20

@@ -150,18 +150,20 @@ def run_fault_trials(tmp_path, reference, *, kills_wanted, seed, worker_args, wi
 
 
 def test_sigkill_at_random_moments_fault_test(tmp_path, reference, record_property):
-  """>= 10 SIGKILLs (1 during a write, 9 at random moments), saves every 2 steps, K=3."""
+  """>= 4 SIGKILLs (1 during a write, 3 at random moments), saves every 2 steps, K=3 (the slow
+  suite's ``test_sigkill_at_random_moments_fault_test_long`` lands 40)."""
   stats = run_fault_trials(
-      tmp_path, reference, kills_wanted=10, seed=0, window_s=2.5,
+      tmp_path, reference, kills_wanted=4, seed=0, window_s=2.5,
       worker_args=("--k", "3", "--every-steps", "2", "--num-steps", "24", "--sleep-ms", "10"))
   print(f"fault test: {stats}")
   record_property("fault_stats", json.dumps(stats))
-  assert stats["kills"] >= 10 and stats["completed_episodes"] >= 1
+  assert stats["kills"] >= 4 and stats["completed_episodes"] >= 1
   assert stats["resumes"] >= 1 and stats["kills_during_write"] >= 1
   assert stats["corrupt"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_checkpoint_process.py::test_sigkill_at_random_moments_fault_test",
+                  reason="40 kills instead of 10")
 def test_sigkill_at_random_moments_fault_test_long(tmp_path, reference):
   """40 kills; shorter and longer windows so kills land in compile, steps and writes."""
   stats = run_fault_trials(

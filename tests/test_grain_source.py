@@ -233,7 +233,9 @@ def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, k, uninterrupted):
                                  "num_records": workers.NUM_RECORDS}
 
 
-@pytest.mark.parametrize("count", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("count", [1, pytest.param(2, marks=pytest.mark.slow(
+    held_by="tests/test_grain_source.py::test_a_resume_reads_no_record_before_its_step",
+    reason="a second Grain worker process"))])
 def test_a_resume_with_another_worker_count_is_bitwise(tmp_path, count, uninterrupted):
   """0 workers to step 6, then Grain worker processes to 14: the same batches and bits."""
   workers.train(str(tmp_path), 6, 3, every_steps=10**6)
@@ -266,8 +268,10 @@ def test_a_checkpoint_from_another_pipeline_is_refused_at_run_start(tmp_path):
       toy.init_state(), ArraySource(data, B, seed=5), num_steps=4)
   hook = CheckpointHook(tmp_path)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[hook])
-  with pytest.raises(ValueError, match=r"data position 4 came from a batch count or the step "
-                                       r"of another step-indexed source.*'grain_step': 4"):
+  with pytest.raises(ValueError, match=r"data position \{'array_step': 4, 'seed': 5, "
+                                       r"'global_batch_size': 16, 'num_examples': 100\} came "
+                                       r"from an ArraySource .*not from a GrainSource .*"
+                                       r"'grain_step': 4"):
     loop.run(toy.init_state(), GrainSource(records(), B, seed=5), num_steps=8)
   hook.close()
 
@@ -347,7 +351,8 @@ def test_1_process_saves_2_processes_resume_with_the_same_examples(tmp_path, uni
     np.testing.assert_allclose(p0["params"][key], uninterrupted["params"][key], atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_grain_source.py::test_2_processes_save_1_process_resumes_with_the_same_examples",
+                  reason="6 processes in 3 runs")
 def test_2_processes_save_4_processes_resume_bitwise_where_devices_match(tmp_path):
   """2 x 4 to step 7, then 4 x 2 to 14 (B = 16 divides over 4): the example ids of every step
   are the uninterrupted 2 x 4 run's, and the params its bits (both sides reduce the 8

@@ -275,7 +275,8 @@ def test_one_process_dies_the_other_fails_quickly_with_a_clear_error():
   assert re.search(_PEER_GONE, str(e.value))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_multihost.py::test_one_process_dies_the_other_fails_quickly_with_a_clear_error",
+                  reason="waits out a 5 s heartbeat timeout and JAX's teardown")
 def test_a_hung_process_is_detected_by_heartbeat(tmp_path):
   """SIGSTOP (a frozen host: sockets stay open) -> JAX terminates the other process."""
   marker = tmp_path / "marker"
@@ -299,7 +300,8 @@ def test_a_hung_process_is_detected_by_heartbeat(tmp_path):
   assert detected < 5 + 20
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_multihost.py::test_one_process_dies_the_other_fails_quickly_with_a_clear_error",
+                  reason="waits out a 5 s heartbeat timeout")
 def test_the_coordinator_process_dies():
   with testing.ProcessGroup(workers.train_and_die, num_processes=2, devices_per_process=4,
                             args=(0,), heartbeat_timeout_s=5) as group:
@@ -315,7 +317,8 @@ def test_the_coordinator_process_dies():
 _RESNET_MAIN = os.path.join(os.path.dirname(__file__), "..", "examples", "resnet50", "main.py")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_multihost.py::test_training_equivalence_2x4_vs_1x8",
+                  reason="the ResNet-18 example on 2 processes")
 @pytest.mark.skipif(not os.path.exists(_RESNET_MAIN), reason="examples/resnet50 not present")
 def test_resnet_example_cpu_config_on_two_processes(tmp_path):
   """examples/resnet50 (configs/cpu.py) as 2 processes x 4 devices, a few steps.
@@ -356,6 +359,8 @@ def test_resnet_example_cpu_config_on_two_processes(tmp_path):
 RESNET_STEPS, RESNET_PREEMPT_AT = 8, 6  # K = 2, a checkpoint every 4 steps
 
 
+@pytest.mark.slow(held_by="tests/test_multihost.py::test_preemption_sigterm_to_one_process_both_stop_and_save_the_same_step",
+                  reason="3 runs of the ResNet example on 2 processes: 100 s alone")
 @pytest.mark.skipif(not os.path.exists(_RESNET_MAIN), reason="examples/resnet50 not present")
 def test_resnet_example_preempted_on_two_processes_resumes_bitwise(tmp_path):
   """The ResNet example's train_and_evaluate as 2 processes x 4 devices, tiny (digits 8x8).

@@ -307,6 +307,9 @@ def test_recipe_train_step_matches_reference_update(three_steps):
 # -- the recipe's CPU smoke run ---------------------------------------------------------------
 
 
+@pytest.mark.slow(held_by=["examples/resnet50/recipe_test.py::test_recipe_train_step_matches_reference_update",
+                           "examples/resnet50/resnet50_test.py::test_smoke_two_loops_on_mock_imagenet"],
+                  reason="the recipe's ResNet-50 trained and evaluated: 45 s alone")
 @pytest.mark.tf  # TFDS (the digits as a TFDS dataset)
 def test_recipe_config_trains_and_evaluates_every_epoch_on_digits(tmp_path, digits_dir):
   """The recipe shrunk to this CPU: digits at 32x32, 4 filters, 2-step epochs, K = 2.

@@ -33,6 +33,7 @@ from examples.resnet50.configs import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = "examples/resnet50/resnet50_test.py"  # held_by= names (tests/budget.py)
 
 
 def _abstract(depth, num_classes=1000, **kw):
@@ -77,12 +78,14 @@ def test_resnet50_v1_5_stride_in_3x3_and_zero_init_last_bn(small_models):
 
 
 def test_output_shapes_dtypes_and_batch_stats(small_models):
+  # one program per call (eager calls compile each layer's ops: twice the time here)
+  forward = nnx.jit(lambda m, x, train: m(x, train=train), static_argnames="train")
   for m in small_models.values():
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 64, 64, 3))
-    y_eval = m(x, train=False)
+    y_eval = forward(m, x, train=False)
     after_eval = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
-    y_train = m(x, train=True)
+    y_train = forward(m, x, train=True)
     after_train = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)))
     assert y_eval.shape == y_train.shape == (3, 7)
     assert y_eval.dtype == y_train.dtype == jnp.float32
@@ -92,7 +95,8 @@ def test_output_shapes_dtypes_and_batch_stats(small_models):
                                            after_train))
     assert all(changed)  # train: every running mean/var moved
   r50 = small_models[50, jnp.float32]
-  assert r50(jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 7)  # 32 / 32 = 1x1 at the end
+  # 32 / 32 = 1x1 at the end
+  assert forward(r50, jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 7)
 
 
 def test_unknown_depth_raises():
@@ -330,6 +334,10 @@ def _few_steps(config, data_dir, num_steps, checkpoint_every_steps=0):
   return config
 
 
+@pytest.mark.slow(held_by=[f"{_HERE}::test_resume_from_checkpoint_continues_at_the_right_step",
+                           f"{_HERE}::test_grain_pipeline_same_global_batches_on_any_process_count",
+                           "tests/test_grain_source.py::test_a_resume_reads_no_record_before_its_step"],
+                  reason="two ResNet-18 runs with evaluation: 80 s alone")
 @pytest.mark.tf  # TFDS (the digits built as ArrayRecord), TF image functions in Grain
 def test_cpu_config_on_grain_runs_and_resumes_bitwise(tmp_path, digits_array_record_dir,
                                                      compilation_cache):
@@ -417,7 +425,8 @@ def test_input_rate_lines_divide_the_roofline_rate_over_the_hosts():
   assert "no chip numbers" in train.input_rate_lines(nochip)[0]
 
 
-@pytest.mark.slow  # about 3 minutes on 2 shared cores (ResNet-18 train and eval compiles)
+@pytest.mark.slow(held_by=f"{_HERE}::test_smoke_two_loops_on_mock_imagenet",
+                  reason="the tf.data pipeline trains ResNet-18: ~3 min of compiles")
 def test_cpu_config_on_the_tfdata_pipeline_runs(tmp_path, digits_dir):
   config = _few_steps(cpu_config.get_config(), digits_dir, 4)
   config.input_pipeline = "tfdata"
@@ -428,7 +437,8 @@ def test_cpu_config_on_the_tfdata_pipeline_runs(tmp_path, digits_dir):
   assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by=f"{_HERE}::test_resume_from_checkpoint_continues_at_the_right_step",
+                  reason="three more smoke runs of ResNet-50")
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
   config = smoke_config.get_config()
   config.num_train_steps = 6
@@ -442,7 +452,8 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
                jax.device_get(resumed["state"]))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by=f"{_HERE}::test_main_refuses_wrong_config_values_before_it_starts",
+                  reason="main.py end to end in a subprocess: compiles ResNet-50 again")
 def test_main_cli_smoke(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
@@ -483,7 +494,8 @@ def test_the_shipped_configs_pass_the_checks():
     assert config_checks.problems(module.get_config()) == [], module.__name__
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_aot.py::test_eval_program_with_the_train_program",
+                  reason="ResNet-50 train and eval programs compiled for v5e:2x2 by main.py")
 def test_main_cli_compile_only_for_a_tpu_topology(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
@@ -498,7 +510,8 @@ def test_main_cli_compile_only_for_a_tpu_topology(tmp_path):
   assert not os.path.exists(tmp_path / "checkpoints")  # nothing trained
 
 
-@pytest.mark.slow
+@pytest.mark.slow(held_by="tests/test_gpu_bench.py::test_ratios_and_mfu_come_from_the_measured_rows",
+                  reason="the GPU benchmark script end to end")
 def test_gpu_bench_tiny_runs_on_cpu():
   out = subprocess.run([sys.executable, "examples/resnet50/gpu_bench.py", "--tiny"], cwd=REPO,
                        capture_output=True, text=True, timeout=900)

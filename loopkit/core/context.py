@@ -102,6 +102,10 @@ class RunContext:
     preemption: the run's :class:`~loopkit.core.preemption.PreemptionWatcher`
       (``ctx.preemption.request()`` preempts at the next boundary).
     mesh, data_parallel_size, iterations_per_loop, time_based_k: the loop's.
+    flops_per_step: FLOPs of one train step on one device, from XLA's cost analysis of the
+      executable the run dispatches (:meth:`~loopkit.core.MultiStepProgram.flops_per_step`;
+      read after the first call, it compiles nothing), or None (before the first call, or
+      where XLA reports none).
     hook_name: this hook's stable name (:func:`loopkit.core.hook_state.hook_names`).
   """
 
@@ -155,6 +159,10 @@ class RunContext:
   @property
   def time_based_k(self) -> Any:
     return self._run.config.time_based_k
+
+  @property
+  def flops_per_step(self) -> float | None:
+    return self._run.program.flops_per_step()
 
   @property
   def hook_name(self) -> str:

@@ -2,8 +2,9 @@
 
 Writers share one protocol (:class:`MetricWriter`: ``write_scalars`` and
 friends) and accept CLU's and Flax's writers through :func:`as_writer`.
-:class:`LoggingHook` writes metric rows, :class:`GoodputHook` splits the job's
-wall time, :class:`ProgressHook` draws one progress frame per loop boundary,
+:class:`LoggingHook` writes metric rows (with TFLOP/s per device and MFU against the
+chip peaks of :mod:`loopkit.observe.peaks`), :class:`GoodputHook` splits the job's wall
+time, :class:`ProgressHook` draws one progress frame per loop boundary,
 :class:`ProfilerHook` captures a JAX profile over chosen steps.
 
 Imports :mod:`loopkit.core`, :mod:`loopkit.metrics` and ``loopkit._internal`` only.
@@ -24,6 +25,7 @@ from loopkit.observe.writers import (
   TensorBoardWriter,
   as_writer,
   create_default_writer,
+  format_row,
   keep_rows_through,
 )
 
@@ -43,5 +45,6 @@ __all__ = [
     "TensorBoardWriter",
     "as_writer",
     "create_default_writer",
+    "format_row",
     "keep_rows_through",
 ]

@@ -18,7 +18,8 @@ import jax
 from loopkit import metrics as metrics_lib
 from loopkit.core.context import RunContext
 from loopkit.core.hooks import Hook, LoopInfo
-from loopkit.observe import goodput
+from loopkit.core.ledger import hook_seconds
+from loopkit.observe import goodput, peaks
 from loopkit.observe.writers import ConsoleWriter, as_writer, keep_rows_through
 
 log = logging.getLogger("loopkit")
@@ -59,12 +60,41 @@ class LoggingHook(Hook):
       the first window of a run starts after its first device call, so the
       compilation is not counted (as CLU's ``ReportProgress``):
       ``throughput/steps_per_sec``, ``throughput/examples_per_sec``,
-      ``throughput/secs_per_call`` (seconds per device call), and
+      ``throughput/secs_per_call`` (wall seconds per device call, the hooks'
+      time included), ``throughput/loop_secs_per_call`` (the same without
+      the hooks: how long one loop takes, i.e. dispatch, the device, the data
+      wait and the loop's bookkeeping), ``throughput/hook_secs`` (the
+      seconds the hooks took in the window, all of them: logging, evaluation,
+      checkpoints..., from the loop's ledger, :func:`loopkit.core.ledger.hook_seconds`;
+      ``secs_per_call = loop_secs_per_call + hook_secs / calls``), and
       ``throughput/goodput`` (:func:`loopkit.observe.goodput.summarize` of the loop's
       ledger: the productive fraction of the job so far, in [0, 1]). A row
       whose window holds only the run's first call has no throughput keys.
+      Compute rows (as MaxText and Levanter log them): ``throughput/tflops_per_device``,
+      the TFLOP/s one device ran, ``flops_per_step * steps / loop seconds / 1e12`` with the
+      window's steps, its loop seconds (``loop_secs_per_call * calls``: the hooks' time left
+      out) and ``flops_per_step`` the train program's FLOPs of one step on one device, from
+      XLA's cost analysis of the executable the run dispatches
+      (:meth:`loopkit.core.MultiStepProgram.flops_per_step`: no second compilation, the same
+      for every K); and, where the device's peak is known, ``throughput/mfu =
+      tflops_per_device * 1e12 / peak`` (model FLOPs utilization, 1 = the chip's peak), the
+      peak from :data:`loopkit.observe.peaks.PEAKS` for the mesh's ``device_kind`` and
+      ``peak_dtype``. Where no peak is known (CPUs, chips not in the table, float32 on TPUs)
+      there is no ``mfu`` key, and the reason is logged once per run at INFO; where there are
+      no FLOPs (see :meth:`~loopkit.core.MultiStepProgram.cost_analysis`), neither compute
+      key. Written only with a ``writer``.
     clock: monotonic clock in seconds for the throughput (inject in tests).
+    peak_dtype: the dtype whose peak the MFU divides by: ``"bfloat16"`` (default: the
+      matmul dtype of mixed-precision training) or ``"float32"`` (a program whose matmuls
+      run in float32); a name or a dtype. loopkit does not guess it from the program: a
+      model kept in float32 with bfloat16 matmuls is common.
+    peak_flops_per_device: the peak FLOP/s of one device, for a chip not in the table
+      (overrides the table and ``peak_dtype``).
     **trigger: see :class:`Hook` (default: every call).
+
+  Raises:
+    ValueError: ``peak_dtype`` other than bfloat16 or float32, or ``peak_flops_per_device``
+      not a positive number (the message names the value).
 
   Durability: :meth:`flush` flushes the writer; the loop calls it (for every
   hook with a ``flush``) before a :class:`~loopkit.checkpoint.CheckpointHook`
@@ -96,8 +126,16 @@ class LoggingHook(Hook):
   fires_at_preemption = False  # the open window is saved with the checkpoint, not logged
 
   def __init__(self, writer: Any = None, *, per_step: bool = False, throughput: bool = True,
-               clock: Callable[[], float] = time.perf_counter, **trigger):
+               clock: Callable[[], float] = time.perf_counter, peak_dtype: Any = "bfloat16",
+               peak_flops_per_device: float | None = None, **trigger):
     super().__init__(**trigger)
+    self.peak_dtype = peaks.peak_dtype_name(peak_dtype)
+    if peak_flops_per_device is not None and not (
+        isinstance(peak_flops_per_device, (int, float)) and math.isfinite(peak_flops_per_device)
+        and peak_flops_per_device > 0):
+      raise ValueError("peak_flops_per_device must be a positive number of FLOP/s, got "
+                       f"{peak_flops_per_device!r}")
+    self.peak_flops_per_device = peak_flops_per_device
     self.writer = None if writer is None else as_writer(writer)
     self.per_step = per_step
     self.throughput = throughput
@@ -107,8 +145,10 @@ class LoggingHook(Hook):
     self._first_step: int | None = None  # first step merged into _acc
     self._end_step: int | None = None  # last step merged (None: fresh, or a restored window)
     self._ctx: RunContext | None = None
-    self._mark: tuple[float, int, int, int] | None = None  # (time, step, examples, calls)
+    # (time, step, examples, calls, hooks' seconds in the ledger) at the window's start
+    self._mark: tuple[float, int, int, int, float] | None = None
     self._calls = 0
+    self._compute: tuple[float | None, float | None] | None = None  # (FLOPs per step, peak)
     self.records: list[tuple[int, dict[str, float]]] = []
     self.first_steps: list[int | None] = []
 
@@ -116,6 +156,7 @@ class LoggingHook(Hook):
     del state
     self._ctx = ctx
     self._mark = None
+    self._compute = None
 
   def adjust_ledger(self, ctx: RunContext) -> None:
     """Takes the step ``S`` the run continues from (restores applied).
@@ -144,7 +185,8 @@ class LoggingHook(Hook):
           info.metric_values[k])
     self._calls += 1
     if self._mark is None:  # the run's first call (compiles): throughput starts after it
-      self._mark = (self.clock(), info.end_step, info.examples_seen, self._calls)
+      self._mark = (self.clock(), info.end_step, info.examples_seen, self._calls,
+                    self._hook_secs())
     if self.per_step and self.writer is not None:
       for i in range(info.num_steps):
         self.writer.write_scalars(
@@ -181,23 +223,71 @@ class LoggingHook(Hook):
     self._first_step = d.get("first_step")
     self._end_step = None
 
+  def _hook_secs(self) -> float:
+    """The hooks' seconds in the loop's ledger so far (0 outside a run)."""
+    return 0.0 if self._ctx is None else hook_seconds(self._ctx.ledger.seconds)
+
   def _throughput(self, info: LoopInfo) -> dict[str, float]:
     if self._mark is None:
       return {}
-    now = self.clock()
-    t0, s0, e0, c0 = self._mark
-    self._mark = (now, info.end_step, info.examples_seen, self._calls)
+    now, hooks = self.clock(), self._hook_secs()
+    t0, s0, e0, c0, h0 = self._mark
+    self._mark = (now, info.end_step, info.examples_seen, self._calls, hooks)
     dt, calls = now - t0, self._calls - c0
     if calls <= 0 or dt <= 0:
       return {}
+    hook_secs = hooks - h0
     out = {"throughput/steps_per_sec": (info.end_step - s0) / dt,
            "throughput/examples_per_sec": (info.examples_seen - e0) / dt,
-           "throughput/secs_per_call": dt / calls}
+           "throughput/secs_per_call": dt / calls,
+           "throughput/loop_secs_per_call": max(dt - hook_secs, 0.0) / calls,
+           "throughput/hook_secs": hook_secs}
+    if self.writer is not None:  # the compute keys go to the writer only (as the others)
+      out.update(self._utilization(info.end_step - s0,
+                                   out["throughput/loop_secs_per_call"] * calls))
     if self._ctx is not None:
       ledger = self._ctx.ledger
       g = goodput.summarize(ledger, info.end_step).goodput
       if math.isfinite(g):
         out["throughput/goodput"] = g
+    return out
+
+  def _flops_and_peak(self) -> tuple[float | None, float | None]:
+    """(FLOPs per step per device, peak FLOP/s per device), read once per run; logs at INFO
+    why a row will lack ``tflops_per_device`` or ``mfu``."""
+    if self._compute is None:
+      assert self._ctx is not None
+      flops = self._ctx.flops_per_step
+      kind = self._ctx.mesh.devices.flat[0].device_kind
+      peak = self.peak_flops_per_device
+      if peak is None:
+        peak = peaks.peak_flops(kind, self.peak_dtype)
+      self._compute = (flops, peak)
+      say = log.info if jax.process_index() == 0 else log.debug
+      if flops is None:
+        say("LoggingHook: no throughput/tflops_per_device or throughput/mfu: no FLOPs per "
+            "step for the train program (XLA's cost analysis gives none, or reading it would "
+            "compile the program again: loopkit.core.MultiStepProgram.cost_analysis)")
+      elif peak is None:
+        known = peaks.PEAKS.get(kind)
+        why = (f"device kind {kind!r} has no {self.peak_dtype} peak in "
+               "loopkit.observe.peaks.PEAKS (its source publishes none)" if known else
+               f"device kind {kind!r} is not in loopkit.observe.peaks.PEAKS")
+        say("LoggingHook: no throughput/mfu: %s; pass LoggingHook(peak_flops_per_device=...) "
+            "to set the peak (%.6g FLOPs per step per device)", why, flops)
+    return self._compute
+
+  def _utilization(self, steps: int, loop_secs: float) -> dict[str, float]:
+    """``tflops_per_device`` and ``mfu`` over a window of ``steps`` steps and ``loop_secs``."""
+    if self._ctx is None or steps <= 0 or loop_secs <= 0:
+      return {}
+    flops, peak = self._flops_and_peak()
+    if flops is None:
+      return {}
+    tflops = flops * steps / loop_secs / 1e12
+    out = {"throughput/tflops_per_device": tflops}
+    if peak is not None:
+      out["throughput/mfu"] = tflops * 1e12 / peak
     return out
 
   def on_trigger(self, info, state):

@@ -9,7 +9,9 @@ devices: ``pip install 'loopkit[tpu]'``) or for the local devices. It returns an
 :class:`AotReport`: per-device bytes from XLA's memory analysis, the chip's HBM
 and the headroom, FLOPs per step from XLA's cost analysis, and a roofline lower
 bound on the step time at the chip's peak bf16 rate (with, beside it, XLA's
-estimate of the HBM traffic at the chip's bandwidth).
+estimate of the HBM traffic at the chip's bandwidth, and the MFU: a measured step
+time ``t`` gives ``compute bound / t``, the ``throughput/mfu`` that
+:class:`~loopkit.observe.LoggingHook` logs on the chip).
 
 What a report proves: the program compiles for that topology with those
 shardings, and XLA's buffer assignment fits the chip's HBM. What it does not:
@@ -41,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from loopkit._internal.checks import MIN_SLOTS, check_global_batch_size
-from loopkit.core.program import MultiStepProgram
+from loopkit.core.program import MultiStepProgram, compiled_cost
 from loopkit.evaluation import Evaluator
 from loopkit.tools.topology import Chip, GiB, chip_of, topology_devices
 
@@ -87,6 +89,12 @@ class ProgramReport:
       the compute bound, the step is likely memory-bound.
     step_secs: the roofline lower bound at the chip's peak bf16 rate,
       ``compute_bound_secs``; None without a chip.
+    mfu_ceiling: the MFU (bf16) the program could reach if XLA's HBM traffic estimate is
+      real: ``compute_bound_secs / max(compute_bound_secs, memory_secs)``, 1 when the compute
+      bound is the longer (a program running at its compute bound has MFU 1 by definition);
+      None without a chip. A measured step of ``t`` seconds has MFU
+      ``compute_bound_secs / t`` (what :class:`~loopkit.observe.LoggingHook`'s
+      ``throughput/mfu`` reports on the chip, from the same cost analysis and peak).
     examples_per_sec: ``global_batch_size / step_secs`` (an upper bound).
     compile_secs: wall time of ``lower().compile()`` on this machine.
     trace_count: times the step was traced for this program (1).
@@ -114,6 +122,7 @@ class ProgramReport:
   memory_secs: float | None
   step_secs: float | None
   examples_per_sec: float | None
+  mfu_ceiling: float | None
   compile_secs: float
   trace_count: int
   executable: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -183,6 +192,10 @@ class AotReport:
             f"{p.examples_per_sec:,.0f} examples/s (a bound, not a measurement)",
             f"    XLA's HBM traffic estimate at peak bandwidth: {(p.memory_secs or 0.0) * 1e3:.4g}"
             f" ms per {unit} (<= {mem_rate:,.0f} examples/s if that traffic is real)"]
+        if p.mfu_ceiling is not None:
+          lines.append(f"    MFU (bf16 peak): 100% at the compute bound; a measured {unit} of t ms "
+                       f"runs at MFU {p.step_secs * 1e3:.4g} ms / t; at most "
+                       f"{p.mfu_ceiling * 100:.3g}% if XLA's HBM traffic estimate is real")
     return "\n".join(lines)
 
 
@@ -245,20 +258,19 @@ def _report(name: str, lowered: Any, traced: Any, *, k: int, batch_size: int, dp
   compiled = lowered.compile()
   secs = time.perf_counter() - t0
   mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-    cost = cost[0]
+  cost = compiled_cost(compiled)
   arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
   alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
   peak = arg + out - alias + temp
   used = peak + prefetch * chunk_bytes
   flops = float(cost.get("flops", 0.0))
   accessed = float(cost.get("bytes accessed", 0.0))
-  compute = memory = rate = None
+  compute = memory = rate = ceiling = None
   if chip is not None:
     compute = flops / chip.peak_bf16_flops
     memory = accessed / chip.hbm_bytes_per_sec
     rate = batch_size / compute if compute > 0 else None
+    ceiling = compute / max(compute, memory) if compute > 0 else None
   return ProgramReport(
       name=name, iterations_per_loop=k, global_batch_size=batch_size,
       per_device_batch=batch_size // dp, argument_bytes=arg, output_bytes=out, alias_bytes=alias,
@@ -266,7 +278,7 @@ def _report(name: str, lowered: Any, traced: Any, *, k: int, batch_size: int, dp
       chunk_bytes=chunk_bytes, prefetch_chunks=prefetch, used_bytes=used, hbm_bytes=hbm_bytes,
       headroom_bytes=None if hbm_bytes is None else hbm_bytes - used, flops_per_step=flops,
       bytes_accessed_per_step=accessed, compute_bound_secs=compute, memory_secs=memory,
-      step_secs=compute, examples_per_sec=rate, compile_secs=secs,
+      step_secs=compute, examples_per_sec=rate, mfu_ceiling=ceiling, compile_secs=secs,
       trace_count=traced.trace_count, executable=compiled)
 
 

@@ -14,6 +14,8 @@ import re
 
 import jax
 
+from loopkit.observe.peaks import PEAKS
+
 __all__ = ["CHIPS", "Chip", "GiB", "chip_of", "known_topologies", "parse_topology",
            "topology_devices"]
 
@@ -29,7 +31,8 @@ class Chip:
     device_kind: ``jax.Device.device_kind`` of its devices, e.g. ``"TPU v5 lite"``.
     hbm_bytes: HBM per chip in bytes, as documented (the runtime reserves a
       little of it, so the usable amount is slightly lower).
-    peak_bf16_flops: peak bf16 compute per chip, FLOP/s.
+    peak_bf16_flops: peak bf16 compute per chip, FLOP/s (from
+      :data:`loopkit.observe.peaks.PEAKS`, the table MFU uses).
     hbm_bytes_per_sec: HBM bandwidth per chip, bytes/s.
     cores_per_chip: TensorCores per chip (the ``-N`` of a Cloud accelerator
       type counts cores for v4/v5p, chips for v5e/v6e).
@@ -48,21 +51,23 @@ class Chip:
   source: str
 
 
-# The numbers of each chip's "System architecture" table, read on 2026-12-01.
+# The numbers of each chip's "System architecture" table, read on 2026-12-01 (the peak bf16
+# rates live in loopkit.observe.peaks.PEAKS, with the same sources, so MFU and the AOT report's
+# compute bound use one number).
 # Units as the pages print them: v4 and v5e give GiB; v5p and v6e give "GB", taken here as
 # 1e9 bytes (the smaller reading, so the headroom is not overstated).
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s (bf16), HBM2 32 GiB, 1200 GBps.
-    Chip("v4", "TPU v4", 32 * GiB, 275e12, 1200e9, 2, "megacore",
+    Chip("v4", "TPU v4", 32 * GiB, PEAKS["TPU v4"].bf16_flops, 1200e9, 2, "megacore",
          "https://cloud.google.com/tpu/docs/v4"),
     # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s (bf16), HBM 16 GiB, 819 GBps.
-    Chip("v5e", "TPU v5 lite", 16 * GiB, 197e12, 819e9, 1, "default",
+    Chip("v5e", "TPU v5 lite", 16 * GiB, PEAKS["TPU v5 lite"].bf16_flops, 819e9, 1, "default",
          "https://cloud.google.com/tpu/docs/v5e"),
     # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s (bf16), HBM2e 95 GB, 2765 GBps.
-    Chip("v5p", "TPU v5", 95 * 10**9, 459e12, 2765e9, 2, "megacore",
+    Chip("v5p", "TPU v5", 95 * 10**9, PEAKS["TPU v5"].bf16_flops, 2765e9, 2, "megacore",
          "https://cloud.google.com/tpu/docs/v5p"),
     # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s (bf16), HBM 32 GB, 1640 GBps.
-    Chip("v6e", "TPU v6 lite", 32 * 10**9, 918e12, 1640e9, 1, "default",
+    Chip("v6e", "TPU v6 lite", 32 * 10**9, PEAKS["TPU v6 lite"].bf16_flops, 1640e9, 1, "default",
          "https://cloud.google.com/tpu/docs/v6e"),
 )}
 _ALIASES = {"v5litepod": "v5e"}
