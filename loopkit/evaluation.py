@@ -53,12 +53,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from loopkit._internal.checks import (
   MIN_SLOTS,
   check_device_axis_layout,
-  check_global_batch_size,
   check_iterations_per_loop,
   check_step_style,
 )
 from loopkit._internal.compat import lowering_count
-from loopkit._internal.mesh import resolve_mesh
+from loopkit._internal.mesh import batch_sharding, check_batch_on_mesh, resolve_mesh
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket
 from loopkit.core.program import build_program, run_slots
@@ -98,8 +97,10 @@ class Evaluator:
       ``[B / D]`` for the device's slice. Values are cast to float32.
     iterations_per_loop: K, the most eval batches per device call.
     mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices).
-    data_axis: the mesh axis the batch is split over.
-    step_style: ``"global"`` or ``"per_device"`` (as in ``TrainLoop``).
+    data_axis: the mesh axis the batch is split over, or a tuple of them (the batch split
+      over their product, the first one major; as in ``TrainLoop``).
+    step_style: ``"global"`` or ``"per_device"`` (as in ``TrainLoop``; the per-device sums
+      are added over ``data_axis``).
     global_batch_size: B, the static padded batch; must divide by the
       data-parallel size and the process count. Default: the first batch's
       global size rounded up to a multiple of the data-parallel size, then
@@ -108,8 +109,9 @@ class Evaluator:
 
   Raises:
     ValueError: K < 1; ``global_batch_size`` not divisible by the
-      data-parallel size (the message names both numbers) or the process
-      count; unknown ``data_axis`` or ``step_style``.
+      data-parallel size (the message names both numbers, and the axes when
+      it is a product) or the process count; unknown ``data_axis`` or
+      ``step_style``.
 
   Attributes:
     trace_count: times ``eval_step`` was traced (1 in a healthy run).
@@ -119,12 +121,12 @@ class Evaluator:
   """
 
   def __init__(self, eval_step: Callable, *, iterations_per_loop: int = 1,
-               mesh: Mesh | None = None, data_axis: str = "data",
+               mesh: Mesh | None = None, data_axis: str | tuple[str, ...] = "data",
                step_style: Literal["global", "per_device"] = "global",
                global_batch_size: int | None = None, prefetch: int = 2):
     self.iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
     check_step_style(step_style)
-    self.mesh, self.data_parallel_size = resolve_mesh(mesh, data_axis)
+    self.mesh, data_axis, self.data_parallel_size = resolve_mesh(mesh, data_axis)
     self.eval_step = eval_step
     self.data_axis = data_axis
     self.step_style = step_style
@@ -133,16 +135,16 @@ class Evaluator:
     self.global_batch_size: int | None = None
     self._template: Any = None  # one padded example row per leaf, for empty batches
     self._batch_from_first = False  # B was taken from a first batch, not given
+    self._batch_sharding = batch_sharding(self.mesh, data_axis)
     if global_batch_size is not None:
       self._set_batch_size(global_batch_size)
-    self._batch_sharding = NamedSharding(self.mesh, P(None, data_axis))
     self._replicated = NamedSharding(self.mesh, P())
     self._compiles = 0  # calls that compiled (loopkit._internal.compat.lowering_count)
     self._jitted = build_program(self._loop, mesh=self.mesh, data_axis=data_axis,
                                  style=step_style, out_shardings=self._replicated)
 
   def _set_batch_size(self, b: int) -> None:
-    check_global_batch_size(b, self.data_parallel_size, process_count=jax.process_count())
+    check_batch_on_mesh(b, self._batch_sharding)
     self.global_batch_size = b
 
   # -- traced ------------------------------------------------------------------
@@ -290,7 +292,7 @@ class Evaluator:
     k = self.iterations_per_loop
     feeder = ChunkFeeder(padded, itertools.repeat(k), iterations_per_loop=k,
                          batch_sharding=self._batch_sharding, replicated=self._replicated,
-                         data_parallel_size=self.data_parallel_size, prefetch=self.prefetch)
+                         prefetch=self.prefetch)
     outs, fed = [], 0
     try:
       while True:

@@ -38,7 +38,7 @@ per-example mean. It evaluates in inference mode (the structure of
 
 Per-device style (``step_style="per_device"``): the step sees its device's
 slice of the batch; it averages gradients itself (``jax.lax.pmean(grads,
-data_axis)``) and builds BatchNorm with ``axis_name=data_axis``. The
+data_axis)``, a tuple of axes too) and builds BatchNorm with ``axis_name=data_axis``. The
 MultiMetric's increments are summed over the devices by the adapter (so every
 device's copy of the state agrees), which is exact for ``total``/``count``
 metrics (an ``Average`` of batch means then averages the devices' means,
@@ -226,7 +226,6 @@ class NnxTrainLoop:
     self._num_extra = len(extra)
     self.graphdef, _ = _pure(self._objects)
     style = loop_kwargs.get("step_style", "global")
-    self._axis = loop_kwargs.get("data_axis", "data")
     self._log_parts = {}
     if self._has_metrics:
       try:
@@ -237,6 +236,7 @@ class NnxTrainLoop:
     self._per_device = style == "per_device"
     loop_kwargs.setdefault("step_of", lambda s: s["optimizer"]["step"])
     self.loop = TrainLoop(self._pure_step, **loop_kwargs)
+    self._axis = self.loop.program.data_axis  # checked: a name, or a tuple of names
 
   # -- state -----------------------------------------------------------------
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import collections
 import os
 import pathlib
@@ -23,6 +24,7 @@ import pytest
 
 BUDGET_S = 20.0  # seconds, measured alone with the README's command on 2 cores
 BUDGET_FILE = pathlib.Path(__file__).with_name("durations_budget.txt")
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # nodeids are relative to it
 
 _durations: collections.Counter[str] = collections.Counter()
 
@@ -32,12 +34,23 @@ def _function_id(nodeid: str) -> str:
   return nodeid.split("[", 1)[0]
 
 
+def _test_functions(path: str) -> dict[str, bool] | None:
+  """The module-level test functions of ``path`` (from the repository root): name -> whether a
+  decorator marks it slow. None where the file does not exist."""
+  full = ROOT / path
+  if not full.is_file():
+    return None
+  tree = ast.parse(full.read_text())
+  return {node.name: any("mark.slow" in ast.unparse(d) for d in node.decorator_list)
+          for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
 def check_slow_marks(items) -> None:
-  """Raises ``pytest.UsageError`` naming each ``slow`` test whose ``held_by`` is missing, not
-  collected (where its file was collected) or itself slow."""
-  slow = {_function_id(i.nodeid) for i in items if i.get_closest_marker("slow") is not None}
-  collected = {_function_id(i.nodeid) for i in items}
-  files = {i.nodeid.split("::", 1)[0] for i in items}
+  """Raises ``pytest.UsageError`` naming each collected ``slow`` test whose ``held_by`` is
+  missing, names no test function of its file, or names one that is itself marked slow.
+
+  The twins are read from the source files, so the check is the same whatever subset of the
+  suite is selected."""
   wrong = []
   for item in items:
     mark = item.get_closest_marker("slow")
@@ -48,9 +61,11 @@ def check_slow_marks(items) -> None:
       wrong.append(f"{item.nodeid}: no held_by= (the default-suite test of the same kind)")
       continue
     for twin in [held_by] if isinstance(held_by, str) else held_by:
-      if twin.split("::", 1)[0] in files and twin not in collected:
+      path, _, name = twin.partition("::")
+      functions = _test_functions(path)
+      if functions is None or name not in functions:
         wrong.append(f"{item.nodeid}: held_by={twin!r} is not a test")
-      elif twin in slow:
+      elif functions[name]:
         wrong.append(f"{item.nodeid}: held_by={twin!r} is slow itself")
   if wrong:
     raise pytest.UsageError("slow marks (tests/budget.py):\n  " + "\n  ".join(sorted(set(wrong))))

@@ -67,6 +67,11 @@ def test_a_slow_mark_must_name_an_existing_default_suite_test(tmp_path):
   assert ("test_slow_whose_twin_is_slow: held_by='tests/test_tiny.py::test_slow_ok' is slow "
           "itself") in err
   assert "test_slow_ok:" not in err
+  # one test selected: its twin is read from the file, not from what was collected
+  one = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "slow",
+                        "tests/test_tiny.py::test_slow_ok"], cwd=tmp_path, env=_clean_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert one.returncode == 0 and "1 passed" in one.stdout, one.stdout + one.stderr
 
 
 _SLEEPER = """

@@ -30,9 +30,9 @@ def test_is_cpu_mesh():
 
 
 def test_resolve_mesh_defaults_to_all_devices_and_checks_the_axis():
-  mesh, size = resolve_mesh(None, "data")
-  assert size == 8 and mesh.axis_names == ("data",)
-  mesh, size = resolve_mesh(data_parallel_mesh("d", devices=jax.devices()[:2]), "d")
-  assert size == 2 and mesh.shape == {"d": 2}
+  mesh, axis, size = resolve_mesh(None, "data")
+  assert size == 8 and mesh.axis_names == ("data",) and axis == "data"
+  mesh, axis, size = resolve_mesh(data_parallel_mesh("d", devices=jax.devices()[:2]), ("d",))
+  assert size == 2 and mesh.shape == {"d": 2} and axis == "d"  # a 1-tuple is its one name
   with pytest.raises(ValueError, match=r"data_axis 'data' is not an axis of the mesh \('d',\)"):
     resolve_mesh(mesh, "data")

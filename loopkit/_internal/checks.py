@@ -38,7 +38,7 @@ def check_step_style(style: Any) -> None:
 
 
 def check_global_batch_size(global_batch_size: int, data_parallel_size: int, *,
-                            process_count: int = 1) -> None:
+                            process_count: int = 1, data_axes: str = "") -> None:
   """Checks that the global batch B splits evenly over the data-parallel size and the processes.
 
   The one batch-divisibility check of loopkit: the loop, the feeder, the evaluator, device-resident
@@ -46,27 +46,62 @@ def check_global_batch_size(global_batch_size: int, data_parallel_size: int, *,
 
   Args:
     global_batch_size: B, examples per step over all devices and processes.
-    data_parallel_size: D, the size of the mesh's data axis.
+    data_parallel_size: D, the size of the mesh's data axis (the product of the sizes of the
+      data axes, for several).
     process_count: P, the processes feeding the batch (1: do not check).
+    data_axes: words naming the axes D is the product of (:func:`describe_data_axis`), added
+      to the message; empty for one axis.
 
   Raises:
-    ValueError: B < 1, or B not divisible by D or by P (the message names both numbers).
+    ValueError: B < 1, or B not divisible by D or by P (the message names both numbers, and
+      the axes with their sizes when D is a product).
   """
   if global_batch_size < 1:
     raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
   if global_batch_size % data_parallel_size:
     raise ValueError(
         f"global batch size {global_batch_size} is not divisible by the data-parallel "
-        f"size {data_parallel_size}")
+        f"size {data_parallel_size}{data_axes}")
   if global_batch_size % process_count:
     raise ValueError(f"global batch size {global_batch_size} is not divisible by the process "
                      f"count {process_count}")
 
 
-def check_data_axis(mesh: Any, data_axis: str) -> None:
-  """Raises ValueError unless ``data_axis`` is an axis of ``mesh`` (names both)."""
-  if data_axis not in mesh.axis_names:
-    raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
+def check_data_axis(mesh: Any, data_axis: Any) -> str | tuple[str, ...]:
+  """Checks ``data_axis`` against ``mesh``; returns it as ``PartitionSpec`` and collectives take it.
+
+  Args:
+    mesh: a ``Mesh`` or ``AbstractMesh``.
+    data_axis: the mesh axis the batch is split over (a str), or several (a tuple or list of
+      str, the major one first, as in ``PartitionSpec(("data", "fsdp"))``).
+
+  Returns:
+    The name for one axis (a 1-tuple too), else the tuple of names.
+
+  Raises:
+    TypeError: ``data_axis`` is neither a str nor a sequence of str (names it).
+    ValueError: no axis named; a name that is not an axis of ``mesh`` (names the mesh's
+      axes); a name given twice.
+  """
+  names = (data_axis,) if isinstance(data_axis, str) else data_axis
+  if not isinstance(names, (tuple, list)) or not all(isinstance(a, str) for a in names):
+    raise TypeError(f"data_axis must be a mesh axis name or a tuple of them, got {data_axis!r}")
+  if not names:
+    raise ValueError("data_axis names no mesh axis: give one (e.g. 'data') or a tuple "
+                     "(e.g. ('data', 'fsdp'))")
+  for a in names:
+    if a not in mesh.axis_names:
+      raise ValueError(f"data_axis {a!r} is not an axis of the mesh {tuple(mesh.axis_names)}"
+                       + (f" (data_axis={tuple(names)!r})" if len(names) > 1 else ""))
+  twice = sorted({a for a in names if names.count(a) > 1})
+  if twice:
+    raise ValueError(f"data_axis {tuple(names)!r} names the mesh axis {twice[0]!r} twice")
+  return names[0] if len(names) == 1 else tuple(names)
+
+
+def data_axes(data_axis: str | tuple[str, ...]) -> tuple[str, ...]:
+  """The names of a checked data axis (:func:`check_data_axis`), as a tuple."""
+  return (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
 
 
 def leaf_dtype(x: Any) -> Any:
@@ -406,3 +441,29 @@ def process_of(process_index: int | None, process_count: int | None) -> tuple[in
   if count < 1 or not 0 <= index < count:
     raise ValueError(f"process_index {index} is not in [0, process_count={count})")
   return index, count
+
+
+def process_rows(global_batch_size: int, process_index: int | None = None,
+                 process_count: int | None = None) -> tuple[int, int]:
+  """The rows of every global batch that a process feeds: loopkit's one global order.
+
+  Process ``p`` of ``P`` feeds rows ``[p * B / P, (p + 1) * B / P)`` of each global batch
+  ``[B, ...]``: the sources read them (``ArraySource``, ``GrainSource``, ``DeviceDataset``) and
+  the feeder places them there (:func:`loopkit._internal.mesh.check_batch_on_mesh` checks that
+  the mesh gives each process's devices those rows), so row ``r`` of a global batch is the same
+  example on the same device position for any process count.
+
+  Args:
+    global_batch_size: B, divisible by P.
+    process_index, process_count: default to JAX's.
+
+  Returns:
+    ``(start, stop)``.
+
+  Raises:
+    ValueError: B not divisible by P; the index not in ``[0, P)``.
+  """
+  index, count = process_of(process_index, process_count)
+  check_global_batch_size(global_batch_size, 1, process_count=count)
+  local = global_batch_size // count
+  return index * local, (index + 1) * local

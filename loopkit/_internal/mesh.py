@@ -5,13 +5,24 @@ Used by :mod:`loopkit.core.program`, :mod:`loopkit.evaluation` and the feeder.
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from loopkit._internal.checks import check_data_axis, device_axis_leaf
+from loopkit._internal.checks import (
+  check_data_axis,
+  check_global_batch_size,
+  data_axes,
+  device_axis_leaf,
+  process_rows,
+)
+
+log = logging.getLogger("loopkit")
 
 
 def data_parallel_mesh(data_axis: str = "data", devices: Any = None) -> Mesh:
@@ -31,22 +42,169 @@ def is_cpu_mesh(mesh: Any) -> bool:
   return mesh.devices.flat[0].platform == "cpu"
 
 
-def resolve_mesh(mesh: Mesh | None, data_axis: str) -> tuple[Mesh, int]:
-  """The mesh to run on and its data-parallel size.
+def resolve_mesh(mesh: Mesh | None,
+                 data_axis: str | tuple[str, ...]) -> tuple[Mesh, str | tuple[str, ...], int]:
+  """The mesh to run on, its checked data axis and its data-parallel size.
 
   Args:
     mesh: a mesh, or None for :func:`data_parallel_mesh` over all devices.
-    data_axis: the mesh axis the batch is split over.
+    data_axis: the mesh axis the batch is split over, or a tuple of them (the major first).
 
   Returns:
-    ``(mesh, data_parallel_size)``: the size of ``data_axis``.
+    ``(mesh, axis, data_parallel_size)``: ``axis`` as ``PartitionSpec`` and collectives take
+    it (:func:`loopkit._internal.checks.check_data_axis`: a str for one axis, else a tuple),
+    and the product of its axes' sizes.
 
   Raises:
-    ValueError: ``data_axis`` is not an axis of ``mesh``.
+    TypeError: ``data_axis`` is neither a str nor a sequence of str.
+    ValueError: ``data_axis`` names no axis, an axis that ``mesh`` does not have, an axis twice,
+      or several axes without a ``mesh``.
   """
-  mesh = mesh if mesh is not None else data_parallel_mesh(data_axis)
-  check_data_axis(mesh, data_axis)
-  return mesh, mesh.shape[data_axis]
+  if mesh is None:
+    names = [data_axis] if isinstance(data_axis, str) else data_axis
+    if isinstance(names, (tuple, list)) and len(names) > 1:
+      raise ValueError(f"data_axis={tuple(names)!r} names several mesh axes but no mesh was "
+                       "given: pass the mesh that has them, mesh=jax.make_mesh(...)")
+    one = isinstance(names, (tuple, list)) and len(names) == 1 and isinstance(names[0], str)
+    mesh = data_parallel_mesh(names[0] if one else "data")  # else check_data_axis says why
+  axis = check_data_axis(mesh, data_axis)
+  return mesh, axis, data_parallel_size(mesh, axis)
+
+
+def data_parallel_size(mesh: Any, data_axis: str | tuple[str, ...]) -> int:
+  """D, the number of slices of the batch: the product of the data axes' sizes on ``mesh``."""
+  return math.prod(mesh.shape[a] for a in data_axes(data_axis))
+
+
+def describe_data_axis(mesh: Any, data_axis: str | tuple[str, ...]) -> str:
+  """Words for an error about D over several axes, e.g. `` (the product of the sizes of the
+  mesh axes ('data', 'fsdp'): 2 x 2)``; empty for one axis."""
+  axes = data_axes(data_axis)
+  if len(axes) == 1:
+    return ""
+  sizes = " x ".join(str(mesh.shape[a]) for a in axes)
+  return f" (the product of the sizes of the mesh axes {axes!r}: {sizes})"
+
+
+def batch_sharding(mesh: Mesh, data_axis: str | tuple[str, ...], *,
+                   batch_dim: int = 1) -> NamedSharding:
+  """The sharding of a batch leaf: dimension ``batch_dim`` split over the data axis (or axes,
+  the first one major, as ``PartitionSpec`` splits a dimension over a tuple), the others whole
+  (replicated over the remaining mesh axes).
+
+  Args:
+    mesh: the mesh.
+    data_axis: a checked data axis (:func:`resolve_mesh`).
+    batch_dim: 1 for a chunk ``[K, B, ...]``, 0 for a batch ``[B, ...]``.
+  """
+  return NamedSharding(mesh, P(*([None] * batch_dim), data_axis))
+
+
+def check_batch_on_mesh(global_batch_size: int, sharding: NamedSharding, *, batch_dim: int = 1,
+                        process_count: int | None = None,
+                        process_of: Callable[[Any], int] | None = None) -> None:
+  """The check of a global batch against the sharding that places it (feeder and evaluator).
+
+  B must divide by the data-parallel size D (the product of the sizes of the axes that split
+  dimension ``batch_dim``) and by the process count P. On several processes, each process feeds
+  rows ``[p * B / P, (p + 1) * B / P)`` of every global batch
+  (:func:`loopkit._internal.checks.process_rows`) and places them on its devices
+  (``jax.make_array_from_process_local_data``), which hold the rows the mesh gives them: the
+  batch is in the sources' global order only where the mesh gives each process its own rows.
+  A mesh that gives every process B / P rows, but others (its devices are not in process order
+  along the data axes: :func:`jax.make_mesh` puts them in order on CPU and GPU hosts), still
+  trains, with the rows of a global batch on other devices than on one process: a warning says
+  so once. A mesh whose data axes do not split the batch over the processes (a process's
+  devices hold more than B / P rows, or rows another process holds too) is refused.
+
+  Args:
+    global_batch_size: B.
+    sharding: the ``NamedSharding`` of a batch leaf (:func:`batch_sharding`).
+    batch_dim: the batch dimension in ``sharding``'s spec.
+    process_count: P (default ``jax.process_count()``).
+    process_of: the process of a mesh device (default ``device.process_index``; tests pass
+      another to lay out one process's devices as several).
+
+  Raises:
+    ValueError: B < 1, B not divisible by D (naming the axes and their sizes when D is a
+      product) or by P; on several processes, a mesh whose data axes do not split the batch
+      over the processes (naming the process, the rows its devices hold and the rows it feeds).
+  """
+  mesh, axis = sharding.mesh, sharding.spec[batch_dim]
+  count = jax.process_count() if process_count is None else process_count
+  check_global_batch_size(global_batch_size, data_parallel_size(mesh, axis),
+                          process_count=count, data_axes=describe_data_axis(mesh, axis))
+  if count == 1 or getattr(mesh, "devices", None) is None:  # an AbstractMesh has no processes
+    return
+  rows = mesh_process_rows(mesh, axis, global_batch_size, process_of=process_of)
+  b = global_batch_size
+  problem, permuted = None, []
+  for p in range(count):
+    want = process_rows(b, p, count)
+    have = rows.get(p, [])
+    if have == [want]:
+      continue
+    held = sum(stop - start for start, stop in have)
+    others = [q for q, r in sorted(rows.items()) if q != p and _overlap(r, have)]
+    # every row is on some device: all P hold B / P rows exactly when they split the batch
+    if held != want[1] - want[0] or set(rows) - set(range(count)):
+      problem = (p, have, want, others)
+      break
+    permuted.append((p, have, want))
+  where = (f"the global batch of {b} is split over the mesh axes {data_axes(axis)!r} of "
+           f"{describe_mesh(mesh)}")
+  if problem is not None:
+    p, have, want, others = problem
+    shared = (f", rows that process {others[0]}'s devices hold too" if others else "")
+    raise ValueError(
+        f"{where}, which puts process {p}'s devices on rows {_ranges(have)}{shared}; but on "
+        f"{count} processes each process feeds its own B / P = {b // count} rows, process {p} "
+        f"rows {_ranges([want])}: every mesh axis whose devices span processes must be among "
+        "the data axes (data_axis=(...)), so that each process's devices hold its rows alone")
+  if permuted:
+    p, have, want = permuted[0]
+    log.warning(
+        "%s, which puts process %d's devices on rows %s, not on the rows %s it feeds: the "
+        "processes' devices are not in process order along the data axes, so each global "
+        "batch is placed in another row order than on one process (training is unaffected; "
+        "results are not bitwise those of another process count). Build the mesh with each "
+        "process's devices together, in process order, along the data axes",
+        where, p, _ranges(have), _ranges([want]))
+
+
+def mesh_process_rows(mesh: Any, data_axis: str | tuple[str, ...], global_batch_size: int, *,
+                      process_of: Callable[[Any], int] | None = None
+                      ) -> dict[int, list[tuple[int, int]]]:
+  """The rows of a global batch ``[B, ...]`` split over ``data_axis`` that each process's devices
+  hold, as JAX places them (``NamedSharding.devices_indices_map``).
+
+  Returns:
+    ``{process: [(start, stop), ...]}``: sorted, adjacent ranges merged.
+  """
+  of = process_of or (lambda d: d.process_index)
+  index_map = NamedSharding(mesh, P(data_axis)).devices_indices_map((global_batch_size,))
+  held: dict[int, set[tuple[int, int]]] = {}
+  for device, index in index_map.items():
+    start, stop, _ = index[0].indices(global_batch_size)
+    held.setdefault(int(of(device)), set()).add((start, stop))
+  merged: dict[int, list[tuple[int, int]]] = {}
+  for p, ranges in held.items():
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(ranges):
+      if out and out[-1][1] == start:
+        out[-1] = (out[-1][0], stop)
+      else:
+        out.append((start, stop))
+    merged[p] = out
+  return merged
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+  return any(s0 < e1 and s1 < e0 for s0, e0 in a for s1, e1 in b)
+
+
+def _ranges(ranges: list[tuple[int, int]]) -> str:
+  return " and ".join(f"[{start}, {stop})" for start, stop in ranges)
 
 
 def describe_mesh(mesh: Any) -> str:

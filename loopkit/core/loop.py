@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from loopkit._internal.checks import check_global_batch_size, default_step_of
+from loopkit._internal.checks import default_step_of
 from loopkit._internal.logs import install_default_handler
-from loopkit._internal.mesh import resolve_mesh
+from loopkit._internal.mesh import check_batch_on_mesh, resolve_mesh
 from loopkit.core.hook_state import hook_names
 from loopkit.core.hooks import Hook, check_hooks
 from loopkit.core.ledger import Bucket, Ledger
@@ -101,7 +101,10 @@ class TrainLoop:
       replicated leaves are replicated on it. A leaf sharded on another mesh (a
       model-parallel state built on a ``("data", "fsdp", "tensor")`` mesh, with this
       argument left out) is refused at ``run``, before any step: pass that mesh here.
-    data_axis: name of the mesh axis the batch is split over.
+    data_axis: the mesh axis the batch is split over (default ``"data"``), or a tuple of mesh
+      axes, the major one first (``("data", "fsdp")``: the batch split over their product, as
+      ``PartitionSpec(("data", "fsdp"))`` splits it; FSDP training, MaxText's default). The
+      global batch must divide by the product of their sizes.
     step_style: ``"global"`` (the step sees global arrays) or ``"per_device"``
       (pmap style: the step sees its device's slice and uses collectives over
       ``data_axis``).
@@ -137,7 +140,10 @@ class TrainLoop:
       :attr:`hooks` since.
     ValueError: K < 1 or not an int or duration; a duration K on several
       processes; ``max_iterations_per_loop`` with an int K;
-      ``global_batch_size`` not divisible by the data-parallel size;
+      ``global_batch_size`` not divisible by the data-parallel size (the
+      product of the data axes' sizes; the message names them); a ``data_axis``
+      that is not an axis of ``mesh`` (or a tuple naming one twice, or several
+      axes without ``mesh``);
       ``steps_per_epoch`` < 1; a hook's ``every_epochs`` that is not a
       whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
@@ -162,20 +168,20 @@ class TrainLoop:
   def __init__(self, train_step: Callable, *, iterations_per_loop: int | str | TimeBasedK,
                max_iterations_per_loop: int | None = None,
                hooks: Sequence[Hook] = (), mesh: Mesh | None = None,
-               data_axis: str = "data", step_style: StepStyle = "global",
+               data_axis: str | tuple[str, ...] = "data", step_style: StepStyle = "global",
                steps_per_epoch: int | str | None = None, global_batch_size: int | None = None,
                prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
                preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
                canonical_convs: bool | None = None):
     slots, time_based_k = _slots_and_time_based_k(iterations_per_loop, max_iterations_per_loop)
-    mesh, data_parallel_size = resolve_mesh(mesh, data_axis)
+    mesh, data_axis, data_parallel_size = resolve_mesh(mesh, data_axis)
     program = MultiStepProgram(train_step, iterations_per_loop=slots,  # checks the slot count
                                mesh=mesh, data_axis=data_axis, style=step_style,
                                step_of=step_of, canonical_convs=canonical_convs)
     self._auto_steps_per_epoch = steps_per_epoch == "auto"  # from the source, at each run
     self.steps_per_epoch: int | None = _fixed_steps_per_epoch(steps_per_epoch)
     if global_batch_size is not None:
-      check_global_batch_size(global_batch_size, data_parallel_size)
+      check_batch_on_mesh(global_batch_size, program.batch_sharding, process_count=1)
     self.hooks = _checked_hooks(hooks)
     if self.steps_per_epoch is not None:
       check_epoch_marks(self.hooks, self.steps_per_epoch)
@@ -288,7 +294,7 @@ class TrainLoop:
 
   @property
   def data_parallel_size(self) -> int:
-    """Devices along the data axis."""
+    """Slices of the batch: the size of the data axis (the product of the sizes, for a tuple)."""
     return self._config.data_parallel_size
 
   @property

@@ -1,7 +1,8 @@
 """The compiled multi-step program: up to K train steps in one device call.
 
 One ``jax.jit`` program takes the state, a chunk of stacked batches ``[K, B, ...]``
-(B = global batch, sharded on the data axis) and a run length ``n`` (int32
+(B = global batch, sharded on the data axis, or over the product of several: ``data_axis=
+("data", "fsdp")``) and a run length ``n`` (int32
 scalar, 1 <= n <= K), and runs ``n`` train steps in a ``lax.fori_loop`` whose
 trip count is a traced value (an XLA while loop). Every call length therefore
 reuses one executable: the planner can cut calls anywhere without a recompile.
@@ -19,7 +20,8 @@ Two step styles:
     data axis); the program is ``jit(fori_loop(step))``.
   * ``"per_device"``: pmap style; ``train_step`` sees its device's slice
     ``[B / D, ...]`` and may use collectives over the data axis, e.g.
-    ``lax.pmean(grads, "data")``; the program is
+    ``lax.pmean(grads, "data")`` (``lax.pmean(grads, ("data", "fsdp"))`` for a tuple: D is
+    the product of its axes' sizes); the program is
     ``jit(shard_map(fori_loop(step)))`` with the state replicated.
 
 The step compiles alike for every K. A chunk of K = 1 has a size-1 slot axis, and XLA
@@ -71,6 +73,7 @@ from loopkit._internal.checks import (
   MIN_SLOTS,
   RecompileWarning,
   call_signature,
+  check_data_axis,
   check_iterations_per_loop,
   check_step_style,
   default_step_of,
@@ -78,7 +81,7 @@ from loopkit._internal.checks import (
   tree_mismatch,
 )
 from loopkit._internal.compat import lowering_count
-from loopkit._internal.mesh import is_cpu_mesh, pinned_state_shardings
+from loopkit._internal.mesh import batch_sharding, is_cpu_mesh, pinned_state_shardings
 
 StepStyle = Literal["global", "per_device"]
 
@@ -134,18 +137,21 @@ def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
   return jax.lax.fori_loop(0, num_steps, step, init)
 
 
-def build_program(loop: Callable, *, mesh: Mesh, data_axis: str, style: StepStyle,
+def build_program(loop: Callable, *, mesh: Mesh, data_axis: str | tuple[str, ...],
+                  style: StepStyle,
                   **jit_kwargs: Any) -> Any:
   """``jax.jit`` of ``loop(state, chunk, num_steps)``, the builder of every loopkit program.
 
   ``"global"`` style: ``jit(loop)``. ``"per_device"``: ``jit(shard_map(loop))`` with the state
-  and ``num_steps`` replicated, the chunk ``[K, B, ...]`` split on ``data_axis`` and every
-  output replicated (the loop reduces over the data axis itself).
+  and ``num_steps`` replicated, the chunk ``[K, B, ...]`` split on ``data_axis`` (over the
+  product of its axes for a tuple) and every output replicated (the loop reduces over the data
+  axis itself).
 
   Args:
     loop: the traced function, usually a :func:`run_slots` over a step.
     mesh: the device mesh.
-    data_axis: the mesh axis the batch is split over.
+    data_axis: the mesh axis the batch is split over, or a tuple of them (checked:
+      :func:`loopkit._internal.mesh.resolve_mesh`).
     style: ``"global"`` or ``"per_device"``.
     **jit_kwargs: passed to ``jax.jit`` (shardings, ``donate_argnums``).
 
@@ -154,7 +160,8 @@ def build_program(loop: Callable, *, mesh: Mesh, data_axis: str, style: StepStyl
   """
   fn = loop
   if style == "per_device":
-    fn = jax.shard_map(loop, mesh=mesh, in_specs=(P(), P(None, data_axis), P()),
+    fn = jax.shard_map(loop, mesh=mesh,
+                       in_specs=(P(), batch_sharding(mesh, data_axis).spec, P()),
                        out_specs=P(), check_vma=False)
   return jax.jit(fn, **jit_kwargs)
 
@@ -301,7 +308,8 @@ class MultiStepProgram:
     train_step: ``(state, batch) -> (state, metrics)``, pure.
     iterations_per_loop: K >= 1, slots per chunk.
     mesh: device mesh; the batch axis is sharded over ``data_axis``.
-    data_axis: name of the data-parallel mesh axis.
+    data_axis: the data-parallel mesh axis, or a tuple of them (the batch split over their
+      product, the first one major); the per-device style's collectives run over it.
     style: ``"global"`` or ``"per_device"`` (see module docstring).
     step_of: returns the state's scalar step counter.
     canonical_convs: rewrite the step's non-canonical convolutions (the
@@ -314,14 +322,14 @@ class MultiStepProgram:
   """
 
   def __init__(self, train_step: Callable, *, iterations_per_loop: int, mesh: Mesh,
-               data_axis: str = "data", style: StepStyle = "global",
+               data_axis: str | tuple[str, ...] = "data", style: StepStyle = "global",
                step_of: Callable[[Any], jax.Array] = default_step_of,
                canonical_convs: bool | None = None):
     check_step_style(style)
     self.train_step = train_step
     self.iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
     self.mesh = mesh
-    self.data_axis = data_axis
+    self.data_axis = check_data_axis(mesh, data_axis)
     self.style = style
     self.step_of = step_of
     if canonical_convs is None:
@@ -339,8 +347,8 @@ class MultiStepProgram:
 
   @property
   def batch_sharding(self) -> NamedSharding:
-    """Sharding of a chunk leaf ``[K, B, ...]``: B split over the data axis."""
-    return NamedSharding(self.mesh, P(None, self.data_axis))
+    """Sharding of a chunk leaf ``[K, B, ...]``: B split over the data axis (or axes)."""
+    return batch_sharding(self.mesh, self.data_axis)
 
   @property
   def replicated(self) -> NamedSharding:

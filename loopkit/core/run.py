@@ -119,7 +119,7 @@ class RunConfig:
     iterations_per_loop: the compiled slot count K (the cap, for time-based K).
     time_based_k: the :class:`~loopkit.core.planner.TimeBasedK`, or None.
     mesh: the device mesh.
-    data_parallel_size: devices along the data axis.
+    data_parallel_size: slices of the batch (the product of the data axes' sizes).
     prefetch: chunks prepared ahead by the feeder's thread.
     step_of: returns the state's step counter.
     global_batch_size: the batch size to check the first batch against, or None.
@@ -352,7 +352,7 @@ class Run:
     return ChunkFeeder(source, plan, iterations_per_loop=config.iterations_per_loop,
                        batch_sharding=self.program.batch_sharding,
                        replicated=self.program.replicated,
-                       data_parallel_size=config.data_parallel_size, prefetch=config.prefetch,
+                       prefetch=config.prefetch,
                        start_position=start_position, first_step=step0,
                        interrupt=self.preemption.event,
                        global_batch_size=config.global_batch_size,
@@ -753,10 +753,11 @@ class Run:
     self.replicas_checked_at = self.ledger.step
     if diverged:
       axis = program.data_axis
+      across = f"the {axis!r} axis" if isinstance(axis, str) else f"the axes {axis!r}"
       raise ValueError(
           f"{when} the devices' copies of "
           f"state leaves {', '.join(diverged[:5])}{' ...' if len(diverged) > 5 else ''} "
-          f"differ across the {axis!r} axis: a step_style='per_device' train_step must keep "
+          f"differ across {across}: a step_style='per_device' train_step must keep "
           f"the state identical on every device, e.g. average gradients with "
           f"jax.lax.pmean(grads, {axis!r}) before the update (and BatchNorm statistics with "
           f"axis_name={axis!r})")

@@ -56,19 +56,20 @@ class ProcessRows(grain.MapDataset):
   """This process's rows of every global batch, in step order.
 
   Element ``k`` (step ``s = k // b``, local row ``j = k % b``, ``b = B / P``)
-  is ``parent[s * B + p * b + j]``: process p owns the contiguous rows
-  ``[p * b, (p + 1) * b)`` of each global batch, so row r of global batch s
+  is ``parent[s * B + first_row + j]``: process p owns the contiguous rows
+  ``[first_row, first_row + b)`` of each global batch (``first_row = p * b``:
+  :func:`loopkit._internal.checks.process_rows`), so row r of global batch s
   holds the same example whatever the process count.
 
   Thread-safe (no state); picklable.
   """
 
   def __init__(self, parent: grain.MapDataset, *, global_batch_size: int,
-               local_batch_size: int, process_index: int):
+               first_row: int, local_batch_size: int):
     super().__init__(parent)
     self._big = global_batch_size
     self._b = local_batch_size
-    self._offset = process_index * local_batch_size
+    self._offset = first_row
     self._length = len(parent) // global_batch_size * local_batch_size
 
   def __len__(self) -> int:

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from loopkit._internal.checks import check_global_batch_size, check_step_style, default_step_of
-from loopkit._internal.mesh import resolve_mesh
+from loopkit._internal.checks import check_step_style, default_step_of, process_rows
+from loopkit._internal.mesh import batch_sharding, check_batch_on_mesh, resolve_mesh
 from loopkit.data.positions import check_step_position, step_position
 
 _ROUNDS = 6
@@ -143,7 +143,8 @@ class DeviceDataset:
       arrays on every process).
     global_batch_size: B, divisible by the data-parallel size; N >= B.
     mesh: the training mesh.
-    data_axis: the mesh axis the batch is split over.
+    data_axis: the mesh axis the batch is split over, or a tuple of them (as in
+      ``TrainLoop``).
     seed: shuffle seed, an int >= 0.
     shuffle: False visits the examples in order every epoch.
     num_epochs: None for endless; else ``batch_at`` ends the source after
@@ -165,17 +166,17 @@ class DeviceDataset:
   """
 
   def __init__(self, arrays: Any, global_batch_size: int, *, mesh: Mesh,
-               data_axis: str = "data", seed: int = 0, shuffle: bool = True,
+               data_axis: str | tuple[str, ...] = "data", seed: int = 0, shuffle: bool = True,
                num_epochs: int | None = None,
                step_style: Literal["global", "per_device"] = "global"):
-    resolve_mesh(mesh, data_axis)
+    _, data_axis, _ = resolve_mesh(mesh, data_axis)
     check_step_style(step_style)
     sizes = {np.shape(x)[0] for x in jax.tree.leaves(arrays)}
     if len(sizes) != 1:
       raise ValueError(f"all arrays need the same leading (example) size, got {sorted(sizes)}")
     self.num_examples = sizes.pop()
-    dp = mesh.shape[data_axis]
-    check_global_batch_size(global_batch_size, dp, process_count=jax.process_count())
+    check_batch_on_mesh(global_batch_size, batch_sharding(mesh, data_axis, batch_dim=0),
+                        batch_dim=0)
     if self.num_examples < global_batch_size:
       raise ValueError(f"{self.num_examples} examples are fewer than one batch of "
                        f"{global_batch_size}")
@@ -223,8 +224,9 @@ class DeviceDataset:
     epoch, in_epoch = divmod(int(step), self.steps_per_epoch)
     if step < 0 or (self.num_epochs is not None and epoch >= self.num_epochs):
       raise IndexError(f"step {step} is outside the dataset's {self.num_epochs} epochs")
-    start = in_epoch * self.global_batch_size + jax.process_index() * self.local_batch_size
-    position = np.arange(start, start + self.local_batch_size, dtype=np.int32)
+    lo, hi = process_rows(self.global_batch_size)
+    start = in_epoch * self.global_batch_size
+    position = np.arange(start + lo, start + hi, dtype=np.int32)
     return {"epoch": np.full_like(position, epoch), "position": position}
 
   def position_at(self, step: int) -> dict[str, int]:
@@ -285,7 +287,7 @@ class DeviceDataset:
     """
     if self.step_style == "per_device":
       return self._local_gather(data, index)
-    spec = P(self.data_axis)
+    spec = batch_sharding(self.mesh, self.data_axis, batch_dim=0).spec
     return jax.shard_map(
         self._local_gather, mesh=self.mesh,
         in_specs=(jax.tree.map(lambda _: P(), data), jax.tree.map(lambda _: spec, index)),

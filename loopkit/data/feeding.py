@@ -6,7 +6,7 @@ batch on one process, the process-local part on multi-host). For each planned ca
 ``[max(K, MIN_SLOTS), B, ...]`` with zeros (padding slots are never computed on; K = 1
 chunks carry one zero slot so the program runs the K = 2 loop body without padding on
 the device, see :mod:`loopkit.core.program`) and places the chunk on the mesh with
-``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis), or,
+``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis or axes), or,
 for a consumer that pins the chunk's sharding on one process of CPU devices, hands it
 over as numpy for the jitted call to place (``call_places=True``,
 :func:`loopkit.data.placement.call_places_numpy`). A background thread does this
@@ -54,11 +54,11 @@ from loopkit._internal.checks import (
   MIN_SLOTS,
   check_batch_layout,
   check_device_axis_layout,
-  check_global_batch_size,
   partial_batch_hint,
   tree_mismatch,
 )
-from loopkit._internal.mesh import is_cpu_mesh
+from loopkit._internal.mesh import check_batch_on_mesh, is_cpu_mesh
+from loopkit._internal.mesh import data_parallel_size as data_parallel_size_of
 from loopkit.data.placement import (
     ALIGN_MIN_BYTES,
     Placer as _Placer,
@@ -147,7 +147,11 @@ class ChunkFeeder:
       :mod:`loopkit.core.program`, and the program pads nothing on the device).
     batch_sharding: sharding of a chunk leaf ``[K, B, ...]``.
     replicated: sharding for the run-length scalar.
-    data_parallel_size: number of shards of the batch axis; B must divide by it.
+    data_parallel_size: slices of the batch axis, B must divide by it; None (default): the
+      product of the sizes of the mesh axes that split the batch in ``batch_sharding``,
+      which a given value must equal. The first batch is checked against ``batch_sharding``
+      (:func:`loopkit._internal.mesh.check_batch_on_mesh`: divisibility, naming the axes, and
+      on several processes that the mesh gives each process the rows it feeds).
     prefetch: chunks prepared ahead by a background thread (0 = synchronous).
     start_position: position count of the source when given (for resumes).
     first_step: the global step of the first batch.
@@ -178,7 +182,7 @@ class ChunkFeeder:
 
   def __init__(self, source: Iterable, plan: Iterator[int], *, iterations_per_loop: int,
                batch_sharding: NamedSharding, replicated: NamedSharding,
-               data_parallel_size: int, prefetch: int = 2, start_position: int = 0,
+               data_parallel_size: int | None = None, prefetch: int = 2, start_position: int = 0,
                first_step: int = 0, close_timeout_secs: float | None = None,
                interrupt: threading.Event | None = None,
                global_batch_size: int | None = None, call_places: bool = False):
@@ -192,7 +196,10 @@ class ChunkFeeder:
     self._slots = max(iterations_per_loop, MIN_SLOTS)  # slots per chunk
     self._batch_sharding = batch_sharding
     self._replicated = replicated
-    self._dp = data_parallel_size
+    dp = data_parallel_size_of(batch_sharding.mesh, batch_sharding.spec[1])
+    if data_parallel_size is not None and data_parallel_size != dp:
+      raise ValueError(f"data_parallel_size={data_parallel_size}, but the batch sharding "
+                       f"{batch_sharding.spec} splits the batch {dp} ways")
     self._expected_batch = global_batch_size
     self._start_position = start_position
     self._first_step = first_step
@@ -247,7 +254,7 @@ class ChunkFeeder:
               f"batch leaf {jax.tree_util.keystr(path)} has shape {np.shape(x)}; every "
               f"leaf needs the same leading batch dimension ({b_local})")
       b_global = b_local * jax.process_count()
-      check_global_batch_size(b_global, self._dp)
+      check_batch_on_mesh(b_global, self._batch_sharding)
       self._spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 batch)
       spec_leaves, self._spec_def = jax.tree.flatten(self._spec)

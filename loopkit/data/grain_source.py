@@ -16,9 +16,12 @@ batch of step ``s`` is a pure function of ``(seed, s)`` and the dataset:
   same crop of the same example at the same step whatever the process or
   worker count.
 * **Rows (loopkit's).** Process ``p`` of ``P`` reads only rows
-  ``[p * B / P, (p + 1) * B / P)`` of each global batch, and the feeder places
-  them there (``jax.make_array_from_process_local_data``), so row ``r`` lands
-  on the same device position for any process count.
+  ``[p * B / P, (p + 1) * B / P)`` of each global batch
+  (:func:`loopkit._internal.checks.process_rows`), and the feeder places them
+  there (``jax.make_array_from_process_local_data``; the mesh must give each
+  process's devices its rows, :func:`loopkit._internal.mesh.check_batch_on_mesh`),
+  so row ``r`` lands on the same device position for any process count, with
+  the batch on one data axis or on several (``data_axis=("data", "fsdp")``).
 * **Position (loopkit's).** The saved data position is
   ``{"grain_step": s, ...}``: a resume at step ``s`` reads the records of the
   steps from ``s`` on and none before (O(1) in ``s``).
@@ -49,7 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from loopkit._internal.checks import check_global_batch_size, process_of
+from loopkit._internal.checks import check_global_batch_size, process_of, process_rows
 from loopkit._internal.extras import require
 from loopkit.data.positions import check_step_position, step_position
 
@@ -171,9 +174,9 @@ class GrainSource:
         raise ValueError(f"transform must keep one element per record (a map or random_map); "
                          f"it changed the length from {self._total_steps * self.global_batch_size}"
                          f" to {len(ordered)}")
+    lo, hi = process_rows(self.global_batch_size, self._index, self._count)
     return self._layers.ProcessRows(ordered, global_batch_size=self.global_batch_size,
-                                    local_batch_size=self.local_batch_size,
-                                    process_index=self._index)
+                                    first_row=lo, local_batch_size=hi - lo)
 
   def record_indices_at(self, step: int) -> np.ndarray:
     """Record indices (into ``data``) of this process's rows at ``step``: int64 ``[B / P]``.

@@ -50,7 +50,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from loopkit._internal.checks import check_global_batch_size, process_of
+from loopkit._internal.checks import check_global_batch_size, process_of, process_rows
 from loopkit._internal.extras import require
 from loopkit.data.positions import check_step_position, step_position
 
@@ -237,8 +237,10 @@ class ArraySource:
   permutation are dropped (a different subset each epoch).
 
   On multi-host every process passes the *same* arrays; all draw the same
-  global permutation and each takes its ``B / P`` rows of every global batch,
-  so the global batches do not depend on the process count.
+  global permutation and each takes its ``B / P`` rows of every global batch
+  (:func:`loopkit._internal.checks.process_rows`), so the global batches do not
+  depend on the process count. The feeder places row ``r`` of a global batch on
+  the same device for any process count, over one data axis or several.
 
   Args:
     arrays: pytree of numpy arrays ``[N, ...]`` (the whole dataset).
@@ -327,8 +329,9 @@ class ArraySource:
     epoch, in_epoch = divmod(int(step), self.steps_per_epoch)
     if step < 0 or (self.num_epochs is not None and epoch >= self.num_epochs):
       raise IndexError(f"step {step} is outside the source's {self.num_epochs} epochs")
-    start = in_epoch * self.global_batch_size + self._index * self.local_batch_size
-    return self.epoch_permutation(epoch)[start:start + self.local_batch_size]
+    lo, hi = process_rows(self.global_batch_size, self._index, self._count)
+    start = in_epoch * self.global_batch_size
+    return self.epoch_permutation(epoch)[start + lo:start + hi]
 
   def batch_at(self, step: int) -> Any:
     """The process-local batch for global step ``step`` (0-based): leaves ``[B / P, ...]``."""
@@ -356,14 +359,15 @@ class ArraySource:
     end = step + num_steps
     if self.num_epochs is not None:
       end = max(step, min(end, self.num_epochs * self.steps_per_epoch))
-    b, lo = self.global_batch_size, self._index * self.local_batch_size
+    b = self.global_batch_size
+    lo, hi = process_rows(b, self._index, self._count)
     parts = []
     s = step
     while s < end:  # one slice of an epoch's permutation per epoch touched (usually one)
       epoch, in_epoch = divmod(s, self.steps_per_epoch)
       count = min(end - s, self.steps_per_epoch - in_epoch)
       perm = self.epoch_permutation(epoch)[in_epoch * b:(in_epoch + count) * b]
-      parts.append(perm.reshape(count, b)[:, lo:lo + self.local_batch_size])
+      parts.append(perm.reshape(count, b)[:, lo:hi])
       s += count
     return (np.concatenate(parts) if len(parts) > 1 else parts[0] if parts
             else np.zeros((0, self.local_batch_size), np.int64))

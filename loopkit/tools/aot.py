@@ -42,7 +42,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from loopkit._internal.checks import MIN_SLOTS, check_global_batch_size
+from loopkit._internal.checks import (
+  MIN_SLOTS,
+  check_data_axis,
+  check_global_batch_size,
+  data_axes,
+)
+from loopkit._internal.mesh import data_parallel_size, describe_data_axis
 from loopkit.core.program import MultiStepProgram, compiled_cost
 from loopkit.evaluation import Evaluator
 from loopkit.tools.topology import Chip, GiB, chip_of, topology_devices
@@ -355,7 +361,7 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
   if evaluator is not None and eval_batch is None:
     raise ValueError("compile_for(evaluator=...) needs eval_batch, one eval batch's spec")
   mesh = _target_mesh(program, topology, mesh)
-  dp = mesh.shape[program.data_axis]
+  dp = data_parallel_size(mesh, program.data_axis)
   chip = chip_of(mesh.devices.flat[0])
   hbm = hbm_bytes if hbm_bytes is not None else (chip.hbm_bytes if chip else None)
   where = f"on {topology or 'the local devices'}"
@@ -364,7 +370,7 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
                             mesh=mesh, data_axis=program.data_axis, style=program.style,
                             step_of=program.step_of, canonical_convs=canonical_convs)
   b = _batch_size(batch, "train")
-  check_global_batch_size(b, dp)
+  check_global_batch_size(b, dp, data_axes=describe_data_axis(mesh, program.data_axis))
   chunk = _chunk(batch, program.iterations_per_loop)
   state_spec = _onto(state, mesh)
   programs = {"train": _report("train", target.lower(state_spec, chunk), target,
@@ -405,10 +411,9 @@ def _target_mesh(program: MultiStepProgram, topology: str | None, mesh: Mesh | N
                        "a mesh with the same axis names over "
                        "loopkit.tools.topology.topology_devices(topology)")
     # the loop's axis type (Auto for loopkit's default mesh, Explicit for jax.make_mesh's)
-    mesh = jax.make_mesh((len(devices),), (data_axis,), devices=list(devices),
+    mesh = jax.make_mesh((len(devices),), data_axes(data_axis), devices=list(devices),
                          axis_types=tuple(program.mesh.axis_types))
-  if data_axis not in mesh.axis_names:
-    raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh {mesh.axis_names}")
+  check_data_axis(mesh, data_axis)
   return mesh
 
 
