@@ -521,10 +521,14 @@ class EvalHook(Hook):
       with ``for_eval_hook``, the map it gives, e.g. ``lambda s: s["model"]``).
     **trigger: ``every_steps``, ``every_epochs``, ``at_steps``,
       ``every_secs``, ``at_end`` (see :class:`loopkit.core.hooks.Hook`).
+      ``at_end`` does not cover a preemption (``fires_at_preemption`` is
+      False): a preempted run stops without evaluating, and once resumed
+      evaluates at the marks an uninterrupted run evaluates at.
 
   Attributes:
     evaluator: the evaluator given.
-    results: ``[(step, EvalResult)]`` in firing order.
+    results: ``[(step, EvalResult)]`` in firing order (at each run's start, those past
+      the step it continues from are dropped, as the writer's rows).
 
   Raises:
     ValueError: ``batches`` is a one-shot iterator (it would be empty at the
@@ -540,6 +544,7 @@ class EvalHook(Hook):
 
   needs_state = True
   time_bucket = Bucket.EVAL  # goodput: evaluation time, not generic hook time
+  fires_at_preemption = False  # the resumed run evaluates at the next mark, as without it
 
   def __init__(self, evaluator: SupportsEvaluate | ForEvalHook,
                batches: Iterable | Callable[[], Iterable], *, num_batches: int | None = None,
@@ -587,9 +592,12 @@ class EvalHook(Hook):
 
   def adjust_ledger(self, ctx: Any) -> None:
     """Tells the writer the step the run continues from (restores applied), so a resumed
-    run's file writers keep the earlier eval rows up to it (``keep_rows_through``)."""
+    run's file writers keep the earlier eval rows up to it (``keep_rows_through``), and
+    drops the :attr:`results` past it."""
     if self.writer is not None:
       keep_rows_through(self.writer, ctx.ledger.step)
+    while self.results and self.results[-1][0] > ctx.ledger.step:
+      self.results.pop()
 
   def on_trigger(self, info: LoopInfo, state: Any) -> None:
     batches = self.batches() if callable(self.batches) else self.batches

@@ -237,6 +237,27 @@ def test_keep_rows_through_keeps_the_start_step_and_drops_what_follows(tmp_path,
   assert steps() == [(5, 5.0), (10, 10.0), (15, 1500.0)]
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "tensorboard"])
+def test_keep_rows_through_trims_rows_the_same_writer_wrote_in_an_earlier_run(tmp_path, kind):
+  """One writer, two runs in one process (a rerun after an error that resumes from step 10):
+  the rows it wrote at 15 and 20 go before its next row; before, they stayed beside the new."""
+  if kind == "jsonl":
+    w = loopkit.observe.JsonlWriter(tmp_path / "metrics.jsonl")
+  else:
+    w = loopkit.observe.TensorBoardWriter(tmp_path)
+  loopkit.observe.keep_rows_through(w, 0)
+  for step in (5, 10, 15, 20):
+    w.write_scalars(step, {"a": float(step)})
+  loopkit.observe.keep_rows_through(w, 10)  # the second run continues from 10
+  w.write_scalars(15, {"a": 150.0})
+  w.close()
+  if kind == "jsonl":
+    got = [(r["step"], r["a"]) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+  else:
+    got = read_tb(tmp_path)["a"]
+  assert got == [(5, 5.0), (10, 10.0), (15, 150.0)]
+
+
 class Recorder(toy.FakeClock):
   def __init__(self):
     super().__init__()

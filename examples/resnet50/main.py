@@ -141,8 +141,10 @@ def main(argv):
     return
   resumed = "" if r["restored_step"] is None else f", resumed from step {r['restored_step']}"
   rate = r["train_examples_per_sec"]
-  print(f"{r['model']}: eval accuracy {r['eval_accuracy']:.4f} on {r['eval_count']} "
-        f"{config.dataset}/{config.eval_split} examples at step {r['step']} "
+  evaluated = (f"eval accuracy {r['eval_accuracy']:.4f} on {r['eval_count']} "
+               f"{config.dataset}/{config.eval_split} examples" if r["eval_count"] is not None
+               else "not evaluated (the same command resumes)")
+  print(f"{r['model']}: {evaluated} at step {r['step']} "
         f"({r['num_train_steps'] / r['steps_per_epoch']:.3g} epochs of "
         f"{r['steps_per_epoch']} steps, batch {r['global_batch_size']}, "
         f"iterations_per_loop={r['iterations_per_loop']}, {r['device_calls']} device calls, "

@@ -379,7 +379,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       own (e.g. the multi-host test's hook that waits at a step for a SIGTERM).
 
   Returns:
-    Summary dict: ``eval_accuracy``, ``eval_loss``, ``eval_count``, ``step``,
+    Summary dict: ``eval_accuracy``, ``eval_loss``, ``eval_count`` (of the last
+    evaluation; None for a run preempted before any, which stops without
+    evaluating), ``step``,
     ``ledger`` (the final ledger as a dict), ``restored_step``,
     ``steps_per_epoch``, ``iterations_per_loop``, ``device_calls``,
     ``compile_count``, ``compile_secs`` (this run's train compile, or cache load,
@@ -468,7 +470,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   t0 = time.perf_counter()
   state = loop.run(state, train_batches, num_steps=total_steps)
   eval_results = list(eval_hook.results)
-  if not eval_results or eval_results[-1][0] != loop.ledger.step:  # e.g. nothing left to train
+  # A preempted run stops without evaluating (the resumed run evaluates where an
+  # uninterrupted one does); a run that ends elsewhere is evaluated at its end.
+  if loop.status != "preempted" and (
+      not eval_results or eval_results[-1][0] != loop.ledger.step):  # nothing left to train
     result = evaluator.evaluate(state, eval_batches, num_batches=eval_batches.num_batches)
     writer.write_scalars(loop.ledger.step, {f"eval/{k}": v for k, v in result.metrics.items()})
     eval_results.append((loop.ledger.step, result))
@@ -477,10 +482,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if ckpt is not None:
     ckpt.close()
 
-  final_step, final = eval_results[-1]
+  final_step, final = eval_results[-1] if eval_results else (None, None)
   results = {
-      "eval_accuracy": final.metrics["accuracy"], "eval_loss": final.metrics["loss"],
-      "eval_count": final.num_examples, "eval_history": [
+      "eval_accuracy": None if final is None else final.metrics["accuracy"],
+      "eval_loss": None if final is None else final.metrics["loss"],
+      "eval_count": None if final is None else final.num_examples, "eval_history": [
           (s, r.metrics["accuracy"]) for s, r in eval_results],
       "step": int(jax.device_get(state.step)), "eval_step": final_step,
       "ledger": loop.ledger.to_dict(),

@@ -103,8 +103,19 @@ class LoggingHook(Hook):
   Put the LoggingHook *before* the CheckpointHook in ``hooks`` so that the
   row of the checkpoint's own step is written (and flushed) before the save.
 
+  Cuts and resumes: the rows of a run that was cut and resumed from its
+  checkpoints are the rows of the uninterrupted run, the same steps and
+  bitwise the same values, however it was cut. A preemption (SIGTERM /
+  SIGINT, ``ctx.preemption.request()``) writes no row (``fires_at_preemption``
+  is False): the window open there goes into the checkpoint saved there
+  (:meth:`checkpoint_state`) and the resumed run's row at the next mark covers
+  it whole. After a kill or an exception the run resumes from the last
+  checkpoint, whose window is restored, and the file writers drop the rows
+  written past it (:func:`~loopkit.observe.writers.keep_rows_through`).
+
   Attributes:
-    records: ``[(step, scalars)]`` of every row, in order.
+    records: ``[(step, scalars)]`` of every row, in order (at each run's start, those
+      past the step it continues from are dropped, as the writer's rows).
     first_steps: for each row, the first step its averages cover (the row at
       ``step`` covers ``first_steps[i]..step``). The accumulator is saved with
       checkpoints (:meth:`checkpoint_state`), so a resumed run's first row
@@ -112,6 +123,7 @@ class LoggingHook(Hook):
   """
 
   needs_state = False
+  fires_at_preemption = False  # the open window is saved with the checkpoint, not logged
 
   def __init__(self, writer: Any = None, *, per_step: bool = False, throughput: bool = True,
                clock: Callable[[], float] = time.perf_counter, peak_dtype: Any = "bfloat16",
@@ -131,6 +143,7 @@ class LoggingHook(Hook):
     self._log = not _prints_to_console(writer)
     self._acc: dict[str, metrics_lib.Metric] = {}
     self._first_step: int | None = None  # first step merged into _acc
+    self._end_step: int | None = None  # last step merged (None: fresh, or a restored window)
     self._ctx: RunContext | None = None
     # (time, step, examples, calls, hooks' seconds in the ledger) at the window's start
     self._mark: tuple[float, int, int, int, float] | None = None
@@ -146,12 +159,25 @@ class LoggingHook(Hook):
     self._compute = None
 
   def adjust_ledger(self, ctx: RunContext) -> None:
-    """Tells the writer the step the run continues from (restores applied), so a resumed
-    run's file writers keep the earlier rows up to it (``keep_rows_through``)."""
+    """Takes the step ``S`` the run continues from (restores applied).
+
+    Tells the writer (``keep_rows_through``: a resumed run's file writers keep
+    the earlier rows up to ``S``), drops :attr:`records` past ``S``, and starts
+    a new window when the one held does not end at ``S`` (a second run of the
+    same hook from another state, without a restore of its window).
+    """
+    step = ctx.ledger.step
     if self.writer is not None:
-      keep_rows_through(self.writer, ctx.ledger.step)
+      keep_rows_through(self.writer, step)
+    if self._end_step is not None and self._end_step != step:
+      self._acc, self._first_step = {}, None
+    self._end_step = step
+    while self.records and self.records[-1][0] > step:
+      self.records.pop()
+      self.first_steps.pop()
 
   def after_each_call(self, info: LoopInfo) -> None:
+    self._end_step = info.end_step
     if not self._acc:
       self._first_step = info.start_step + 1
     for k, v in info.step_values.items():  # one fold in step order: the same for every K
@@ -191,8 +217,11 @@ class LoggingHook(Hook):
             "first_step": self._first_step}
 
   def restore_checkpoint_state(self, d: dict[str, Any]) -> None:
+    """Takes the window a checkpoint saved (:meth:`checkpoint_state`): it ends at the
+    checkpoint's step, where the run continues."""
     self._acc = {k: metrics_lib.from_json(v) for k, v in d.get("acc", {}).items()}
     self._first_step = d.get("first_step")
+    self._end_step = None
 
   def _hook_secs(self) -> float:
     """The hooks' seconds in the loop's ledger so far (0 outside a run)."""

@@ -63,6 +63,7 @@ class TensorBoardWriter:
     self._resuming = False
     self._purged = False
     self._purge_step: int | None = None  # keep_through(S): S + 1
+    self._wrote = False  # an event with a step was written (in any file of this writer)
     if self._enabled:
       require("tensorboardX", "loopkit.observe.TensorBoardWriter")  # fail early if missing
       os.makedirs(self.logdir, exist_ok=True)
@@ -70,9 +71,11 @@ class TensorBoardWriter:
 
   def keep_through(self, step: int) -> None:
     """Declares the run continues from a state at ``step``: old events at steps ``<= step``
-    stay visible, later ones are hidden (no effect once an event with a step is written)."""
-    if not self._purged:
-      self._purge_step = int(step) + 1
+    stay visible, later ones are hidden. Also in a later run of the same process (a
+    rerun after an error): the next event with a step is preceded by a new purge step."""
+    self._purge_step = int(step) + 1
+    if self._wrote:  # this writer wrote events already: they may be past ``step``
+      self._purged, self._resuming = False, True
 
   def _write(self, step: int, summary: Any, *, stepped: bool = True) -> None:
     from tensorboardX.proto import event_pb2
@@ -92,6 +95,7 @@ class TensorBoardWriter:
       log.info("%s: TensorBoard hides the earlier events at steps >= %d (purge_step)",
                self.logdir, purge)
     self._w.write_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    self._wrote = self._wrote or stepped
     if self.clock() - self._last_flush >= self.flush_secs:
       self.flush()
 

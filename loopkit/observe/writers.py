@@ -114,9 +114,11 @@ class JsonlWriter(_TextOnly):
   the first row written first drops every old row past the run's start (and a
   line cut short by a kill): at steps ``> S`` after :meth:`keep_through`
   ``(S)`` (the loop's hooks call it with the step the run continues from,
-  restores applied: :func:`keep_rows_through`), else at steps ``>= s``, the
-  first row's step. The file is rewritten to a temporary file and moved into
-  place with ``os.replace`` (atomic), so after a kill at step 75 and a resume
+  restores applied, at the start of every run: :func:`keep_rows_through`; a
+  second run of the same process with this writer is trimmed the same way),
+  else at steps ``>= s``, the first row's step. The file is rewritten to a
+  temporary file and moved into place with ``os.replace`` (atomic), so after
+  a kill at step 75 and a resume
   from a checkpoint at 50, the file holds each logged step once, the rows at
   50 included. Rows without a step (hparams) are kept.
 
@@ -144,11 +146,12 @@ class JsonlWriter(_TextOnly):
       os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
 
   def keep_through(self, step: int) -> None:
-    """Declares the run continues from a state at ``step``: before its first row, the old
-    rows at steps ``<= step`` are kept and the later ones dropped (no effect once this
-    writer has written a row with a step)."""
-    if not self._checked:
-      self._keep_through = int(step)
+    """Declares the run continues from a state at ``step``: before its next row with a step,
+    the rows in the file at steps ``<= step`` are kept and the later ones dropped. Also in
+    a later run of the same process (a rerun after an error, from a checkpoint before rows
+    this writer wrote): those rows go, so each step is in the file once."""
+    self._keep_through = int(step)
+    self._checked = False
 
   def _open(self, first_step: int | None) -> None:
     """Opens the file for appending; at the first row with a step, drops the old rows past
