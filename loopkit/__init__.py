@@ -15,6 +15,10 @@ need. Everything else lives in its namespace:
   (needs ``loopkit[nnx]``), :mod:`loopkit.conv_layout`;
 * :mod:`loopkit.tools`: ahead-of-time compilation for a topology, the K tuner,
   testing helpers (fake devices, real multi-process runs).
+
+A name loopkit 0.1 exported here and 0.2 moved (``loopkit.JsonlWriter``,
+``loopkit.Ledger``, ``loopkit.writers``, ...) raises an AttributeError (an
+ImportError for ``from loopkit import ...``) that names where it lives now.
 """
 
 from loopkit import conv_layout, core, data, evaluation, metrics, observe
@@ -46,11 +50,17 @@ _LAZY_NAMES = {"CheckpointHook": "checkpoint"}
 
 
 def __getattr__(name):
+  """The lazy namespaces and names; for loopkit 0.1's moved names, an error naming the new home."""
   from loopkit._internal.extras import require  # pylint: disable=g-import-not-at-top
   if name in _LAZY_NAMES:  # the ImportError names what was asked for: loopkit.CheckpointHook
     return getattr(require(f"loopkit.{_LAZY_NAMES[name]}", f"loopkit.{name}"), name)
   if name in _LAZY_MODULES:
     return require(f"loopkit.{name}", f"loopkit.{name}")
+  from loopkit._internal.moved import moved_error  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  moved = moved_error(name, sys._getframe(1))  # pylint: disable=protected-access
+  if moved is not None:
+    raise moved
   raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
 
 

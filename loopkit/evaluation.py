@@ -31,13 +31,15 @@ that stops early would leave the others waiting at a collective): pass
 ``num_batches=loopkit.data.sources.eval_batches_per_process(...)``; processes with
 fewer examples are padded with fully masked batches.
 
-:class:`EvalHook` runs an evaluator from a ``TrainLoop`` every N steps or
-every epoch.
+:class:`EvalHook` runs an evaluator from a ``TrainLoop`` (an :class:`Evaluator`) or an
+``NnxTrainLoop`` (a :class:`loopkit.nnx.NnxEvaluator`) every N steps or every epoch; a
+value that is not an evaluator is refused when the hook is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -50,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from loopkit._internal.checks import (
   MIN_SLOTS,
+  check_device_axis_layout,
   check_global_batch_size,
   check_iterations_per_loop,
   check_step_style,
@@ -182,6 +185,9 @@ class Evaluator:
   def _pad(self, batch: Any) -> dict[str, Any]:
     """Pads a process-local batch ``[b, ...]`` to ``[B / P, ...]``; adds the mask."""
     local = self.global_batch_size // jax.process_count()
+    if self._template is None:  # the first batch: prefetch_to_device output is refused
+      check_device_axis_layout(batch, None if self._batch_from_first else self.global_batch_size,
+                               process_count=jax.process_count())
     leaves = jax.tree.leaves(batch)
     b = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else None
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -239,7 +245,9 @@ class Evaluator:
 
     Raises:
       ValueError: a batch larger than the static batch or with ragged
-        leaves; more batches than ``num_batches``; ``num_batches`` or the
+        leaves; a first batch already on the devices with a leading device axis
+        (``flax.jax_utils.prefetch_to_device``: pass the numpy batches
+        ``[b, ...]``); more batches than ``num_batches``; ``num_batches`` or the
         Evaluator's ``global_batch_size`` missing on multi-host; a non
         per-example eval output (names the metric).
       Any exception raised by the source.
@@ -397,19 +405,96 @@ def _default_state_fn(state: Any) -> Any:
 
 
 class SupportsEvaluate(Protocol):
-  """What :class:`EvalHook` calls: :class:`Evaluator`, or any object with this method
-  (:meth:`loopkit.nnx.NnxEvaluator.hook` passes one)."""
+  """What :class:`EvalHook` calls: :class:`Evaluator`, or any object with this method."""
 
   def evaluate(self, state: Any, batches: Iterable, *,
                num_batches: int | None = None) -> EvalResult: ...
 
 
+class ForEvalHook(Protocol):
+  """An evaluator with its own calling convention tells :class:`EvalHook` how to run it.
+
+  :class:`loopkit.nnx.NnxEvaluator` is one: its ``evaluate(batches, *, state=...)`` takes the
+  batches first and a model state, not the loop's state.
+  """
+
+  def for_eval_hook(self) -> tuple[SupportsEvaluate, Callable[[Any], Any]]:
+    """``(evaluator, state_fn)``: the object EvalHook calls at each firing, and the map from
+    the train loop's state to the state that object evaluates (EvalHook's default
+    ``state_fn``)."""
+    ...
+
+
+def _hook_evaluator(evaluator: Any) -> tuple[SupportsEvaluate, Callable[[Any], Any]]:
+  """``(evaluator, default state_fn)`` for :class:`EvalHook`, checked when the hook is built.
+
+  Asks an evaluator with ``for_eval_hook`` (:class:`ForEvalHook`) for the form EvalHook
+  calls; checks that what EvalHook will call accepts ``evaluate(state, batches,
+  num_batches=...)``, so a wrong kind fails here rather than at the first evaluation,
+  after training up to it.
+
+  Raises:
+    TypeError: a function or a class instead of an evaluator object, or an object whose
+      ``evaluate`` does not take ``(state, batches, *, num_batches=None)``; the message
+      names it and the form that works.
+  """
+  adapt = getattr(evaluator, "for_eval_hook", None)
+  if adapt is not None and not isinstance(evaluator, type):
+    evaluator, state_fn = adapt()
+  else:
+    state_fn = _default_state_fn
+  what = getattr(evaluator, "__name__", None) or type(evaluator).__qualname__
+  if isinstance(evaluator, type):
+    raise TypeError(
+        f"EvalHook got the class {what}, not an evaluator: pass an instance, e.g. "
+        "EvalHook(loopkit.Evaluator(eval_step), batches, ...) or "
+        "EvalHook(loopkit.nnx.NnxEvaluator(eval_step, model, metrics), batches, ...)")
+  evaluate = getattr(evaluator, "evaluate", None)
+  if not callable(evaluate):
+    if callable(evaluator):
+      raise TypeError(
+          f"EvalHook got the function {what}, not an evaluator: wrap an eval step that "
+          "returns per-example values as EvalHook(loopkit.Evaluator(eval_step), batches, "
+          "...) (a step returning batch means: loopkit.Evaluator("
+          "loopkit.evaluation.per_example(eval_step))); an NNX step eval_step(model, "
+          "metrics, batch): EvalHook(loopkit.nnx.NnxEvaluator(eval_step, model, metrics), "
+          "batches, ...)")
+    raise TypeError(f"EvalHook got a {type(evaluator).__qualname__}, which has no "
+                    "evaluate(state, batches, *, num_batches=None) method: pass a "
+                    "loopkit.Evaluator (or an object with that method)")
+  try:
+    signature = inspect.signature(evaluate)
+  except (TypeError, ValueError):  # a builtin without a signature: trust it
+    return evaluator, state_fn
+  try:
+    signature.bind(None, None, num_batches=None)
+  except TypeError as e:
+    raise TypeError(
+        f"EvalHook calls evaluator.evaluate(state, batches, num_batches=...) at each firing, "
+        f"which {type(evaluator).__qualname__}.evaluate{signature} does not accept ({e}): "
+        "pass a loopkit.Evaluator, an object whose evaluate takes (state, batches, *, "
+        "num_batches=None), or one with for_eval_hook() (loopkit.evaluation.ForEvalHook, as "
+        "loopkit.nnx.NnxEvaluator has)") from None
+  return evaluator, state_fn
+
+
 class EvalHook(Hook):
   """Runs an :class:`Evaluator` from a ``TrainLoop`` when its trigger fires.
 
+  Example:
+    >>> hook = loopkit.EvalHook(loopkit.Evaluator(eval_step), test_batches,  # doctest: +SKIP
+    ...                         every_epochs=1)
+    >>> hook = loopkit.EvalHook(  # in an NnxTrainLoop's hooks  # doctest: +SKIP
+    ...     loopkit.nnx.NnxEvaluator(eval_step, model, eval_metrics), test_batches,
+    ...     every_epochs=1)
+
   Args:
-    evaluator: the evaluator (compiled once, reused at every firing), or any
-      object with its ``evaluate(state, batches, *, num_batches=None)`` method.
+    evaluator: the evaluator (compiled once, reused at every firing): an
+      :class:`Evaluator`; a :class:`loopkit.nnx.NnxEvaluator` (it evaluates the
+      ``"model"`` part of an :class:`~loopkit.nnx.NnxTrainLoop`'s state in inference
+      mode); any object with ``evaluate(state, batches, *, num_batches=None)``
+      returning an :class:`EvalResult`, or with ``for_eval_hook()``
+      (:class:`ForEvalHook`).
     batches: a re-iterable (list, Grain ``DataLoader``, ``TfDataSource``) or a
       zero-argument callable returning a fresh iterable of eval batches.
     num_batches: passed to :meth:`Evaluator.evaluate` (multi-host).
@@ -419,17 +504,22 @@ class EvalHook(Hook):
       ``{prefix}/num_examples``.
     prefix: name prefix for the written scalars.
     state_fn: maps the train state to the state ``eval_step`` takes (default:
-      unwraps a :class:`~loopkit.data.device_data.DeviceDataState`).
+      unwraps a :class:`~loopkit.data.device_data.DeviceDataState`; for an evaluator
+      with ``for_eval_hook``, the map it gives, e.g. ``lambda s: s["model"]``).
     **trigger: ``every_steps``, ``every_epochs``, ``at_steps``,
       ``every_secs``, ``at_end`` (see :class:`loopkit.core.hooks.Hook`).
 
   Attributes:
+    evaluator: the evaluator given.
     results: ``[(step, EvalResult)]`` in firing order.
 
   Raises:
     ValueError: ``batches`` is a one-shot iterator (it would be empty at the
       second firing).
-    TypeError: ``writer`` is not a metric writer.
+    TypeError: ``writer`` is not a metric writer; ``evaluator`` is not one (a
+      function, a class, or an object whose ``evaluate`` does not take
+      ``(state, batches, *, num_batches=None)``): the message names the form that
+      works. Raised here, when the hook is built, not at its first firing.
 
   Not thread-safe; on multi-host every process runs it (writes happen where
   the writer writes).
@@ -438,20 +528,42 @@ class EvalHook(Hook):
   needs_state = True
   time_bucket = Bucket.EVAL  # goodput: evaluation time, not generic hook time
 
-  def __init__(self, evaluator: SupportsEvaluate, batches: Iterable | Callable[[], Iterable], *,
-               num_batches: int | None = None, writer: Any = None, prefix: str = "eval",
+  def __init__(self, evaluator: SupportsEvaluate | ForEvalHook,
+               batches: Iterable | Callable[[], Iterable], *, num_batches: int | None = None,
+               writer: Any = None, prefix: str = "eval",
                state_fn: Callable[[Any], Any] | None = None, **trigger):
     super().__init__(**trigger)
+    called, default_state_fn = _hook_evaluator(evaluator)
     if not callable(batches) and iter(batches) is batches:
       raise ValueError("EvalHook needs re-iterable eval batches (a list, a Grain loader) or "
                        "a callable returning a fresh iterable, not a one-shot iterator")
     self.evaluator = evaluator
+    self._evaluate = called.evaluate
     self.batches = batches
     self.num_batches = num_batches
     self.writer = None if writer is None else as_writer(writer)
     self.prefix = prefix
-    self.state_fn = state_fn if state_fn is not None else _default_state_fn
+    self.state_fn = state_fn if state_fn is not None else default_state_fn
     self.results: list[tuple[int, EvalResult]] = []
+
+  def on_run_start(self, ctx: Any, state: Any) -> None:
+    """Checks, before any step, that ``state_fn`` takes this loop's state.
+
+    Raises:
+      TypeError: ``state_fn`` raised on the run's initial state (e.g. an
+        :class:`~loopkit.nnx.NnxEvaluator`'s ``s["model"]`` in a plain ``TrainLoop``),
+        naming the error and ``state_fn=``.
+    """
+    del ctx
+    try:
+      self.state_fn(state)
+    except Exception as e:  # pylint: disable=broad-except  # re-raised with the hook named
+      raise TypeError(
+          f"EvalHook({type(self.evaluator).__name__}): its state_fn cannot take this loop's "
+          f"train state ({type(e).__name__}: {e}); an NnxEvaluator evaluates the 'model' part "
+          "of an NnxTrainLoop's state: in another loop, pass state_fn= mapping the train "
+          "state to the state the evaluator takes") from e
+    return None
 
   def flush(self) -> None:
     """Flushes the writer (a :class:`~loopkit.checkpoint.CheckpointHook` calls this at
@@ -468,8 +580,7 @@ class EvalHook(Hook):
 
   def on_trigger(self, info: LoopInfo, state: Any) -> None:
     batches = self.batches() if callable(self.batches) else self.batches
-    result = self.evaluator.evaluate(self.state_fn(state), batches,
-                                     num_batches=self.num_batches)
+    result = self._evaluate(self.state_fn(state), batches, num_batches=self.num_batches)
     self.results.append((info.end_step, result))
     log.info("step %d eval: %s (%d examples)", info.end_step,
              ", ".join(f"{k}={v:.6g}" for k, v in result.metrics.items()), result.num_examples)

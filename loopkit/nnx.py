@@ -52,6 +52,7 @@ Requires ``flax`` (``pip install loopkit[nnx]``).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -62,6 +63,7 @@ import numpy as np
 from loopkit import metrics as metrics_lib
 from loopkit._internal.extras import missing
 from loopkit.core.loop import TrainLoop
+from loopkit.core.run import StepCounterError
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator
 
 try:
@@ -69,7 +71,7 @@ try:
 except ImportError as e:
   raise missing(e, "loopkit.nnx") from e
 
-__all__ = ["NnxEvaluator", "NnxTrainLoop"]
+__all__ = ["EvalModeWarning", "NnxEvaluator", "NnxTrainLoop"]
 
 _NAMES = ("model", "optimizer", "metrics")
 
@@ -105,6 +107,59 @@ def _additive(metrics: Any, what: str) -> dict[str, dict[str, Any]]:
   return parts
 
 
+class EvalModeWarning(UserWarning):
+  """An :class:`NnxTrainLoop` was built with its model in inference mode, as after
+  ``model.eval()``: its train steps run with Dropout off and BatchNorm normalising by its
+  running statistics (which it then does not update).
+
+  A warning, not an error: training in inference mode can be meant (BatchNorm statistics
+  frozen for fine-tuning, Dropout off on purpose), and Flax itself never refuses it. Silence
+  it with ``warnings.filterwarnings("ignore", category=loopkit.nnx.EvalModeWarning)``.
+  """
+
+
+def _inference_mode(model: Any) -> list[str] | None:
+  """The modules that put ``model`` in inference mode, when it looks like ``model.eval()``.
+
+  ``model.eval()`` sets ``deterministic=True`` and ``use_running_average=True`` on every
+  module that has them (``nnx.Dropout``, ``nnx.BatchNorm``, attention...). A model with at
+  least one such module in inference mode and none in training mode is in that state; a mix
+  (a BatchNorm built with ``use_running_average=True`` beside a Dropout in training mode) was
+  built on purpose and is not reported.
+
+  Returns:
+    ``["dropout1 (Dropout.deterministic=True)", ...]``, or None.
+  """
+  inference, training = [], False
+  for path, module in nnx.iter_modules(model):
+    for attr in ("deterministic", "use_running_average"):
+      value = getattr(module, attr, None)
+      if not isinstance(value, bool):
+        continue
+      if value:
+        name = "/".join(map(str, path)) or "<model>"
+        inference.append(f"{name} ({type(module).__name__}.{attr}=True)")
+      else:
+        training = True
+  return inference if inference and not training else None
+
+
+def _step_counter_message(e: StepCounterError) -> str:
+  """The NNX reading of a step counter that did not advance by one per step."""
+  n, done = e.end_step - e.start_step, e.counter - e.start_step
+  where = (f"optimizer.step is {e.counter} after device call {e.loop_index} (steps "
+           f"{e.start_step + 1}..{e.end_step}, so {e.end_step} was expected)")
+  fix = ("train_step must call optimizer.update(model, grads) exactly once per step "
+         "(optimizer.step is the loop's step counter)")
+  if done == 0:
+    return f"{where}: train_step never called optimizer.update(model, grads); {fix}"
+  if done > 0 and done % n == 0:
+    return (f"{where}: train_step calls optimizer.update {done // n} times per step; {fix}; "
+            "to accumulate gradients over microbatches, see "
+            "loopkit.core.accumulation.accumulate or optax.MultiSteps")
+  return f"{where}: optimizer.update advanced it by {done} over {n} steps; {fix}"
+
+
 class NnxTrainLoop:
   """Trains NNX objects with an in-place step, K steps per device call.
 
@@ -135,6 +190,14 @@ class NnxTrainLoop:
     ValueError: (at ``run``) the objects' structure changed since construction
       (e.g. ``model.eval()`` is in effect: call ``model.train()``); a
       ``per_device`` step with a metric that is not a total and a count.
+    loopkit.core.StepCounterError: (at ``run``, a ValueError) ``optimizer.step``
+      did not advance by one per step: the message says whether the step never
+      calls ``optimizer.update`` or calls it several times per step.
+
+  Warns:
+    EvalModeWarning: the model is in inference mode, as after ``model.eval()``
+      (every Dropout deterministic, every BatchNorm on running averages): call
+      ``model.train()`` before building the loop.
 
   Attributes:
     loop: the underlying :class:`loopkit.TrainLoop`.
@@ -145,7 +208,18 @@ class NnxTrainLoop:
 
   def __init__(self, train_step: Callable, model: Any, optimizer: Any, metrics: Any = None,
                *, extra: Sequence[Any] = (), **loop_kwargs):
+    inference = _inference_mode(model)
+    if inference:
+      warnings.warn(
+          f"NnxTrainLoop: the model is in inference mode, as after model.eval(): "
+          f"{', '.join(inference)}; its train steps would run with Dropout off and BatchNorm "
+          "normalising by (and not updating) its running statistics. Call model.train() "
+          "before building the NnxTrainLoop (the loop keeps the structure it was built with). "
+          "To train in this mode on purpose (e.g. frozen BatchNorm statistics), silence this "
+          "warning: warnings.filterwarnings('ignore', category=loopkit.nnx.EvalModeWarning)",
+          EvalModeWarning, stacklevel=2)
     self.user_step = train_step
+    self._default_step_of = "step_of" not in loop_kwargs
     self._has_metrics = metrics is not None
     self._names = _NAMES if self._has_metrics else _NAMES[:2]
     self._objects = (model, optimizer, *((metrics,) if self._has_metrics else ()), *extra)
@@ -254,6 +328,13 @@ class NnxTrainLoop:
     before = self.loop.last_state
     try:
       state = self.loop.run(state, batches, num_steps=num_steps, num_epochs=num_epochs)
+    except StepCounterError as e:
+      self._keep_work(before)
+      if not self._default_step_of:
+        raise
+      raise StepCounterError(_step_counter_message(e), counter=e.counter,
+                             start_step=e.start_step, end_step=e.end_step,
+                             loop_index=e.loop_index) from e
     except BaseException:
       self._keep_work(before)
       raise
@@ -428,9 +509,23 @@ class NnxEvaluator:
     """Executables compiled for the current eval program (1 in a healthy run)."""
     return 0 if self._evaluator is None else self._evaluator.compile_count()
 
+  def for_eval_hook(self) -> tuple[Any, Callable[[Any], Any]]:
+    """How :class:`loopkit.EvalHook` runs this evaluator (:class:`loopkit.evaluation.ForEvalHook`).
+
+    ``EvalHook(NnxEvaluator(...), batches, every_epochs=1)`` in an :class:`NnxTrainLoop`'s
+    hooks evaluates, at each firing, the ``"model"`` part of the loop's state in inference
+    mode (:meth:`evaluate` with ``eval_mode=True``), and records an
+    :class:`~loopkit.evaluation.EvalResult` whose ``metrics`` are ``metrics.compute()``.
+
+    Returns:
+      ``(evaluator, state_fn)``: an object with ``evaluate(state, batches, *,
+      num_batches=None) -> EvalResult``, and ``lambda s: s["model"]``.
+    """
+    return _HookForm(self), _model_part
+
   def hook(self, batches: Iterable | Callable[[], Iterable], *, num_batches: int | None = None,
            writer: Any = None, prefix: str = "eval", **trigger) -> EvalHook:
-    """An :class:`loopkit.EvalHook` for an :class:`NnxTrainLoop`'s hooks.
+    """``loopkit.EvalHook(self, batches, ...)``: an eval hook for an :class:`NnxTrainLoop`.
 
     At each firing it evaluates the train state's model part in inference
     mode (the structure of ``model.eval()``, taken from a clone, so the
@@ -443,14 +538,25 @@ class NnxEvaluator:
       prefix: as for :class:`loopkit.EvalHook`.
       **trigger: as for :class:`loopkit.EvalHook` (``every_steps``, ...).
     """
-    evaluator = self
+    return EvalHook(self, batches, num_batches=num_batches, writer=writer, prefix=prefix,
+                    **trigger)
 
-    class _Adapter:
-      def evaluate(self, state, batches, *, num_batches=None):
-        values = evaluator.evaluate(batches, state=state, num_batches=num_batches, eval_mode=True)
-        last = evaluator.last
-        return EvalResult({k: float(v) for k, v in values.items()}, last.totals,
-                          last.num_examples, last.num_batches, last.num_calls)
 
-    return EvalHook(_Adapter(), batches, num_batches=num_batches, writer=writer, prefix=prefix,
-                    state_fn=lambda s: s["model"], **trigger)
+def _model_part(state: dict[str, Any]) -> Any:
+  """The model's pure state in an :class:`NnxTrainLoop` state."""
+  return state["model"]
+
+
+class _HookForm:
+  """An :class:`NnxEvaluator` in the form :class:`loopkit.EvalHook` calls."""
+
+  def __init__(self, evaluator: NnxEvaluator):
+    self.nnx_evaluator = evaluator
+
+  def evaluate(self, state: Any, batches: Iterable, *,
+               num_batches: int | None = None) -> EvalResult:
+    ev = self.nnx_evaluator
+    values = ev.evaluate(batches, state=state, num_batches=num_batches, eval_mode=True)
+    last = ev.last
+    return EvalResult({k: float(v) for k, v in values.items()}, last.totals,
+                      last.num_examples, last.num_batches, last.num_calls)

@@ -94,7 +94,9 @@ def test_mid_epoch_resume_is_identical():
   # 9 steps (mid epoch 1), "checkpoint" the train state, restart with new objects
   part = loop.run(ds.attach(_init()), ds, num_steps=9)
   saved_state, saved_position = jax.device_get(part.train_state), loop.data_position
-  assert saved_position == 9
+  assert saved_position == {"device_data_step": 9, "seed": ds.seed,
+                            "global_batch_size": ds.global_batch_size,
+                            "num_examples": ds.num_examples}
   ds2 = _dataset(mesh)
   restore.position = saved_position
   resumed = loop.run(ds2.attach(saved_state), ds2, num_steps=14)

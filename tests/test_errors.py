@@ -50,12 +50,12 @@ def bad_at(step):
   return data
 
 
-def assert_kept(loop, step, **config):
+def assert_kept(loop, step, position=None, **config):
   """The loop kept the state of step ``step``: ledger, state and position agree, arrays live."""
   kept = loop.last_state
   assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
   assert loop.ledger.step == int(kept["step"]) == step
-  assert loop.data_position == step  # batches consumed (a list), or the step (ArraySource)
+  assert loop.data_position == (step if position is None else position)  # batches consumed
   toy.assert_bitwise(jax.device_get(kept), clean(step, **config))
   return kept
 
@@ -112,7 +112,9 @@ def test_c43_a_step_indexed_source_goes_on_from_the_kept_state():
   loop = make_loop(3, hooks=[Raises("on_trigger")])
   with pytest.raises(RuntimeError, match="on_trigger at 6"):
     loop.run(toy.init_state(), source, num_steps=STEPS)
-  state = assert_kept(loop, 9)  # the position is the step: the source resumes there itself
+  # the position is the step (with what makes its batch): the source resumes there itself
+  state = assert_kept(loop, 9, source.position_at(9))
+  assert source.position_at(9)["array_step"] == 9
   final = loop.run(state, source, num_steps=STEPS)
   toy.assert_bitwise(jax.device_get(final), clean(STEPS))
 

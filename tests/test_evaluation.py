@@ -7,7 +7,8 @@ import pytest
 
 import loopkit
 from loopkit.data.sources import batch_arrays, eval_batches_per_process, shard_for_process
-from loopkit.evaluation import EvalHook, Evaluator, evaluate
+from loopkit.evaluation import EvalHook, EvalResult, Evaluator, evaluate
+from tests import toy
 from tests.test_k_invariance import _data, _Net, _while_body
 
 
@@ -233,3 +234,54 @@ def test_eval_k1_compiles_the_same_loop_body_as_k2():
     bodies.append(_while_body(ev.lower(state, chunk).compile().as_text()))
   assert len(bodies[0]) > 30  # the eval step is in there
   assert bodies[0] == bodies[1]
+
+
+# -- C56: what EvalHook takes is checked when it is built -------------------------------------
+
+
+class _BatchesFirst:
+  """An evaluator whose evaluate takes the batches first (NnxEvaluator's form, without
+  for_eval_hook)."""
+
+  def evaluate(self, batches, *, state=None):
+    return {}
+
+
+class _OwnEvaluator:
+  """A user's evaluator in EvalHook's form: evaluate(state, batches, *, num_batches=None)."""
+
+  def __init__(self):
+    self.states = []
+
+  def evaluate(self, state, batches, *, num_batches=None):
+    self.states.append(int(state["step"]))
+    n = sum(len(b["x"]) for b in batches)
+    return EvalResult({"n": float(n)}, {"n": float(n)}, n, len(batches), 1)
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("function", r"EvalHook got the function eval_step, not an evaluator: wrap an eval step "
+                 r"that returns per-example values as EvalHook\(loopkit\.Evaluator\(eval_step\)"),
+    ("class", r"EvalHook got the class Evaluator, not an evaluator: pass an instance"),
+    ("batches_first", r"EvalHook calls evaluator\.evaluate\(state, batches, num_batches=\.\.\.\) "
+                      r"at each firing, which _BatchesFirst\.evaluate\(batches, \*, state=None\) "
+                      r"does not accept"),
+    ("no_evaluate", r"EvalHook got a dict, which has no evaluate\(state, batches, \*, "
+                    r"num_batches=None\) method"),
+])
+def test_c56_a_value_that_is_not_an_evaluator_is_refused_when_the_hook_is_built(kind, match):
+  def eval_step(state, batch):
+    return {"x": batch["x"]}
+  value = {"function": eval_step, "class": Evaluator, "batches_first": _BatchesFirst(),
+           "no_evaluate": {"evaluate": 1}}[kind]
+  with pytest.raises(TypeError, match=match):
+    EvalHook(value, [{"x": np.zeros((2, 1), np.float32)}], every_epochs=1)
+
+
+def test_c56_a_users_evaluator_in_evalhooks_form_is_called_at_each_firing():
+  own = _OwnEvaluator()
+  hook = EvalHook(own, [{"x": np.zeros((3, 1), np.float32)}], every_steps=2)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=3, hooks=[hook])
+  loop.run(toy.init_state(), toy.batches(4), num_steps=4)
+  assert own.states == [2, 4] and [(s, r.metrics) for s, r in hook.results] == [
+      (2, {"n": 3.0}), (4, {"n": 3.0})]

@@ -105,7 +105,8 @@ class _GrainX:
 
 def test_c25_step_indexed_resume():
   src = lambda: ArraySource({"x": np.arange(100, dtype=np.int32)}, 2, shuffle=False)
-  _c25(src, 9)  # a step-indexed source's position is the next step
+  # a step-indexed source's position is the next step, with what makes its batch
+  _c25(src, {"array_step": 9, "seed": 0, "global_batch_size": 2, "num_examples": 100})
 
 
 def _feeder(source, plan, k=3, prefetch=2, **kw):

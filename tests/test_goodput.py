@@ -88,8 +88,8 @@ def test_loop_buckets_and_metrics(caplog):
   assert s.steps == 12 and s.lost_steps == 0
   # The summary is taken in on_run_end; the loop's total then adds the feeder's shutdown.
   assert s.total_secs <= sec["total"] < s.total_secs + 0.5
-  parts = (s.compile_secs + s.data_wait_secs + s.checkpoint_secs + s.eval_secs + s.lost_secs
-           + s.dispatch_secs + s.device_wait_secs + s.host_gap_secs)
+  parts = (s.compile_secs + s.data_wait_secs + s.checkpoint_secs + s.eval_secs + s.setup_secs
+           + s.lost_secs + s.dispatch_secs + s.device_wait_secs + s.host_gap_secs)
   assert parts == pytest.approx(s.job_secs, rel=1e-9, abs=1e-9)
   assert 0.0 < s.goodput < 1.0
   # Written as metrics at the planner-landed steps 4, 8 and at the end (12).
@@ -338,3 +338,59 @@ def test_time_after_the_save_is_added_only_to_the_restored_ledger(tmp_path, rest
   record = json.loads((tmp_path / "goodput.json").read_text())
   assert (record["step"], record["row_step"]) == (12, 12)
   assert record["saved_step"] == (12 if restored else None)
+
+
+# -- C68: a finished run run again trains nothing and adds no productive time -----------------
+
+
+class SlowStart(Hook):
+  """A generic hook (``hooks`` bucket) whose ``on_run_start`` takes ``secs`` (a progress bar or
+  a writer opening)."""
+
+  needs_state = False
+
+  def __init__(self, secs):
+    super().__init__()
+    self.secs = secs
+
+  def on_run_start(self, ctx, state):
+    time.sleep(self.secs)
+
+
+def test_c68_a_rerun_that_trains_nothing_adds_no_productive_time(tmp_path):
+  """Run 1 trains 8 steps (checkpoints at 4 and 8, an "evaluation" of 0.1 s at the end, a hook
+  whose start takes 0.1 s, logging, goodput); run 2 is the same run in the same workdirs: it
+  restores step 8 and only evaluates. Its productive time, device_wait, dispatch and host gap
+  equal run 1's; its seconds are in checkpoint (the restore), eval (>= 0.1 s) and setup (the
+  slow start's 0.1 s and the rest of the run's start and end)."""
+  pytest.importorskip("orbax.checkpoint")
+
+  def run():
+    ckpt = loopkit.CheckpointHook(tmp_path / "ckpt", every_steps=4, async_save=False)
+    gp = loopkit.observe.GoodputHook(workdir=tmp_path / "work", log_summary=False)
+    ev = Sleeper("eval", 0.1, every_steps=8)
+    loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[
+        SlowStart(0.1), loopkit.LoggingHook(every_steps=4), ckpt, ev, gp])
+    loop.run(toy.init_state(), toy.batches(8), num_steps=8)
+    ckpt.close()
+    return loop, ckpt, ev, gp.summary
+
+  loop1, _, ev1, s1 = run()
+  loop2, ckpt2, ev2, s2 = run()
+  assert loop1.ledger.loop_index == 4 and ev1.fired == 1
+  assert ckpt2.restored_step == 8 and loop2.ledger.loop_index == 4 and ev2.fired == 1
+  assert (s1.steps, s2.steps) == (8, 8)
+  same = lambda a, b: a == pytest.approx(b, rel=0, abs=1e-9)
+  assert same(s2.productive_secs, s1.productive_secs), (s1, s2)
+  assert same(s2.device_wait_secs, s1.device_wait_secs)
+  assert same(s2.dispatch_secs, s1.dispatch_secs)
+  assert same(s2.host_gap_secs, s1.host_gap_secs), (s1, s2)
+  assert same(s2.compile_secs, s1.compile_secs) and same(s2.lost_secs, 0.0)
+  eval_, restore, setup = (s2.eval_secs - s1.eval_secs, s2.checkpoint_secs - s1.checkpoint_secs,
+                           s2.setup_secs - s1.setup_secs)
+  assert 0.1 <= eval_ < 0.1 + 0.5
+  assert 0.0 < restore  # the restore, a few ms to a few hundred
+  assert 0.1 <= setup < 0.1 + 1.0  # the slow start, placing the state, opening the source ...
+  assert same(s2.job_secs - s1.job_secs,
+              eval_ + restore + setup + (s2.data_wait_secs - s1.data_wait_secs))
+  assert s2.goodput < s1.goodput

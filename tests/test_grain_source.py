@@ -266,8 +266,10 @@ def test_a_checkpoint_from_another_pipeline_is_refused_at_run_start(tmp_path):
       toy.init_state(), ArraySource(data, B, seed=5), num_steps=4)
   hook = CheckpointHook(tmp_path)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[hook])
-  with pytest.raises(ValueError, match=r"data position 4 came from a batch count or the step "
-                                       r"of another step-indexed source.*'grain_step': 4"):
+  with pytest.raises(ValueError, match=r"data position \{'array_step': 4, 'seed': 5, "
+                                       r"'global_batch_size': 16, 'num_examples': 100\} came "
+                                       r"from an ArraySource .*not from a GrainSource .*"
+                                       r"'grain_step': 4"):
     loop.run(toy.init_state(), GrainSource(records(), B, seed=5), num_steps=8)
   hook.close()
 

@@ -107,3 +107,62 @@ def test_the_layering_check_sees_an_upward_import(tmp_path):
   core = tmp_path / "core.py"
   core.write_text("from loopkit.observe import writers\nfrom ..tools import aot\n")
   assert _imports(core, "loopkit.core.x") >= {"loopkit.observe.writers", "loopkit.tools.aot"}
+
+
+# Every name loopkit 0.1's loopkit/__init__.py exported or bound (its __all__, its lazy names, the
+# modules it imported), from `git show 7e5a7ca^:loopkit/__init__.py`.
+NAMES_01 = """
+ArraySource AsyncWriter BatchLayoutWarning Bucket CallbackHook CheckpointError CheckpointHook
+CheckpointWarning ConsoleWriter DataExhaustedWarning DeviceDataState DeviceDataset EvalHook
+EvalResult Evaluator FlaxSummaryWriter GoodputHook GoodputSummary Hook JsonlWriter Ledger
+LedgerAdjustment LoggingHook LoopInfo MetricWriter MultiStepProgram MultiWriter NanCheckHook
+NonFiniteError NonFiniteWarning NullWriter PreemptionWatcher ProfilerHook ProgressHook Restore
+RestoredCheckpoint RunContext TensorBoardWriter TfDataSource TimeBasedK TrainLoop Trigger
+accumulate as_writer batch_arrays create_default_writer data_parallel_mesh
+eval_batches_per_process evaluate grain_shard_for_process grain_shard_options metrics
+next_call_length per_example plan_calls process_shard_bounds shard_for_process step_key
+steps_per_epoch_of tfds_split_for_process aot conv_layout goodput nnx testing tune
+accumulation checks context device_data evaluation hooks ledger loop planner preemption profiler
+program progress rng sources triggers writers
+""".split()
+
+
+def _resolve(path: str):
+  module, _, name = path.rpartition(".")
+  try:
+    return importlib.import_module(path)
+  except ImportError:
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("name", NAMES_01)
+def test_c58_a_name_of_loopkit_01_is_here_or_says_where_it_lives_now(name):
+  from loopkit._internal.moved import INTERNAL, MOVED, MOVED_MODULES
+  if name in loopkit.__all__:
+    assert getattr(loopkit, name) is not None
+    return
+  if name in INTERNAL:
+    want = f"loopkit.{name} is internal since loopkit 0.2; its public name is {INTERNAL[name]}"
+    where = INTERNAL[name]
+  elif name in MOVED_MODULES:
+    where = MOVED_MODULES[name]
+    want = f"loopkit.{name} moved in loopkit 0.2: it is {where} (import {where})"
+  else:
+    where = MOVED[name]
+    home, _, short = where.rpartition(".")
+    want = f"loopkit.{name} moved in loopkit 0.2: it is {where} (from {home} import {short})"
+  assert _resolve(where) is not None  # the new home exists
+  with pytest.raises(AttributeError) as e:
+    getattr(loopkit, name)
+  assert str(e.value) == want
+  assert not hasattr(loopkit, name)
+  with pytest.raises(ImportError) as e:  # `from loopkit import X`: Python would drop the message
+    exec(f"from loopkit import {name}", {})
+  assert str(e.value) == want
+
+
+def test_c58_an_unknown_name_is_a_plain_attribute_error():
+  with pytest.raises(AttributeError, match=r"^module 'loopkit' has no attribute 'JsonWriter'$"):
+    loopkit.JsonWriter  # noqa: B018
+  with pytest.raises(ImportError, match=r"^cannot import name 'JsonWriter' from 'loopkit'"):
+    exec("from loopkit import JsonWriter", {})

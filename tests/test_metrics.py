@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import loopkit
@@ -88,3 +89,99 @@ def test_metric_kind_that_is_not_a_pytree_is_refused_by_name():
 
   with pytest.raises(ValueError, match="Loose is not a pytree"):
     metrics.as_metric(Loose())
+
+
+# -- C66: sum-valued metrics (Flax's lm1b) as a weighted mean -----------------------------------
+
+V, D, L, LM_B, WINDOW = 32, 8, 12, 8, 6
+LM_TX = optax.adam(0.05)
+
+
+def _lm_batches(n, seed=0):
+  """Token batches [B, L] padded with 0 to a random length each: the denominators vary."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    lengths = rng.integers(2, L + 1, size=LM_B)
+    tokens = rng.integers(1, V, size=(LM_B, L))
+    out.append({"inputs": np.where(np.arange(L) < lengths[:, None], tokens, 0).astype(np.int32)})
+  return out
+
+
+def _lm_init():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"embed": 0.3 * jax.random.normal(k1, (V, D)),
+            "out": 0.3 * jax.random.normal(k2, (D, V))}
+  return {"params": params, "opt": LM_TX.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def _compute_metrics(logits, labels, weights):
+  """Flax lm1b's compute_metrics (without its psum): token sums and their denominator."""
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights
+  acc = (jnp.argmax(logits, -1) == labels) * weights
+  return {"loss": loss.sum(), "accuracy": acc.sum(), "denominator": weights.sum()}
+
+
+def _lm1b_step(state, batch):
+  """Flax lm1b's train_step in miniature: next-token loss, mean over real tokens."""
+  inputs = batch["inputs"]
+  targets = jnp.concatenate([inputs[:, 1:], jnp.zeros_like(inputs[:, :1])], axis=1)
+  weights = (targets > 0).astype(jnp.float32)
+
+  def loss_fn(params):
+    logits = jnp.tanh(params["embed"][inputs]) @ params["out"]  # [B, L, V]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights
+    return loss.sum() / weights.sum(), logits
+
+  (_, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+  updates, opt = LM_TX.update(grads, state["opt"], state["params"])
+  new = {"params": optax.apply_updates(state["params"], updates), "opt": opt,
+         "step": state["step"] + 1}
+  return new, _compute_metrics(logits, targets, weights)
+
+
+def _ported_step(state, batch):
+  """The port: each sum becomes a weighted mean over the step's denominator."""
+  state, m = _lm1b_step(state, batch)
+  return state, {"loss": metrics.Mean(m["loss"], m["denominator"]),
+                 "accuracy": metrics.Mean(m["accuracy"], m["denominator"])}
+
+
+@pytest.fixture(scope="module")
+def lm1b_rows():
+  """Flax lm1b's own loop: one jitted step per batch; every WINDOW steps, the stacked sums over
+  the window divided by the summed denominator (its train_summary)."""
+  data, step, state = _lm_batches(3 * WINDOW), jax.jit(_lm1b_step), _lm_init()
+  rows, window, sums_seen = [], [], []
+  for i, batch in enumerate(data):
+    state, m = step(state, batch)
+    window.append(m)
+    if (i + 1) % WINDOW == 0:
+      stacked = jax.tree.map(lambda *x: np.stack(x), *jax.device_get(window))
+      sums = jax.tree.map(jnp.sum, stacked)
+      denominator = sums.pop("denominator")
+      rows.append((i + 1, {k: float(v / denominator) for k, v in sums.items()}))
+      sums_seen.append(stacked)
+      window = []
+  return data, rows, sums_seen
+
+
+@pytest.mark.parametrize("k", [1, 4])  # K = 4 does not divide the 6-step window: 2 or 6 calls
+def test_c66_sums_over_a_denominator_log_flax_lm1b_numbers(lm1b_rows, k):
+  data, want, sums = lm1b_rows
+  log = loopkit.LoggingHook(every_steps=WINDOW, throughput=False)
+  loop = loopkit.TrainLoop(_ported_step, iterations_per_loop=k, hooks=[log],
+                           mesh=loopkit.data_parallel_mesh(devices=jax.devices()[:1]))
+  loop.run(_lm_init(), iter(data), num_steps=3 * WINDOW)
+  assert loop.ledger.loop_index == {1: 18, 4: 6}[k]
+  assert [s for s, _ in log.records] == [s for s, _ in want] == [6, 12, 18]
+  for (step, row), (_, flax_row), window in zip(log.records, want, sums, strict=True):
+    # the row is sum(loss sums) / sum(denominators) over the window's steps, as Flax logs it
+    total = np.add.accumulate(window["loss"])[-1]  # loopkit's order: a left fold in float32
+    count = np.add.accumulate(window["denominator"])[-1]
+    assert row["loss"] == float(total) / float(count), step
+    assert np.float32(row["loss"]) == np.float32(flax_row["loss"]), (step, row, flax_row)
+    assert np.float32(row["accuracy"]) == np.float32(flax_row["accuracy"]), (step, row, flax_row)
+    assert 2.0 < row["loss"] < 4.0 and 0.0 <= row["accuracy"] < 0.5
+    # averaging the sums over steps (0.2's reading of plain scalars) is what the case logged
+    assert float(np.mean(window["loss"])) > 20 * row["loss"]

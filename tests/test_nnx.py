@@ -2,8 +2,10 @@
 NnxTrainLoop against the same step under its own per-step nnx.jit loop."""
 
 import json
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -242,3 +244,84 @@ def test_kill_and_resume_in_a_fresh_process_is_bitwise(tmp_path, reference):
   assert len(got.files) == len(want) == 21
   for i, w in enumerate(want):
     np.testing.assert_array_equal(got[f"arr_{i}"], w)
+
+
+# -- C65: NNX mistakes named ---------------------------------------------------------------
+
+
+@nnx.jit
+def _update_twice(model, optimizer, metrics, batch, rngs):
+  _, grads = nnx.value_and_grad(nnx_models.loss_fn, has_aux=True)(model, batch, rngs)
+  optimizer.update(model, grads)
+  optimizer.update(model, grads)
+
+
+@nnx.jit
+def _never_update(model, optimizer, metrics, batch, rngs):
+  loss, logits = nnx_models.loss_fn(model, batch, rngs)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+
+
+ONCE = ("train_step must call optimizer.update(model, grads) exactly once per step "
+        "(optimizer.step is the loop's step counter)")
+
+
+@pytest.mark.parametrize("step,counter,what", [
+    (_update_twice, 20, "train_step calls optimizer.update 2 times per step; " + ONCE
+     + "; to accumulate gradients over microbatches, see loopkit.core.accumulation.accumulate "
+       "or optax.MultiSteps"),
+    (_never_update, 0, "train_step never called optimizer.update(model, grads); " + ONCE),
+], ids=["twice", "never"])
+def test_c65_optimizer_update_not_once_per_step_is_named(step, counter, what):
+  objs = make()
+  loop = loopkit.nnx.NnxTrainLoop(step, *objs[:3], extra=(objs[3],), iterations_per_loop=10,
+                                  mesh=loopkit.data_parallel_mesh(devices=jax.devices()[:1]))
+  with pytest.raises(loopkit.core.StepCounterError) as e:
+    loop.run(batches(10), num_steps=10)
+  assert str(e.value) == (f"optimizer.step is {counter} after device call 0 (steps 1..10, so "
+                          f"10 was expected): {what}")
+  assert (e.value.counter, e.value.start_step, e.value.end_step) == (counter, 0, 10)
+
+
+def test_c65_nnx_objects_given_to_train_loop_are_refused_before_they_are_donated():
+  model, optimizer, metrics, rngs = make()
+  before = arrays((model, optimizer))
+  loop = loopkit.TrainLoop(lambda s, b: (s, {}), iterations_per_loop=2)
+  use = (r"use loopkit\.nnx\.NnxTrainLoop\(train_step, model, optimizer, metrics, "
+         r"iterations_per_loop=\.\.\.\)")
+  for state, what in [(model, "CNN"), (optimizer, "Optimizer"), ((model, optimizer), "CNN at [0]"),
+                      ({"params": nnx.state(model), "rngs": rngs}, "Rngs at ['rngs']")]:
+    with pytest.raises(TypeError, match=re.escape(
+        f"the train state is (or holds) a Flax NNX object, {what}: TrainLoop runs a pure "
+        "train_step(state, batch) -> (state, metrics)") + ".*" + use):
+      loop.run(state, iter(batches(2)), num_steps=2)
+  for a, b in zip(arrays((model, optimizer)), before):  # nothing donated, nothing changed
+    np.testing.assert_array_equal(a, b)
+  # A pure nnx.State is a pytree TrainLoop takes; without a step it names step_of and NnxTrainLoop.
+  with pytest.raises(ValueError, match=re.escape(
+      "the train state has no step counter: give it a scalar int `step` field (attribute or "
+      "dict key) or pass step_of=... to TrainLoop; this is a Flax NNX State: its counter is the "
+      "nnx.Optimizer's step (e.g. step_of=lambda s: s['optimizer']['step']), or train the NNX "
+      "objects with their in-place step as they are: loopkit.nnx.NnxTrainLoop(")):
+    loop.run(nnx.state(model), iter(batches(2)), num_steps=2)
+
+
+def test_c65_a_model_in_eval_mode_when_the_loop_is_built_warns():
+  objs = make()
+  objs[0].eval()
+  with pytest.warns(loopkit.nnx.EvalModeWarning) as w:
+    loopkit.nnx.NnxTrainLoop(nnx_models.train_step, *objs[:3], extra=(objs[3],),
+                             iterations_per_loop=2)
+  assert len(w) == 1 and str(w[0].message).startswith(
+      "NnxTrainLoop: the model is in inference mode, as after model.eval(): batch_norm1 "
+      "(BatchNorm.use_running_average=True), dropout1 (Dropout.deterministic=True); its train "
+      "steps would run with Dropout off and BatchNorm normalising by (and not updating) its "
+      "running statistics. Call model.train() before building the NnxTrainLoop")
+  assert w[0].filename == __file__  # points at the user's line
+  objs[0].train()  # training mode, or a mix built on purpose: no warning
+  frozen = make()
+  frozen[0].batch_norm1.use_running_average = True  # frozen statistics, Dropout still on
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for o in (objs, frozen):
+      loopkit.nnx.NnxTrainLoop(nnx_models.train_step, *o[:3], extra=(o[3],), iterations_per_loop=2)

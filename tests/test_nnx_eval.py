@@ -167,3 +167,60 @@ def test_c48_a_train_mode_evaluation_that_would_be_wrong_is_refused(data, make, 
     got = ev.evaluate(data[2], eval_mode=False)
     assert int(ev.metrics.loss.count[...]) == N and np.isfinite(float(got["loss"]))
     assert model.dropout.deterministic is False
+
+
+# -- C56: EvalHook(NnxEvaluator(...)) in an NnxTrainLoop ------------------------------------
+
+
+def test_c56_eval_hook_of_an_nnx_evaluator_evaluates_each_epoch_and_its_checkpoint_is_written(
+    data, tmp_path):
+  """The docs' hook order (logging, eval, checkpoint), every_epochs=1, a CNN with BatchNorm and
+  Dropout: each epoch's evaluation equals evaluating by hand the model Flax's own nnx.jit loop
+  trained to that step, and each epoch's checkpoint is written."""
+  mesh = loopkit.data_parallel_mesh(devices=jax.devices()[:1])  # bitwise vs the nnx.jit loop
+  spe, train = 4, nnx_models.batches(8)
+  model, optimizer, metrics, rngs = nnx_models.make()
+  ev = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model, nnx_models.make()[2],
+                                iterations_per_loop=2, mesh=mesh)
+  log = loopkit.LoggingHook(every_epochs=1)
+  evaluation = loopkit.EvalHook(ev, data[2], every_epochs=1)
+  ckpt = loopkit.CheckpointHook(str(tmp_path / "ckpt"), every_epochs=1)
+  loop = loopkit.nnx.NnxTrainLoop(nnx_models.train_step, model, optimizer, metrics,
+                                  extra=(rngs,), iterations_per_loop=3, steps_per_epoch=spe,
+                                  mesh=mesh, hooks=[log, evaluation, ckpt])
+  loop.run(train, num_epochs=2)
+  ckpt.close()
+  assert [s for s, _ in evaluation.results] == [4, 8]
+  assert ckpt.all_steps() == [4, 8] and [s for s, _ in log.records] == [4, 8]
+  assert evaluation.evaluator is ev and all(r.num_examples == N for _, r in evaluation.results)
+
+  by_hand = nnx_models.make()  # Flax's loop: one nnx.jit call per step, evaluated at 4 and 8
+  for (step, result), epoch in zip(evaluation.results, (0, 1)):
+    for b in train[epoch * spe:(epoch + 1) * spe]:
+      nnx_models.train_step(*by_hand[:3], b, by_hand[3])
+    values = ev.evaluate(data[2], state=nnx.to_pure_dict(nnx.state(by_hand[0])))
+    want = {k: float(v) for k, v in values.items()}
+    assert int(by_hand[1].step[...]) == step
+    assert result.metrics == want, (step, result.metrics, want)
+  assert evaluation.results[0][1].metrics != evaluation.results[1][1].metrics
+
+
+def test_c56_nnx_evaluator_hook_is_the_same_eval_hook(data):
+  model, _, _, _ = nnx_models.make()
+  ev = loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model, nnx_models.make()[2])
+  hook = ev.hook(data[2], every_epochs=1, prefix="test")
+  assert type(hook) is loopkit.EvalHook and hook.evaluator is ev and hook.prefix == "test"
+  assert hook.state_fn({"model": "m", "optimizer": "o"}) == "m"
+
+
+def test_c56_an_nnx_evaluator_in_a_plain_train_loop_is_refused_before_the_first_step(data):
+  from tests import toy
+  model = nnx_models.make()[0]
+  hook = loopkit.EvalHook(loopkit.nnx.NnxEvaluator(nnx_models.eval_step, model,
+                                                   nnx_models.make()[2]), data[2], every_steps=2)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[hook])
+  with pytest.raises(TypeError, match=r"EvalHook\(NnxEvaluator\): its state_fn cannot take this "
+                                      r"loop's train state \(KeyError: 'model'\); an NnxEvaluator "
+                                      r"evaluates the 'model' part of an NnxTrainLoop's state"):
+    loop.run(toy.init_state(), iter(toy.batches(4)), num_steps=4)
+  assert loop.ledger.step == 0 and loop.ledger.loop_index == 0 and hook.results == []

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -275,9 +276,50 @@ def test_throughput_rows_follow_the_injected_clock():
     assert got.pop("throughput/steps_per_sec") == 2.0
     assert got.pop("throughput/examples_per_sec") == 32.0
     assert got.pop("throughput/secs_per_call") == 1.0
+    # The fake clock's time is no hook's (the ledger's real clock sees microseconds).
+    assert got.pop("throughput/hook_secs") < 0.05
+    assert 0.95 < got.pop("throughput/loop_secs_per_call") <= 1.0
     assert 0.0 <= got.pop("throughput/goodput") <= 1.0
     assert got == {}
   assert all(not any(k.startswith("throughput/") for k in s) for _, s in hook.records)
+
+
+class SleepAt(loopkit.Hook):
+  """Sleeps ``secs`` (real time) when it fires; its time goes to the ``eval`` bucket."""
+
+  needs_state = False
+  time_bucket = "eval"
+
+  def __init__(self, secs, **trigger):
+    super().__init__(**trigger)
+    self.secs = secs
+
+  def on_trigger(self, info, state):
+    time.sleep(self.secs)
+
+
+def test_c67_the_loop_row_leaves_out_the_hooks_and_the_hooks_row_holds_them():
+  """C67: a 0.3 s "evaluation" at step 8 only (after the row at 8, so in the window 8..12):
+  secs_per_call jumps in that window, loop_secs_per_call (the call alone) does not, and
+  hook_secs holds the 0.3 s; the three add up."""
+  rec = Recorder()
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[
+      loopkit.LoggingHook(rec, every_steps=4), SleepAt(0.3, at_steps=[8], at_end=False)])
+  loop.run(toy.init_state(), toy.batches(16), num_steps=16)
+  rows = dict(rec.rows)
+  assert sorted(rows) == [4, 8, 12, 16]
+  tp = {step: {k.removeprefix("throughput/"): v for k, v in row.items()
+               if k.startswith("throughput/")} for step, row in rows.items()}
+  for step in (4, 8, 16):  # no sleep in these windows
+    assert tp[step]["hook_secs"] < 0.1, tp[step]
+  assert 0.3 <= tp[12]["hook_secs"] < 0.3 + 0.1, tp[12]
+  assert tp[12]["secs_per_call"] >= 0.15  # 2 calls in the window, one 0.3 s sleep
+  for step in (8, 12, 16):  # the toy call alone: milliseconds, with or without the sleep
+    assert tp[step]["loop_secs_per_call"] < 0.05, tp[step]
+    calls = 2  # every_steps=4 at K=2
+    assert tp[step]["secs_per_call"] * calls == pytest.approx(
+        tp[step]["loop_secs_per_call"] * calls + tp[step]["hook_secs"], rel=1e-9, abs=1e-12)
+  assert loop.ledger.seconds["eval"] >= 0.3
 
 
 def test_throughput_skips_a_row_that_holds_only_the_first_call():

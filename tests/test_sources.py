@@ -329,6 +329,9 @@ def test_array_source_runs_bitwise_as_its_batches_one_by_one():
     (seen, *rest), (seen_ref, *rest_ref) = runs
     np.testing.assert_array_equal(seen, seen_ref, err_msg=f"K={k}")
     calls = {(7, None): 3, (3, None): 5}.get((k, spe), rest_ref[2])  # 15 = 7 + 7 + 1, 5 x 3
+    # The same step; the ArraySource saves it with what makes its batches (position_at).
+    assert rest[0] == {"array_step": 15, "seed": 3, "global_batch_size": 4, "num_examples": 23}
+    rest[0] = rest[0]["array_step"]
     assert rest == rest_ref == [15, 15, calls, "data_exhausted"], (k, spe, rest, rest_ref)
     assert (seen[15:] == -1).all() and sorted(seen[:5].ravel()) != list(range(20))
 

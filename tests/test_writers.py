@@ -105,6 +105,60 @@ def test_console_writer_lines(caplog):
   assert caplog.messages == ["step 12: loss=0.25, n=3, bad=nan"]
 
 
+def test_format_row_makes_a_wide_row_a_short_aligned_table():
+  row = {"loss": 0.52341, "accuracy": 0.91, "epoch": 3, "examples_seen": 192000,
+         "throughput/steps_per_sec": 12.345, "throughput/examples_per_sec": 790.08,
+         "throughput/secs_per_call": 40.3, "throughput/loop_secs_per_call": 40.1,
+         "throughput/hook_secs": 0.4, "throughput/goodput": np.float32(0.5)}
+  assert writers_lib.format_row(100, row).splitlines() == [
+      "step 100: loss=0.52341, accuracy=0.91, epoch=3, examples_seen=192000",
+      "  throughput/ steps_per_sec       12.345   examples_per_sec    790.08   secs_per_call"
+      "         40.3",
+      "              loop_secs_per_call    40.1   hook_secs              0.4   goodput"
+      "                0.5"]
+  one_line = writers_lib.format_row(100, row, line_width=None)
+  assert one_line.startswith("step 100: loss=0.52341, accuracy=0.91, ") and "\n" not in one_line
+  assert one_line.endswith(", throughput/hook_secs=0.4, throughput/goodput=0.5")
+  # Names without a prefix that do not fit the first line form a block of their own.
+  wide = {f"metric_{i}": float(i) for i in range(12)}
+  assert writers_lib.format_row(5, wide, line_width=60).splitlines() == [
+      "step 5:",
+      "  metric_0    0   metric_1    1   metric_2    2",
+      "  metric_3    3   metric_4    4   metric_5    5",
+      "  metric_6    6   metric_7    7   metric_8    8",
+      "  metric_9    9   metric_10  10   metric_11  11"]
+  assert writers_lib.format_row(5, {"a": 1, "b/c": 2}) == "step 5: a=1, b/c=2"  # fits: a line
+
+
+def test_c68_goodput_rows_are_a_table_on_the_console_and_keep_their_keys_in_files(
+    tmp_path, caplog):
+  """C68: the goodput/* row (15 keys) is a few aligned lines on the console, no wider than 100
+  characters, every key in them; metrics.jsonl has the same row under its full keys."""
+  writer = loopkit.observe.create_default_writer(tmp_path, tensorboard=False)
+  loop = loopkit.TrainLoop(counting_step, iterations_per_loop=2,
+                           hooks=[loopkit.observe.GoodputHook(writer, log_summary=False)])
+  with caplog.at_level(logging.INFO, logger="loopkit"):
+    loop.run({"w": jnp.zeros(()), "step": jnp.zeros((), jnp.int32)}, int_batches(6),
+             num_steps=6)
+  writer.close()
+  [row] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  keys = [k for k in row if k != "step"]
+  assert row["step"] == 6 and len(keys) == 15 and all(k.startswith("goodput/") for k in keys)
+  [text] = [m for m in caplog.messages if m.startswith("step 6:")]
+  lines = text.splitlines()
+  assert lines[0] == "step 6:"
+  assert lines[1].startswith("  goodput/ job_secs ")
+  assert all(line.startswith(" " * 11) and line[11] != " " for line in lines[2:])
+  assert 1 + 5 <= len(lines) <= 1 + 8  # 3 (or, for values 10+ characters wide, 2) per line
+  assert max(len(line) for line in lines) <= 100
+  assert len({len(line) for line in lines[1:-1]}) == 1 and len(lines[-1]) <= len(lines[1])
+  cells = " ".join(line[11:] for line in lines[1:]).split()
+  shown = dict(zip(cells[::2], cells[1::2]))
+  assert list(shown) == [k.removeprefix("goodput/") for k in keys]
+  for k in keys:
+    assert float(shown[k.removeprefix("goodput/")]) == pytest.approx(row[k], rel=1e-5)
+
+
 def test_multi_writer_fans_out_in_order():
   a, b = Recorder(), Recorder()
   m = loopkit.observe.MultiWriter([a, b])

@@ -7,6 +7,7 @@ Pure host functions; thread-safe.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -111,17 +112,61 @@ def tree_mismatch(expected: Any, got: Any, *, what: str,
   return None
 
 
-def _device_axis_leaf(x: Any) -> bool:
+def device_axis_leaf(x: Any) -> bool:
   """A ``jax.Array`` whose leading axis is a device axis: one row per device.
 
   What ``flax.jax_utils.prefetch_to_device`` (and ``jax.device_put_sharded``)
-  make of a pmap-layout batch ``[devices, B / devices, ...]``.
+  make of a pmap-layout batch ``[devices, B / devices, ...]``, and
+  ``flax.jax_utils.replicate`` of a state leaf (``[devices, ...]``).
   """
   sharding = getattr(x, "sharding", None)
   if not isinstance(x, jax.Array) or sharding is None or x.ndim < 1:
     return False
   devices = len(sharding.device_set)
   return devices > 1 and x.shape[0] == devices and sharding.shard_shape(x.shape)[0] == 1
+
+
+_DEVICE_AXIS_FIX = (
+    "Pass numpy batches [B, ...] (drop prefetch_to_device and the reshape to "
+    "[devices, B / devices, ...]): loopkit places them on the devices itself and prefetches "
+    "(TrainLoop(prefetch=...))")
+
+
+def check_device_axis_layout(batch: Any, global_batch_size: int | None = None, *,
+                             process_count: int = 1) -> None:
+  """Refuses a batch already placed for ``jax.pmap``: a leading device axis, one slice per device.
+
+  ``flax.jax_utils.prefetch_to_device`` (Flax's ImageNet ``create_input_iter``) turns
+  batches reshaped to ``[devices, B / devices, ...]`` into ``jax.Array`` whose
+  leading axis has one row per device; the loop would take each device's slice as
+  one example. Unlike a numpy array of that shape (:func:`warn_if_pmap_layout`),
+  the array itself says so: its leading axis is its device count and each device
+  holds one slice of it.
+
+  Args:
+    batch: one batch, a pytree of arrays (the process-local part).
+    global_batch_size: B as the loop or evaluator was told it, or None. A leaf
+      whose leading axis is ``B / P`` is a global batch that happens to have one
+      example per device, and is taken.
+    process_count: P.
+
+  Raises:
+    ValueError: naming the first such leaf (path, shape, devices), saying how it
+      was made and what to pass instead (the batches before the reshape, or
+      ``global_batch_size=`` when each row is one example).
+  """
+  local = None if global_batch_size is None else global_batch_size // process_count
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    if device_axis_leaf(x) and np.shape(x)[0] != local:
+      name, shape = jax.tree_util.keystr(path) or "<root>", np.shape(x)
+      raise ValueError(
+          f"batch leaf {name} is a jax.Array of shape {shape} already on the devices with a "
+          f"leading device axis: its {shape[0]} rows lie one per device, the layout that "
+          "flax.jax_utils.prefetch_to_device (or jax.device_put_sharded) makes for jax.pmap "
+          f"from batches reshaped to [devices, B / devices, ...]; loopkit would take each "
+          f"device's slice [{', '.join(map(str, shape[1:]))}] as one example. "
+          f"{_DEVICE_AXIS_FIX}; if each row really is one example of a global batch of "
+          f"{shape[0] * process_count}, pass global_batch_size={shape[0] * process_count}")
 
 
 def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int = 1) -> None:
@@ -131,7 +176,9 @@ def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int
   (P processes, each feeding its part). A batch in ``jax.pmap``'s layout
   ``[devices, B / devices, ...]``, or already placed on the devices by
   ``flax.jax_utils.prefetch_to_device``, would otherwise train on a wrong
-  leading axis, silently.
+  leading axis, silently. (Without ``global_batch_size`` the feeder refuses the
+  placed layout with :func:`check_device_axis_layout` and warns about the numpy
+  one with :func:`warn_if_pmap_layout`.)
 
   Args:
     batch: one batch, a pytree of arrays (the process-local part).
@@ -154,13 +201,11 @@ def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int
   per = f"{local} per process, " if process_count > 1 else ""
   msg = (f"batch leaf {shown}{more}, but the loop's global_batch_size={global_batch_size} "
          f"needs a leading batch axis of {per}[{local}, ...]")
-  if any(_device_axis_leaf(x) for _, x in wrong):
+  if any(device_axis_leaf(x) for _, x in wrong):
     raise ValueError(
         f"{msg}: the batch is already on the devices with a leading device axis, as "
         "flax.jax_utils.prefetch_to_device (or jax.device_put_sharded) makes it for jax.pmap. "
-        "Pass numpy batches [B, ...] (drop prefetch_to_device and the reshape to "
-        "[devices, B / devices, ...]): loopkit places them on the devices itself and "
-        "prefetches (TrainLoop(prefetch=...))")
+        f"{_DEVICE_AXIS_FIX}")
   _, x = wrong[0]
   shape = np.shape(x)
   if len(shape) >= 2 and shape[0] * shape[1] == local:
@@ -292,15 +337,62 @@ def signature_change(first: list[tuple[str, tuple]], now: list[tuple[str, tuple]
 MIN_SLOTS = 2
 
 
+_NNX_LOOP = ("loopkit.nnx.NnxTrainLoop(train_step, model, optimizer, metrics, "
+             "iterations_per_loop=...)")
+
+
 def default_step_of(state: Any) -> jax.Array:
-  """The step counter of a state: ``state.step`` or ``state["step"]``."""
+  """The step counter of a state: ``state.step`` or ``state["step"]``.
+
+  Raises:
+    ValueError: neither exists; for a Flax NNX state (``nnx.state(...)``) the message
+      names ``step_of`` for the optimizer's step and :class:`loopkit.nnx.NnxTrainLoop`.
+  """
   if hasattr(state, "step"):
     return state.step
   if isinstance(state, dict) and "step" in state:
     return state["step"]
+  hint = ""
+  if type(state).__module__.startswith("flax.nnx"):
+    hint = (f"; this is a Flax NNX {type(state).__name__}: its counter is the nnx.Optimizer's "
+            "step (e.g. step_of=lambda s: s['optimizer']['step']), or train the NNX objects "
+            f"with their in-place step as they are: {_NNX_LOOP}")
   raise ValueError(
       "the train state has no step counter: give it a scalar int `step` field "
-      "(attribute or dict key) or pass step_of=... to TrainLoop")
+      "(attribute or dict key) or pass step_of=... to TrainLoop" + hint)
+
+
+def check_not_nnx_objects(state: Any) -> None:
+  """Refuses a train state that holds Flax NNX graph objects (``nnx.Module``,
+  ``nnx.Optimizer``, ``nnx.MultiMetric``, ``nnx.Rngs``), before it is placed or donated.
+
+  ``TrainLoop`` runs a pure step on a pytree of arrays; an NNX module is a pytree too,
+  so it would be donated (the user's model then holds deleted arrays) and the step would
+  get a copy, not the user's objects. Looks only when ``flax.nnx`` is imported (a state
+  cannot hold its objects otherwise); a pure ``nnx.State`` passes.
+
+  Raises:
+    TypeError: naming the object's type and pytree path, and
+      :class:`loopkit.nnx.NnxTrainLoop`.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return
+  kinds = tuple(k for k in (getattr(nnx, "Pytree", None), getattr(nnx, "Object", None))
+                if isinstance(k, type))
+  if not kinds:
+    return
+  leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, kinds))[0]
+  for path, leaf in leaves:
+    if isinstance(leaf, kinds):
+      where = f" at {jax.tree_util.keystr(path)}" if path else ""
+      raise TypeError(
+          f"the train state is (or holds) a Flax NNX object, {type(leaf).__name__}{where}: "
+          "TrainLoop runs a pure train_step(state, batch) -> (state, metrics) on a pytree of "
+          "arrays (and donates it). For NNX objects and Flax's in-place step "
+          f"train_step(model, optimizer, [metrics,] batch, ...), use {_NNX_LOOP}, which "
+          "updates the objects after run; or pass TrainLoop the pure state of nnx.split "
+          "with a functional step and step_of=...")
 
 
 def process_of(process_index: int | None, process_count: int | None) -> tuple[int, int]:

@@ -39,6 +39,14 @@ for a stop (``ctx.request_stop``, ``ctx.preemption.request()``); it may write
 its own attributes and files. Only the run writes the ledger, the data
 position, the status and the state.
 
+A method the loop would never call is refused when the loop is built (and again
+when ``run`` starts, for hooks added since): a public method of a hook's class
+named like a hook method (``on_*``, ``after_*``, ``before_*``) that is not one of
+:data:`HOOK_METHODS`, or named as loopkit 0.1's hook methods (``observe``, now
+``after_each_call``; ``after_call``, now ``on_trigger``). The error names the
+method and the nearest hook method (:func:`check_hooks`). A public method of the
+hook's own that only looks like one is listed in the class's ``not_hook_methods``.
+
 Hooks are not thread-safe; on multi-host every process runs every hook (a hook
 that writes files should write on process 0 only).
 """
@@ -46,6 +54,8 @@ that writes files should write on process 0 only).
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,13 +151,19 @@ class Hook:
   Attributes:
     needs_state: the hook reads the state in ``on_trigger`` (the loop then
       synchronises at its boundaries).
-    time_bucket: the ledger bucket its time goes to (:class:`~loopkit.core.ledger.Bucket`).
+    time_bucket: the ledger bucket its time goes to (:class:`~loopkit.core.ledger.Bucket`;
+      the default ``hooks`` becomes ``setup`` before a run's first call and after its last).
     hook_name: stable name for its saved state (None: the class name).
+    not_hook_methods: names of public methods of the subclass that look like hook
+      methods (``on_*``, ``after_*``, ``before_*``, ``observe``, ``after_call``)
+      but are its own, which the loop does not call; any other such method is
+      refused when the loop is built (:func:`check_hooks`).
   """
 
   needs_state: bool = True
   time_bucket: str = Bucket.HOOKS
   hook_name: str | None = None
+  not_hook_methods: tuple[str, ...] = ()
 
   def __init__(self, *, every_steps: int | None = None, every_epochs: float | None = None,
                at_steps: Sequence[int] | None = None, every_secs: float | None = None,
@@ -212,6 +228,74 @@ class Hook:
       error: the exception that ends the run (any ``BaseException``, e.g. a
         ``KeyboardInterrupt``).
     """
+
+
+# Every method the loop calls on a hook (the last three only if the hook has them).
+HOOK_METHODS = ("on_run_start", "adjust_ledger", "after_each_call", "on_trigger", "on_run_end",
+                "on_run_error", "flush", "checkpoint_state", "restore_checkpoint_state")
+# loopkit 0.1's hook methods, by the name the loop calls now.
+RENAMED_HOOK_METHODS = {"observe": "after_each_call", "after_call": "on_trigger"}
+_SIGNATURES = {"after_each_call": "after_each_call(info)",
+               "on_trigger": "on_trigger(info, state)"}
+_HOOK_LIKE = ("on_", "after_", "before_")
+_REQUIRED = ("trigger", "needs_state", "on_run_start", "after_each_call", "on_trigger",
+             "on_run_end")
+
+
+def check_hooks(hooks: Sequence[Any]) -> None:
+  """Checks that the loop can call every hook, and would call each method that looks like a hook
+  method.
+
+  Run by :class:`loopkit.TrainLoop` when it is built and when ``run`` starts.
+
+  Raises:
+    TypeError: a hook without the :class:`Hook` attributes; a public method of a
+      hook's class (or a base class other than :class:`Hook`) whose name looks like a
+      hook method (``on_*``, ``after_*``, ``before_*``) but is not one of
+      :data:`HOOK_METHODS`, or is one of loopkit 0.1's (``observe``,
+      ``after_call``), and is not in the class's ``not_hook_methods``: the message
+      names the class, the method and the nearest hook method.
+  """
+  for h in hooks:
+    missing = [a for a in _REQUIRED if not hasattr(h, a)]
+    if missing:
+      raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
+                      "(or wrap a function in loopkit.CallbackHook)")
+    problem = _never_called(type(h))
+    if problem:
+      raise TypeError(problem)
+
+
+def _never_called(cls: type) -> str | None:
+  """The refusal for the first method of ``cls`` the loop would never call, or None."""
+  own = set()
+  for klass in cls.__mro__:
+    own.update(klass.__dict__.get("not_hook_methods", ()))
+  for klass in cls.__mro__:
+    if klass in (Hook, object):
+      continue
+    for name, value in klass.__dict__.items():
+      if (name.startswith("_") or name in HOOK_METHODS or name in own
+          or not (inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod)))):
+        continue
+      if name not in RENAMED_HOOK_METHODS and not name.startswith(_HOOK_LIKE):
+        continue
+      where = cls.__qualname__
+      if klass is not cls:
+        where += f" (from {klass.__qualname__})"
+      now = RENAMED_HOOK_METHODS.get(name)
+      if now is not None:
+        why = (f"{name}() is loopkit 0.1's name: since 0.2 the loop calls "
+               f"{_SIGNATURES[now]} instead")
+      else:
+        near = difflib.get_close_matches(name, HOOK_METHODS, n=1, cutoff=0.0)
+        why = f"it is not a hook method (the nearest is {near[0]})"
+      return (f"hook {where} defines {name}(), which the loop never calls: {why}. Rename it "
+              f"(the hook methods: {', '.join(HOOK_METHODS)}; loopkit 0.1's observe(info) "
+              "is after_each_call(info), its after_call(info, state) is on_trigger(info, "
+              "state)), or, if it is a method of the hook's own that the loop is not meant "
+              f"to call, list it in {cls.__qualname__}.not_hook_methods")
+  return None
 
 
 class CallbackHook(Hook):

@@ -17,7 +17,8 @@ from typing import Any
 class Bucket:
   """Names of the ledger's time buckets (``Ledger.seconds`` keys; seconds of wall time).
 
-  A hook's own time goes to its ``time_bucket`` (default :attr:`HOOKS`).
+  A hook's own time goes to its ``time_bucket`` (default :attr:`HOOKS`; the ``hooks``
+  time of a run's start and end, outside the device calls, goes to :attr:`SETUP`).
   """
 
   TOTAL = "total"  # wall time inside TrainLoop.run
@@ -30,6 +31,16 @@ class Bucket:
   EVAL = "eval"  # evaluation hooks
   REPLICA_CHECK = "replica_check"  # per-device style: comparing the devices' state copies
   LOST = "lost"  # work redone after restarts (loopkit.observe.goodput)
+  SETUP = "setup"  # a run's start and end outside the calls (see Ledger.seconds)
+
+  # The loop's own buckets; every other bucket holds hooks' time (a hook's time_bucket).
+  LOOP = (TOTAL, COMPILE, DISPATCH, DEVICE_WAIT, DATA_WAIT, REPLICA_CHECK, LOST, SETUP)
+
+
+def hook_seconds(seconds: Mapping[str, float]) -> float:
+  """The hooks' time in a ledger's ``seconds``: the sum of every bucket not in :attr:`Bucket.LOOP`
+  (``hooks``, ``checkpoint``, ``eval`` and any hook's own ``time_bucket``), in seconds."""
+  return float(sum(v for k, v in seconds.items() if k not in Bucket.LOOP))
 
 
 def epoch_of(step: int, steps_per_epoch: int | None) -> tuple[int, int]:
@@ -68,6 +79,10 @@ class Ledger:
       ``replica_check`` (per-device style: comparing the devices' copies of the
       state before a hook gets it; the first check of a run, which compiles the
       check, is in ``compile``, and its wait for the call in ``device_wait``),
+      ``setup`` (a run's start before its first device call and its end after
+      the last call's hooks: the time no other bucket took then, and the
+      ``hooks`` bucket's time then; so a run that trains nothing adds only
+      to ``setup``, ``data_wait``, ``checkpoint``, ``eval`` and ``total``),
       and ``lost`` (time of work redone after restarts, see :mod:`loopkit.observe.goodput`).
     lost_steps: steps redone after restarts (trained past the last
       checkpoint, then lost).

@@ -25,13 +25,13 @@ from loopkit._internal.checks import check_global_batch_size, default_step_of
 from loopkit._internal.logs import install_default_handler
 from loopkit._internal.mesh import resolve_mesh
 from loopkit.core.hook_state import hook_names
-from loopkit.core.hooks import Hook
+from loopkit.core.hooks import Hook, check_hooks
 from loopkit.core.ledger import Bucket, Ledger
 from loopkit.core.planner import TimeBasedK, parse_duration
 from loopkit.core.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.core.program import MultiStepProgram, StepStyle
 from loopkit.core.run import DataExhaustedWarning, Run, RunConfig, check_epoch_marks
-from loopkit.data.sources import steps_per_epoch_of
+from loopkit.data.sources import check_epoch_length, steps_per_epoch_of
 
 __all__ = ["DataExhaustedWarning", "TrainLoop"]
 
@@ -96,7 +96,11 @@ class TrainLoop:
     max_iterations_per_loop: slot count for a duration ``iterations_per_loop``
       (default 100; calls shorter than it transfer padding batches).
     hooks: :class:`loopkit.core.hooks.Hook` objects, called in order at boundaries.
-    mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices).
+    mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices). A state
+      leaf with a ``NamedSharding`` on it keeps its sharding; unsharded and fully
+      replicated leaves are replicated on it. A leaf sharded on another mesh (a
+      model-parallel state built on a ``("data", "fsdp", "tensor")`` mesh, with this
+      argument left out) is refused at ``run``, before any step: pass that mesh here.
     data_axis: name of the mesh axis the batch is split over.
     step_style: ``"global"`` (the step sees global arrays) or ``"per_device"``
       (pmap style: the step sees its device's slice and uses collectives over
@@ -104,13 +108,18 @@ class TrainLoop:
     steps_per_epoch: steps in one epoch; calls never cross an epoch end.
       ``"auto"``: the length of the source given to each ``run`` (one epoch;
       :func:`loopkit.data.sources.steps_per_epoch_of`: ``len``, tf.data
-      cardinality, ``ArraySource.steps_per_epoch``).
+      cardinality, ``ArraySource.steps_per_epoch``). A source that declares its own
+      epoch (``ArraySource``, ``GrainSource``, ``DeviceDataset``) and an int here that
+      differs from it is refused at ``run``
+      (:func:`loopkit.data.sources.check_epoch_length`).
     global_batch_size: if given, checked now against the data-parallel size, and
       at ``run`` against the first batch: every leaf must be ``[B, ...]``
       (``[B / processes, ...]`` on multi-host), else a ValueError names the leaf
       and its shape (pmap layout ``[devices, B / devices, ...]``,
       ``prefetch_to_device`` output) before any step. Without it the batch size
-      is the first batch's, and a pmap-looking layout only warns.
+      is the first batch's: a first batch already on the devices with a leading
+      device axis (``prefetch_to_device`` output) is still refused, since the
+      arrays say so; a numpy batch that looks like pmap layout only warns.
     prefetch: chunks prepared ahead by a background thread (0 = none).
     step_of: returns the state's step counter (default ``state.step``).
     preemption_signals: signals that stop the run at the next boundary with
@@ -121,6 +130,11 @@ class TrainLoop:
       (default) = on when the mesh is on CPU devices.
 
   Raises:
+    TypeError: a hook without the :class:`~loopkit.core.hooks.Hook` methods, or
+      with a public method the loop would never call (loopkit 0.1's ``observe`` /
+      ``after_call``, a misspelt ``on_run_started``; see
+      :func:`~loopkit.core.hooks.check_hooks`); also at ``run`` for hooks added to
+      :attr:`hooks` since.
     ValueError: K < 1 or not an int or duration; a duration K on several
       processes; ``max_iterations_per_loop`` with an int K;
       ``global_batch_size`` not divisible by the data-parallel size;
@@ -205,9 +219,16 @@ class TrainLoop:
       The final state, whose step equals ``self.ledger.step``.
 
     Raises:
-      ValueError: bad arguments, batch shape/dtype changes (naming the leaf),
-        a step that changes the state's structure/shape/dtype, a step counter
-        that does not advance by one per step. Whatever ``run`` raises (also a
+      TypeError: a state that is (or holds) a Flax NNX object (``nnx.Module``,
+        ``nnx.Optimizer``...), before it is donated: the message names
+        :class:`loopkit.nnx.NnxTrainLoop`.
+      ValueError: bad arguments; a source whose own epoch is not
+        ``steps_per_epoch`` steps (naming both); a state leaf sharded on another
+        mesh than the loop's, which would lose its sharding (naming the leaf, both
+        meshes and ``mesh=``); batch shape/dtype changes (naming the leaf),
+        a step that changes the state's structure/shape/dtype; a step counter
+        that does not advance by one per step
+        (:class:`~loopkit.core.StepCounterError`). Whatever ``run`` raises (also a
         hook's or the source's exception, a ``KeyboardInterrupt``), the work
         done is kept: :attr:`last_state` is the state at the last completed
         boundary, at step ``self.ledger.step``.
@@ -218,6 +239,7 @@ class TrainLoop:
     """
     if self._auto_steps_per_epoch:
       self.steps_per_epoch = steps_per_epoch_of(batches)
+    check_epoch_length(batches, self.steps_per_epoch)
     target = self._target(num_steps, num_epochs)
     self.target_step = target
     config = self._config
@@ -403,19 +425,16 @@ def _fixed_steps_per_epoch(steps_per_epoch: int | str | None) -> int | None:
 
 
 def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
-  """``hooks`` as a list, after checking each has the hook methods and the names are unique.
+  """``hooks`` as a list, after checking them (:func:`~loopkit.core.hooks.check_hooks`) and that
+  their names are unique.
 
   Raises:
-    TypeError: a hook without the :class:`~loopkit.core.hooks.Hook` methods.
+    TypeError: a hook without the :class:`~loopkit.core.hooks.Hook` methods, or with a
+      method the loop would never call (named, with the nearest hook method).
     ValueError: a ``hook_name`` given twice.
   """
   hooks = list(hooks)
-  for h in hooks:
-    missing = [a for a in ("trigger", "needs_state", "on_run_start", "after_each_call",
-                           "on_trigger", "on_run_end") if not hasattr(h, a)]
-    if missing:
-      raise TypeError(f"hook {h!r} lacks {', '.join(missing)}: subclass loopkit.Hook "
-                      "(or wrap a function in loopkit.CallbackHook)")
+  check_hooks(hooks)
   _warn_logging_after_checkpoint(hooks)
   hook_names(hooks)  # raises now for a hook_name given twice
   return hooks

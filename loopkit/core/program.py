@@ -69,7 +69,7 @@ from loopkit._internal.checks import (
   tree_mismatch,
 )
 from loopkit._internal.compat import lowering_count
-from loopkit._internal.mesh import is_cpu_mesh
+from loopkit._internal.mesh import is_cpu_mesh, pinned_state_shardings
 
 StepStyle = Literal["global", "per_device"]
 
@@ -317,14 +317,16 @@ class MultiStepProgram:
     return NamedSharding(self.mesh, P())
 
   def state_sharding_for(self, state: Any) -> Any:
-    """Pinned shardings for a state: kept if already on this mesh, else replicated."""
-    def pick(x):
-      sh = getattr(x, "sharding", None)
-      if (self.style == "global" and isinstance(sh, NamedSharding)
-          and sh.mesh == self.mesh and getattr(x, "committed", True)):
-        return sh
-      return self.replicated
-    return jax.tree.map(pick, state)
+    """Pinned shardings for a state: a leaf's ``NamedSharding`` on this mesh is kept, an
+    unsharded or fully replicated leaf is replicated
+    (:func:`loopkit._internal.mesh.pinned_state_shardings`).
+
+    Raises:
+      ValueError: a leaf sharded on another mesh or by another kind of sharding, or
+        (``"per_device"`` style, whose state is replicated) sharded at all: it would
+        lose its sharding. The message names the leaf, both meshes and ``mesh=``.
+    """
+    return pinned_state_shardings(state, self.mesh, replicated_only=self.style == "per_device")
 
   # -- tracing ---------------------------------------------------------------
 

@@ -32,12 +32,19 @@ import jax
 import numpy as np
 
 from loopkit import metrics as metrics_lib
-from loopkit._internal.checks import tree_mismatch, warn_if_pmap_layout
+from loopkit._internal.checks import check_not_nnx_objects, tree_mismatch, warn_if_pmap_layout
 from loopkit._internal.mesh import is_cpu_mesh
 from loopkit.core.agreement import agree_with_reason
 from loopkit.core.context import LedgerAdjustment, Restore, RunContext
 from loopkit.core.hook_state import collect_hook_states, give_hook_states, hook_names
-from loopkit.core.hooks import CallRecord, Hook, LoopInfo, NonFiniteWarning, record_fields
+from loopkit.core.hooks import (
+  CallRecord,
+  Hook,
+  LoopInfo,
+  NonFiniteWarning,
+  check_hooks,
+  record_fields,
+)
 from loopkit.core.ledger import Bucket, Ledger, LedgerView, epoch_of
 from loopkit.core.planner import TimeBasedK, plan_calls
 from loopkit.core.preemption import PreemptionWatcher
@@ -50,6 +57,25 @@ log = logging.getLogger("loopkit")
 
 class DataExhaustedWarning(UserWarning):
   """The batch iterator ran out before ``num_steps``; the run stopped at the last full step."""
+
+
+class StepCounterError(ValueError):
+  """The state's step counter did not advance by exactly one per step in a device call.
+
+  Attributes:
+    counter: the counter after the call.
+    start_step: the loop's step before the call (the counter's value then).
+    end_step: the loop's step after the call.
+    loop_index: the call's index.
+  """
+
+  def __init__(self, message: str, *, counter: int, start_step: int, end_step: int,
+               loop_index: int):
+    super().__init__(message)
+    self.counter = counter
+    self.start_step = start_step
+    self.end_step = end_step
+    self.loop_index = loop_index
 
 
 def _fetch(tree: Any, copy_async: bool) -> Any:
@@ -162,6 +188,7 @@ class Run:
     self.preemption_spent = False
     self.status: str | None = None
     self.stop_reason: str | None = None
+    check_hooks(self.hooks)  # hooks added to loop.hooks since the loop was built
     self.names = hook_names(self.hooks)
     self.buckets = [getattr(h, "time_bucket", Bucket.HOOKS) for h in self.hooks]
     self.contexts = [RunContext(self, i, self._hook_states) for i in range(len(self.hooks))]
@@ -187,6 +214,12 @@ class Run:
     self.timed = [i for i, h in enumerate(hooks) if h.trigger.every_secs is not None]
     self.single_process = jax.process_count() == 1
     self.t_mark = time.perf_counter()
+    # "start" until the first dispatch, "calls" until the last call's hooks ran, then "end".
+    # Outside "calls" the wall time goes to its buckets and the rest to Bucket.SETUP, so a
+    # run that trains nothing adds no productive time (add_time, tick_total).
+    self.phase = "start"
+    self.pending: dict[str, float] = {}  # "start": the time for the ledger of the first tick
+    self.bucketed = 0.0  # outside "calls": seconds add_time gave to buckets since the last tick
 
   # -- ledger writes --------------------------------------------------------
 
@@ -201,13 +234,46 @@ class Run:
     """Asks the run to stop at the next boundary, after the processes agreed on it."""
     self.stop_reason = reason
 
+  def add_time(self, bucket: str, secs: float) -> None:
+    """Adds ``secs`` of this run's wall time to ``bucket`` of the ledger.
+
+    Outside the calls (before the first dispatch, after the last call's hooks)
+    the generic ``hooks`` bucket is :attr:`Bucket.SETUP` (a logging or progress
+    hook's start and end are no training), and so is ``device_wait`` in a run
+    that dispatched no call; before the first dispatch the time
+    waits for the ledger the hooks' restores leave (:meth:`tick_total` adds it).
+    """
+    if self.phase == "calls":
+      self.ledger.add_time(bucket, secs)
+      return
+    if bucket == Bucket.HOOKS or (bucket == Bucket.DEVICE_WAIT and self.last is None):
+      bucket = Bucket.SETUP  # (waiting on a restored state, not on training, in a run of no call)
+    self.bucketed += secs
+    if self.phase == "start":
+      self.pending[bucket] = self.pending.get(bucket, 0.0) + secs
+    else:
+      self.ledger.add_time(bucket, secs)
+
   def tick_total(self) -> None:
     """Adds the wall time since the last tick to ``seconds["total"]`` (kept current
     at every boundary and before every ``on_run_end``, so a checkpoint saved by
-    a hook, or a summary at the end, includes it)."""
+    a hook, or a summary at the end, includes it).
+
+    Outside the calls it also adds the time waiting in :meth:`add_time` and
+    gives the rest of the interval, which no bucket took (placing the initial
+    state, opening the source, closing the feeder, the loop's bookkeeping), to
+    :attr:`Bucket.SETUP`.
+    """
     now = time.perf_counter()
-    self.ledger.add_time(Bucket.TOTAL, now - self.t_mark)
+    elapsed = now - self.t_mark
+    self.ledger.add_time(Bucket.TOTAL, elapsed)
     self.t_mark = now
+    if self.phase == "calls":
+      return
+    for bucket, secs in self.pending.items():
+      self.ledger.add_time(bucket, secs)
+    self.ledger.add_time(Bucket.SETUP, max(elapsed - self.bucketed, 0.0))
+    self.pending, self.bucketed = {}, 0.0
 
   def call_hook(self, i: int, fn: Any, *args: Any) -> Any:
     """Calls ``fn(*args)`` for hook ``i`` and adds its time to the hook's bucket."""
@@ -215,7 +281,7 @@ class Run:
     try:
       return fn(*args)
     finally:
-      self.ledger.add_time(self.buckets[i], time.perf_counter() - t0)
+      self.add_time(self.buckets[i], time.perf_counter() - t0)
 
   # -- start ----------------------------------------------------------------
 
@@ -330,6 +396,7 @@ class Run:
     try:
       state, feeder = self.start(state, batches)
     except BaseException as error:
+      self.tick_total()
       self.fail(error)
       raise
     self.state_position = self.data_position
@@ -337,6 +404,8 @@ class Run:
     try:
       self.preemption.install()
       state = self.call_until_done(state, feeder)
+      self.tick_total()  # the calls' time up to their last hook
+      self.phase = "end"
       state = self.stop(state)
       returning = True
     except BaseException as error:
@@ -395,7 +464,7 @@ class Run:
     """
     t0 = time.perf_counter()
     chunk = feeder.next()
-    self.ledger.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
+    self.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
     if chunk is None or (chunk.length == 0 and not chunk.interrupted):
       if chunk is not None:
         self.warn_exhausted(stacklevel=6)
@@ -411,6 +480,9 @@ class Run:
 
   def dispatch(self, state: Any, chunk: Chunk, time_due: dict[int, bool]) -> tuple[Any, Boundary]:
     """Dispatches one device call over ``chunk`` and records its :class:`Boundary`."""
+    if self.phase == "start":  # the run's start ends at its first dispatch
+      self.tick_total()
+      self.phase = "calls"
     ledger, program = self.ledger, self.program
     start = ledger.step
     t0 = time.perf_counter()
@@ -452,10 +524,12 @@ class Run:
       out_step, nonfinite = out.step, out.nonfinite
     ledger.add_time(Bucket.DEVICE_WAIT, time.perf_counter() - t0)
     if int(out_step) != b.end_step:
-      raise ValueError(
+      raise StepCounterError(
           f"the state's step counter is {int(out_step)} after device call {b.loop_index} "
           f"(steps {b.start_step + 1}..{b.end_step}); train_step must increment it by exactly "
-          f"1 per step, and it must equal the loop's step {b.end_step}")
+          f"1 per step, and it must equal the loop's step {b.end_step}",
+          counter=int(out_step), start_step=b.start_step, end_step=b.end_step,
+          loop_index=b.loop_index)
     self.data_position = b.data_position
     self.tick_total()
     self.last, self.last_info = b, None
@@ -665,11 +739,11 @@ class Run:
     t0 = time.perf_counter()
     jax.block_until_ready(state)  # the call's own device time is device_wait, not the check's
     t1 = time.perf_counter()
-    self.ledger.add_time(Bucket.DEVICE_WAIT, t1 - t0)
+    self.add_time(Bucket.DEVICE_WAIT, t1 - t0)
     diverged = program.diverged_leaves(state)
     # The first check of a run includes compiling the check program.
-    self.ledger.add_time(Bucket.COMPILE if self.replicas_checked_at is None
-                         else Bucket.REPLICA_CHECK, time.perf_counter() - t1)
+    self.add_time(Bucket.COMPILE if self.replicas_checked_at is None
+                  else Bucket.REPLICA_CHECK, time.perf_counter() - t1)
     self.replicas_checked_at = self.ledger.step
     if diverged:
       axis = program.data_axis
@@ -696,9 +770,13 @@ class Run:
         (which becomes the train state the others are checked against).
 
     Raises:
+      TypeError: an initial state holding Flax NNX objects (names
+        :class:`loopkit.nnx.NnxTrainLoop`).
       ValueError: a replacement unlike the train state.
     """
-    if hook is not None:
+    if hook is None:
+      check_not_nnx_objects(state)
+    else:
       problem = tree_mismatch(self.state_spec, state, what=(
           f"{type(self.hooks[hook]).__name__} returned a state unlike the train state"))
       if problem:

@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from loopkit._internal.checks import check_global_batch_size, check_step_style, default_step_of
 from loopkit._internal.mesh import resolve_mesh
+from loopkit.data.positions import check_step_position, step_position
 
 _ROUNDS = 6
 
@@ -225,6 +226,26 @@ class DeviceDataset:
     start = in_epoch * self.global_batch_size + jax.process_index() * self.local_batch_size
     position = np.arange(start, start + self.local_batch_size, dtype=np.int32)
     return {"epoch": np.full_like(position, epoch), "position": position}
+
+  def position_at(self, step: int) -> dict[str, int]:
+    """The data position saved after ``step`` steps (the same on every process):
+    ``{"device_data_step": step, "seed", "global_batch_size", "num_examples"}``."""
+    return step_position("device_data_step", step, seed=self.seed,
+                         global_batch_size=self.global_batch_size, num_examples=self.num_examples)
+
+  def check_position(self, position: Any, step: int) -> None:
+    """Checks a checkpoint's data position before a resume at ``step``
+    (:func:`loopkit.data.positions.check_step_position`).
+
+    Raises:
+      ValueError: the position came from another pipeline, or from a DeviceDataset
+        with another step, seed, global batch size or example count (a step's
+        index batch would gather other examples); the message names both values.
+        A bare step (loopkit 0.2's position) equal to ``step`` is taken, with a
+        warning.
+    """
+    check_step_position(position, self.position_at(step), step=step, source="DeviceDataset",
+                        accept_bare_step=True)
 
   def epoch_permutation(self, epoch: int) -> np.ndarray:
     """Host reference: example indices in visiting order for ``epoch``, int64 ``[N]``."""

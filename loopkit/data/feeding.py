@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding
 from loopkit._internal.checks import (
   MIN_SLOTS,
   check_batch_layout,
+  check_device_axis_layout,
   check_global_batch_size,
   partial_batch_hint,
   tree_mismatch,
@@ -159,7 +160,9 @@ class ChunkFeeder:
       the event must stay set once set.
     global_batch_size: B as the loop was told it (None: the first batch's); every
       leaf of the first batch must then be ``[B / processes, ...]``
-      (:func:`loopkit._internal.checks.check_batch_layout`).
+      (:func:`loopkit._internal.checks.check_batch_layout`). Without it, a first batch
+      already placed with a leading device axis (``prefetch_to_device``) is refused
+      (:func:`loopkit._internal.checks.check_device_axis_layout`).
     call_places: the consumer's jitted call pins ``batch_sharding`` in its
       ``in_shardings``: where :func:`loopkit.data.placement.call_places_numpy` says
       so (read here, on the constructing thread), chunks are handed over as numpy
@@ -235,6 +238,8 @@ class ChunkFeeder:
         raise ValueError("a batch must have at least one array leaf")
       if self._expected_batch is not None:
         check_batch_layout(batch, self._expected_batch, process_count=jax.process_count())
+      else:  # a leading device axis (prefetch_to_device) is plain from the arrays themselves
+        check_device_axis_layout(batch, process_count=jax.process_count())
       b_local = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
       for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if np.ndim(x) == 0 or np.shape(x)[0] != b_local:

@@ -51,6 +51,7 @@ import numpy as np
 
 from loopkit._internal.checks import check_global_batch_size, process_of
 from loopkit._internal.extras import require
+from loopkit.data.positions import check_step_position, step_position
 
 _UNBOUNDED_EPOCHS = 2**31  # "endless": a finite Grain length (index arithmetic stays int64)
 _POSITION_KEY = "grain_step"
@@ -264,35 +265,22 @@ class GrainSource:
   chunks_are_fresh = True
 
   def position_at(self, step: int) -> dict[str, int]:
-    """The data position saved after ``step`` steps (the same on every process)."""
-    return {_POSITION_KEY: int(step), "seed": self.seed,
-            "global_batch_size": self.global_batch_size, "num_records": self.num_records}
+    """The data position saved after ``step`` steps (the same on every process):
+    ``{"grain_step": step, "seed", "global_batch_size", "num_records"}``."""
+    return step_position(_POSITION_KEY, step, seed=self.seed,
+                         global_batch_size=self.global_batch_size, num_records=self.num_records)
 
   def check_position(self, position: Any, step: int) -> None:
-    """Checks a checkpoint's data position before a resume at ``step``.
+    """Checks a checkpoint's data position before a resume at ``step``
+    (:func:`loopkit.data.positions.check_step_position`).
 
     Raises:
       ValueError: the position came from another pipeline (a ``tf.data``
-        batch count, an iterator state, a bare step of another step-indexed
-        source), or from a GrainSource with another step, seed, global batch
-        size or record count; the message names both values.
+        batch count, an iterator state, another step-indexed source's position),
+        or from a GrainSource with another step, seed, global batch size or
+        record count; the message names both values.
     """
-    mine = self.position_at(step)
-    if not isinstance(position, dict) or _POSITION_KEY not in position:
-      if isinstance(position, dict) and "tf_batches" in position:
-        origin = "a tf.data pipeline (loopkit.data.TfDataSource)"
-      elif isinstance(position, (int, np.integer)):
-        origin = "a batch count or the step of another step-indexed source (e.g. ArraySource)"
-      else:
-        origin = "another pipeline's iterator state"
-      raise ValueError(f"the checkpoint's data position {position!r} came from {origin}, not "
-                       f"from a GrainSource (whose position here is {mine!r}): resume with the "
-                       "pipeline that saved it, or start a new run in another directory")
-    for key, value in mine.items():
-      if position.get(key) != value:
-        raise ValueError(f"the checkpoint's data position has {key}={position.get(key)!r} but "
-                         f"this GrainSource has {key}={value!r} (saved {position!r}, here "
-                         f"{mine!r}): build the source as the run that saved it did")
+    check_step_position(position, self.position_at(step), step=step, source="GrainSource")
 
   def __repr__(self) -> str:
     return (f"GrainSource(num_records={self.num_records}, global_batch_size="

@@ -13,10 +13,13 @@ plain iterable (list, re-iterable)        batch count; counted skip on a fresh
 Grain ``DataLoader`` / ``IterDataset``    the iterator's ``get_state()``;
                                           ``set_state`` (no batches re-read)
 :class:`TfDataSource` (tf.data, TFDS)     ``{"tf_batches": n}``; ``Dataset.skip(n)``
-step-indexed (``batch_at(step)``),        the global step; nothing to save
-e.g. :class:`ArraySource`
-:class:`~loopkit.data.GrainSource`        ``{"grain_step": s, ...}`` (``position_at``);
-(Grain random access, ArrayRecord)        checked (``check_position``), then step s
+step-indexed (``batch_at(step)``)         the global step, or ``position_at(step)``
+:class:`ArraySource`                      ``{"array_step": s, "seed", "global_batch_size",
+                                          "num_examples"}``; checked (``check_position``,
+                                          :mod:`loopkit.data.positions`), then step s
+:class:`~loopkit.data.GrainSource`        ``{"grain_step": s, ...}``; checked, then
+(Grain random access, ArrayRecord)        step s (no record re-read)
+:class:`~loopkit.data.DeviceDataset`      ``{"device_data_step": s, ...}``; checked, then s
 ========================================  ==========================================
 
 Grain loaders and datasets need no adapter: pass them to ``TrainLoop.run``
@@ -49,6 +52,7 @@ import numpy as np
 
 from loopkit._internal.checks import check_global_batch_size, process_of
 from loopkit._internal.extras import require
+from loopkit.data.positions import check_step_position, step_position
 
 
 def process_shard_bounds(num_examples: int, process_index: int | None = None,
@@ -227,7 +231,9 @@ class ArraySource:
   with ``numpy.random.default_rng``. So the order is reproducible from the
   seed, differs per epoch, and a resume at any step (mid-epoch included)
   continues with exactly the batches an uninterrupted run would see: the
-  position is the step itself. The last ``N % B`` examples of each epoch's
+  position is the step itself, saved with the seed, B and N that make its batch
+  (:meth:`position_at`) and refused at a resume by a source built otherwise
+  (:meth:`check_position`). The last ``N % B`` examples of each epoch's
   permutation are dropped (a different subset each epoch).
 
   On multi-host every process passes the *same* arrays; all draw the same
@@ -280,6 +286,25 @@ class ArraySource:
     self.num_epochs = num_epochs
     self.steps_per_epoch = self.num_examples // global_batch_size
     self._cache: tuple[int, np.ndarray] | None = None
+
+  def position_at(self, step: int) -> dict[str, int]:
+    """The data position saved after ``step`` steps (the same on every process):
+    ``{"array_step": step, "seed", "global_batch_size", "num_examples"}``."""
+    return step_position("array_step", step, seed=self.seed,
+                         global_batch_size=self.global_batch_size, num_examples=self.num_examples)
+
+  def check_position(self, position: Any, step: int) -> None:
+    """Checks a checkpoint's data position before a resume at ``step``
+    (:func:`loopkit.data.positions.check_step_position`).
+
+    Raises:
+      ValueError: the position came from another pipeline, or from an ArraySource
+        with another step, seed, global batch size or example count (a step's batch
+        would be other examples); the message names both values. A bare step
+        (loopkit 0.2's position) equal to ``step`` is taken, with a warning.
+    """
+    check_step_position(position, self.position_at(step), step=step, source="ArraySource",
+                        accept_bare_step=True)
 
   def epoch_permutation(self, epoch: int) -> np.ndarray:
     """The order of example indices in ``epoch``: int64 ``[N]``."""
@@ -484,6 +509,42 @@ def steps_per_epoch_of(source: Any) -> int:
   if n < 1:
     raise ValueError(f"steps_per_epoch='auto': the {what} has {n} batches")
   return int(n)
+
+
+def check_epoch_length(source: Any, steps_per_epoch: int | None) -> None:
+  """Refuses a loop's ``steps_per_epoch`` other than the epoch its source declares.
+
+  A source that knows its epoch says so with an int ``steps_per_epoch`` attribute
+  (:class:`ArraySource`, :class:`~loopkit.data.GrainSource`,
+  :class:`~loopkit.data.DeviceDataset`: ``N // B``); its epoch ``e`` is a
+  permutation of its own. A loop told another length would number epochs, fire
+  ``every_epochs`` hooks and count ``num_epochs`` at other steps than the source's
+  epoch ends (``epoch=0`` at step 20 of a 15-step epoch). A stream (a list, tf.data,
+  a Grain iterator) declares no epoch: its length is the batches it holds, which may
+  be several epochs, so it is not checked.
+
+  Args:
+    source: the batches given to ``TrainLoop.run``.
+    steps_per_epoch: the loop's steps per epoch, or None (no epochs: nothing to check).
+
+  Raises:
+    ValueError: both lengths known and different, naming both numbers (and the
+      source's examples and batch size where it has them) and ``steps_per_epoch``.
+  """
+  n = getattr(source, "steps_per_epoch", None)
+  if (steps_per_epoch is None or isinstance(n, bool) or not isinstance(n, (int, np.integer))
+      or n == steps_per_epoch):
+    return
+  what = type(source).__name__
+  examples = getattr(source, "num_examples", getattr(source, "num_records", None))
+  batch = getattr(source, "global_batch_size", None)
+  made = (f" ({examples} examples // global batch {batch})"
+          if isinstance(examples, int) and isinstance(batch, int) else "")
+  raise ValueError(
+      f"TrainLoop(steps_per_epoch={steps_per_epoch}), but the {what} given to run has an epoch "
+      f"of {n} steps{made}: the loop's epochs (LoopInfo.epoch, every_epochs hooks, num_epochs) "
+      f"would not end where the source's do. Pass steps_per_epoch={n}, or "
+      "steps_per_epoch='auto' to take the source's")
 
 
 # -- opening a source at a saved position (used by the feeder) ---------------------------

@@ -24,6 +24,7 @@ from loopkit.observe.writers import (
   TensorBoardWriter,
   as_writer,
   create_default_writer,
+  format_row,
   keep_rows_through,
 )
 
@@ -43,5 +44,6 @@ __all__ = [
     "TensorBoardWriter",
     "as_writer",
     "create_default_writer",
+    "format_row",
     "keep_rows_through",
 ]

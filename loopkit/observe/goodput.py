@@ -5,8 +5,11 @@ The loop already splits its wall time into buckets in ``ledger.seconds``
 device synchronisation): ``compile`` (the first dispatch: trace + compile),
 ``dispatch``, ``device_wait`` (the host blocked fetching a call's outputs, one
 call late), ``data_wait`` (the host waiting for the next input chunk), hook time
-by the hook's ``time_bucket`` (``checkpoint``, ``eval``, or ``hooks``) and
-``total``. The ledger is saved in checkpoints, so the buckets add up over
+by the hook's ``time_bucket`` (``checkpoint``, ``eval``, or ``hooks``),
+``setup`` (a run's start before its first device call and its end after the
+last call's hooks, outside the hooks' own buckets: placing the initial state,
+opening the source, the generic hooks' ``on_run_start`` / ``on_run_end``,
+closing the feeder) and ``total``. The ledger is saved in checkpoints, so the buckets add up over
 resumes. :class:`GoodputHook` adds *work lost to restarts*: steps trained past
 the last checkpoint by an attempt that then died, and redone; and keeps the
 time an attempt spent after its last checkpoint at that step (an eval that runs
@@ -15,10 +18,15 @@ after the final save, the end of the run) when a later run resumes from it.
 From those, :func:`summarize` gives::
 
   job time       = total + lost
-  badput         = compile + data_wait + checkpoint + eval + lost
+  badput         = compile + data_wait + checkpoint + eval + setup + lost
   productive     = job time - badput
-                 = dispatch + device_wait + host gap (other hooks, loop bookkeeping)
+                 = dispatch + device_wait + host gap (other hooks between calls, loop
+                   bookkeeping between calls)
   goodput        = productive / job time
+
+So a run that trains nothing (a finished run run again: it restores and
+evaluates) adds no productive time: its seconds are in ``checkpoint`` (the
+restore), ``eval``, ``data_wait`` and ``setup``.
 
 ``device_wait`` is the host-side view of device compute: time the device was
 provably busy while the host had nothing left to do. Device compute that
@@ -46,7 +54,7 @@ __all__ = ["GoodputHook", "GoodputSummary", "summarize"]
 
 log = logging.getLogger("loopkit")
 
-BADPUT_BUCKETS = (Bucket.COMPILE, Bucket.DATA_WAIT, Bucket.CHECKPOINT, Bucket.EVAL)
+BADPUT_BUCKETS = (Bucket.COMPILE, Bucket.DATA_WAIT, Bucket.CHECKPOINT, Bucket.EVAL, Bucket.SETUP)
 _PRODUCTIVE_BUCKETS = (Bucket.DISPATCH, Bucket.DEVICE_WAIT)
 
 
@@ -57,7 +65,9 @@ class GoodputSummary:
   Attributes:
     job_secs: ``total_secs + lost_secs``.
     total_secs: wall time inside ``TrainLoop.run`` over all resumes.
-    compile_secs, data_wait_secs, checkpoint_secs, eval_secs, lost_secs: badput.
+    compile_secs, data_wait_secs, checkpoint_secs, eval_secs, setup_secs,
+      lost_secs: badput (``setup``: runs' starts and ends outside the calls
+      and the hooks' own buckets, see the module docstring).
     dispatch_secs, device_wait_secs: productive time the loop dispatched or
       waited on the device.
     host_gap_secs: the rest of the productive time: other hooks (logging,
@@ -75,6 +85,7 @@ class GoodputSummary:
   data_wait_secs: float
   checkpoint_secs: float
   eval_secs: float
+  setup_secs: float
   lost_secs: float
   dispatch_secs: float
   device_wait_secs: float
@@ -95,7 +106,8 @@ class GoodputSummary:
             ("  dispatch", self.dispatch_secs), ("  host_gap", self.host_gap_secs),
             ("compile", self.compile_secs), ("data_wait", self.data_wait_secs),
             ("checkpoint", self.checkpoint_secs), ("eval", self.eval_secs),
-            ("lost to restarts", self.lost_secs), ("job", self.job_secs)]
+            ("setup", self.setup_secs), ("lost to restarts", self.lost_secs),
+            ("job", self.job_secs)]
     job = self.job_secs
     lines = [f"goodput {100 * self.goodput:.1f}% at step {self.steps} "
              f"({self.lost_steps} steps redone after restarts)",
@@ -131,7 +143,8 @@ def summarize(ledger: Ledger | LedgerView, step: int | None = None) -> GoodputSu
   return GoodputSummary(
       job_secs=job, total_secs=total, compile_secs=get(Bucket.COMPILE),
       data_wait_secs=get(Bucket.DATA_WAIT), checkpoint_secs=get(Bucket.CHECKPOINT),
-      eval_secs=get(Bucket.EVAL), lost_secs=lost, dispatch_secs=get(Bucket.DISPATCH),
+      eval_secs=get(Bucket.EVAL), setup_secs=get(Bucket.SETUP), lost_secs=lost,
+      dispatch_secs=get(Bucket.DISPATCH),
       device_wait_secs=get(Bucket.DEVICE_WAIT), host_gap_secs=host_gap,
       productive_secs=productive, goodput=productive / job if job > 0 else float("nan"),
       steps=ledger.step if step is None else int(step), lost_steps=ledger.lost_steps)

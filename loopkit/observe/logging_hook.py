@@ -18,6 +18,7 @@ import jax
 from loopkit import metrics as metrics_lib
 from loopkit.core.context import RunContext
 from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.ledger import hook_seconds
 from loopkit.observe import goodput
 from loopkit.observe.writers import ConsoleWriter, as_writer, keep_rows_through
 
@@ -59,7 +60,13 @@ class LoggingHook(Hook):
       the first window of a run starts after its first device call, so the
       compilation is not counted (as CLU's ``ReportProgress``):
       ``throughput/steps_per_sec``, ``throughput/examples_per_sec``,
-      ``throughput/secs_per_call`` (seconds per device call), and
+      ``throughput/secs_per_call`` (wall seconds per device call, the hooks'
+      time included), ``throughput/loop_secs_per_call`` (the same without
+      the hooks: how long one loop takes, i.e. dispatch, the device, the data
+      wait and the loop's bookkeeping), ``throughput/hook_secs`` (the
+      seconds the hooks took in the window, all of them: logging, evaluation,
+      checkpoints..., from the loop's ledger, :func:`loopkit.core.ledger.hook_seconds`;
+      ``secs_per_call = loop_secs_per_call + hook_secs / calls``), and
       ``throughput/goodput`` (:func:`loopkit.observe.goodput.summarize` of the loop's
       ledger: the productive fraction of the job so far, in [0, 1]). A row
       whose window holds only the run's first call has no throughput keys.
@@ -94,7 +101,8 @@ class LoggingHook(Hook):
     self._acc: dict[str, metrics_lib.Metric] = {}
     self._first_step: int | None = None  # first step merged into _acc
     self._ctx: RunContext | None = None
-    self._mark: tuple[float, int, int, int] | None = None  # (time, step, examples, calls)
+    # (time, step, examples, calls, hooks' seconds in the ledger) at the window's start
+    self._mark: tuple[float, int, int, int, float] | None = None
     self._calls = 0
     self.records: list[tuple[int, dict[str, float]]] = []
     self.first_steps: list[int | None] = []
@@ -118,7 +126,8 @@ class LoggingHook(Hook):
           info.metric_values[k])
     self._calls += 1
     if self._mark is None:  # the run's first call (compiles): throughput starts after it
-      self._mark = (self.clock(), info.end_step, info.examples_seen, self._calls)
+      self._mark = (self.clock(), info.end_step, info.examples_seen, self._calls,
+                    self._hook_secs())
     if self.per_step and self.writer is not None:
       for i in range(info.num_steps):
         self.writer.write_scalars(
@@ -152,18 +161,25 @@ class LoggingHook(Hook):
     self._acc = {k: metrics_lib.from_json(v) for k, v in d.get("acc", {}).items()}
     self._first_step = d.get("first_step")
 
+  def _hook_secs(self) -> float:
+    """The hooks' seconds in the loop's ledger so far (0 outside a run)."""
+    return 0.0 if self._ctx is None else hook_seconds(self._ctx.ledger.seconds)
+
   def _throughput(self, info: LoopInfo) -> dict[str, float]:
     if self._mark is None:
       return {}
-    now = self.clock()
-    t0, s0, e0, c0 = self._mark
-    self._mark = (now, info.end_step, info.examples_seen, self._calls)
+    now, hooks = self.clock(), self._hook_secs()
+    t0, s0, e0, c0, h0 = self._mark
+    self._mark = (now, info.end_step, info.examples_seen, self._calls, hooks)
     dt, calls = now - t0, self._calls - c0
     if calls <= 0 or dt <= 0:
       return {}
+    hook_secs = hooks - h0
     out = {"throughput/steps_per_sec": (info.end_step - s0) / dt,
            "throughput/examples_per_sec": (info.examples_seen - e0) / dt,
-           "throughput/secs_per_call": dt / calls}
+           "throughput/secs_per_call": dt / calls,
+           "throughput/loop_secs_per_call": max(dt - hook_secs, 0.0) / calls,
+           "throughput/hook_secs": hook_secs}
     if self._ctx is not None:
       ledger = self._ctx.ledger
       g = goodput.summarize(ledger, info.end_step).goodput

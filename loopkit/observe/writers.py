@@ -11,7 +11,8 @@ one. Concrete writers:
   (no TensorFlow import);
 * :class:`JsonlWriter`: one JSON object per line;
 * :class:`ConsoleWriter`: Python ``logging`` lines (absl's handler shows them
-  under ``absl.app``);
+  under ``absl.app``); a row wider than 100 characters is a short aligned table
+  (:func:`format_row`);
 * :class:`MultiWriter` fans out to several; :class:`AsyncWriter` moves the
   writing to a background thread so the training loop never waits on disk.
 
@@ -77,7 +78,7 @@ from loopkit.observe.tensorboard_writer import TensorBoardWriter
 
 __all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
            "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer",
-           "keep_rows_through"]
+           "format_row", "keep_rows_through"]
 
 log = logging.getLogger("loopkit")
 
@@ -217,33 +218,101 @@ class JsonlWriter(_TextOnly):
       self._f = None
 
 
+def _console_value(value: Any) -> str:
+  v = _to_python(value)
+  return f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else str(v)
+
+
+def format_row(step: int, scalars: Mapping[str, Any], line_width: int | None = 100) -> str:
+  """A row as :class:`ConsoleWriter` prints it: one line, or a short aligned table.
+
+  A row whose one-line form ``step N: name=value, ...`` fits in ``line_width``
+  characters (or any row when ``line_width`` is None or 0) is that line. A
+  wider row is a table: the first line is ``step N:`` and the names without a
+  ``/`` (``name=value, ...``, if they fit; else they form a table of their own);
+  then the names with one are grouped by their part up to the first ``/``
+  (``throughput/``, ``goodput/``), a group per block of lines: the group in a
+  left column, then cells ``name  value`` of one width per group, as many per
+  line as fit in ``line_width``, in the row's order. Values are ``.6g`` for
+  finite floats, else ``str``.
+
+  Args:
+    step: the row's step.
+    scalars: the row (numpy / JAX scalars are converted).
+    line_width: the widest line wanted, in characters.
+
+  Returns:
+    The text, its lines separated by newlines (none at the end).
+
+  Example:
+    >>> print(format_row(7, {"loss": 0.5, "goodput/job_secs": 12.0, "goodput/steps": 7,
+    ...                      "goodput/goodput": 0.75}, line_width=40))
+    step 7: loss=0.5
+      goodput/ job_secs    12
+               steps        7
+               goodput   0.75
+  """
+  values = {k: _console_value(v) for k, v in scalars.items()}
+  line = f"step {int(step)}: " + ", ".join(f"{k}={v}" for k, v in values.items())
+  if not line_width or len(line) <= line_width:
+    return line
+  groups: dict[str, list[tuple[str, str]]] = {}
+  for k, v in values.items():
+    label, sep, name = k.partition("/")
+    groups.setdefault(label + sep if sep else "", []).append((name if sep else k, v))
+  lines = [f"step {int(step)}:"]
+  plain = groups.pop("", [])
+  head = ", ".join(f"{k}={v}" for k, v in plain)
+  if plain and len(lines[0]) + 1 + len(head) <= line_width:
+    lines[0] += " " + head
+  elif plain:
+    groups = {"": plain, **groups}
+  label_width = max((len(label) for label in groups), default=0)
+  for label, cells in groups.items():
+    name_width = max(len(n) for n, _ in cells)
+    value_width = max(len(v) for _, v in cells)
+    cell_width = name_width + 2 + value_width
+    column = label_width + 1 if label_width else 0  # the groups' column, if any
+    per_line = max(1, (line_width - 2 - column + 3) // (cell_width + 3))
+    for i in range(0, len(cells), per_line):
+      left = f"{label if i == 0 else '':<{label_width}} " if column else ""
+      text = "   ".join(f"{n:<{name_width}}  {v:>{value_width}}"
+                        for n, v in cells[i:i + per_line])
+      lines.append(f"  {left}{text}".rstrip())
+  return "\n".join(lines)
+
+
 class ConsoleWriter(_TextOnly):
   """Logs ``step N: name=value, ...`` lines to a Python logger.
 
-  Texts are lines like scalars, hparams one ``hparams: name=value, ...`` line;
-  images and histograms are skipped (a DEBUG log record).
+  A row wider than ``line_width`` (e.g. a ``goodput/*`` row of 15 keys, or a
+  training row with its ``throughput/*`` keys) is logged as one record of a
+  few aligned lines instead, its keys grouped by their prefix
+  (:func:`format_row`); the file writers keep every key as it is. Texts are
+  rows like scalars, hparams one ``hparams: name=value, ...`` line; images and
+  histograms are skipped (a DEBUG log record).
 
   Args:
     logger: the logger (default ``logging.getLogger("loopkit")``; under
       ``absl.app`` its handler prints these lines like ``absl.logging.info``).
     level: the logging level (default INFO).
+    line_width: rows wider than this many characters are printed as a table
+      (:func:`format_row`); None or 0: always one line.
 
   Logs only on process 0. Thread-safe (Python logging is).
   """
 
-  def __init__(self, logger: logging.Logger | None = None, *, level: int = logging.INFO):
+  def __init__(self, logger: logging.Logger | None = None, *, level: int = logging.INFO,
+               line_width: int | None = 100):
     self.logger = logger if logger is not None else log
     self.level = level
+    self.line_width = line_width
     self._enabled = _is_writer_process()
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     if not self._enabled:
       return
-    parts = []
-    for k, v in scalars.items():
-      v = _to_python(v)
-      parts.append(f"{k}={v:.6g}" if isinstance(v, float) and math.isfinite(v) else f"{k}={v}")
-    self.logger.log(self.level, "step %d: %s", int(step), ", ".join(parts))
+    self.logger.log(self.level, "%s", format_row(step, scalars, self.line_width))
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if self._enabled:

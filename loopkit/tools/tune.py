@@ -16,14 +16,24 @@ time, and measures over those (after compilation and the pipeline's fill):
 * **input bytes/call**: K x the bytes of one global batch (what crosses to the
   device per call).
 
-It recommends the smallest K whose throughput is within ``tolerance`` (2%) of
-the best: larger K gains nothing measurable but delays hooks, grows the input
-chunk in memory and coarsens the planner's cuts. With ``repeats > 1`` each K
-keeps its fastest measurement and the table shows the spread over the repeats
-(``(max - min) / max`` of steps/s): a spread larger than the tolerance means
-the machine's noise, not K, decides between rows within it. When the
-recommendation is the largest K tried, the sweep may have ended too early
-(throughput may still grow): the table and a ``loopkit`` warning say so.
+Every K is measured ``repeats`` times (default 3) in interleaved rounds over all K, so slow
+drifts of the machine hit every K alike; a row's steps/s is the *median* of its repeats, so one
+measurement that is much faster or slower than the others (another process paused, a short
+window) cannot decide. The repeats also measure the noise: a row's ``±`` is the uncertainty of
+its median (:attr:`TuneRow.uncertainty`, from the median absolute deviation of the repeats).
+While a row that could be the pick has an uncertainty above ``tolerance``, it is measured
+again, up to ``max_repeats`` times.
+
+The pick (:func:`recommend`): the rows *within noise of the best* are those whose median is
+below the best's by at most the larger of ``tolerance`` (2%) and twice the standard error of
+that difference (from the two medians' uncertainties); they cannot be told apart, and the
+smallest K of them is recommended
+(larger K gains nothing measurable but delays hooks, grows the input chunk in memory and
+coarsens the planner's cuts). The table says which K tie. When a row's uncertainty is still
+above the tolerance after ``max_repeats``, the table ends with a ``warning:`` line naming each
+such K, its uncertainty and spread (``(max - min) / max`` of its repeats) and the tolerance
+(also logged to ``loopkit``); so does a sweep with one repeat (noise unknown), and one whose
+recommendation is the largest K tried (throughput may still grow).
 
 Command line (the target is ``module:function`` returning
 ``(train_step, init_state, batches)``; the default is a small built-in MLP)::
@@ -44,6 +54,7 @@ import dataclasses
 import importlib
 import logging
 import math
+import statistics
 import sys
 import time
 import warnings
@@ -60,12 +71,17 @@ from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket
 from loopkit.core.loop import DataExhaustedWarning, TrainLoop
 
-__all__ = ["DEFAULT_KS", "TuneResult", "TuneRow", "demo_target", "main", "measure", "plot",
-           "recommend", "sweep"]
+__all__ = ["DEFAULT_KS", "TuneResult", "TuneRow", "combine", "demo_target", "main", "measure",
+           "plot", "recommend", "sweep", "within_noise"]
 
 DEFAULT_KS = tuple(2 ** i for i in range(11))  # 1, 2, 4, ..., 1024
 
 log = logging.getLogger("loopkit")
+
+
+_MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 x median absolute deviation, for normal data
+# The standard error of a median of n normal samples is about sqrt(pi / 2) x sigma / sqrt(n).
+_MEDIAN_SE = math.sqrt(math.pi / 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +90,15 @@ class TuneRow:
 
   Attributes:
     iterations_per_loop: K.
-    steps_per_sec: training steps per second of wall time, steady state.
+    steps_per_sec: training steps per second of wall time, steady state: the
+      median over the repeats (:func:`combine`), or the one measurement.
     host_overhead: fraction of steady-state wall time the host was not waiting
       on the device, in [0, 1].
     compile_secs: the first dispatch (trace + compile) in seconds.
     input_bytes_per_call: bytes of input per device call (K x global batch).
     secs_per_call: steady-state wall time per device call.
-    repeat_steps_per_sec: steps/s of every repeat at this K (a sweep's row
-      keeps the fastest as ``steps_per_sec``); empty for a single measurement.
+    repeat_steps_per_sec: steps/s of every repeat at this K, in measurement
+      order; empty for a single measurement.
   """
 
   iterations_per_loop: int
@@ -93,71 +110,114 @@ class TuneRow:
   repeat_steps_per_sec: tuple[float, ...] = ()
 
   @property
+  def repeats(self) -> int:
+    """How many measurements the row holds (1 for a single measurement)."""
+    return max(len(self.repeat_steps_per_sec), 1)
+
+  @property
   def spread(self) -> float:
     """``(max - min) / max`` of steps/s over the repeats (0 for fewer than two)."""
     r = self.repeat_steps_per_sec
     return (max(r) - min(r)) / max(r) if len(r) > 1 and max(r) > 0 else 0.0
 
-
-@dataclasses.dataclass(frozen=True)
-class TuneResult:
-  """A sweep's rows and the recommended K.
-
-  Attributes:
-    rows: one :class:`TuneRow` per K, in sweep order.
-    recommended: the smallest K within ``tolerance`` of the best throughput.
-    tolerance: the relative tolerance used (0.02 = 2%).
-  """
-
-  rows: list[TuneRow]
-  recommended: int
-  tolerance: float
-
   @property
-  def at_largest(self) -> bool:
-    """Whether the recommended K is the largest tried (the sweep may have ended too early)."""
-    return len(self.rows) > 1 and self.recommended == max(r.iterations_per_loop
-                                                          for r in self.rows)
+  def uncertainty(self) -> float:
+    """The relative standard error of the median steps/s; nan for fewer than two repeats.
 
-  def warning(self) -> str | None:
-    """The sentence the table ends with when :attr:`at_largest`, else None."""
-    if not self.at_largest:
-      return None
-    return (f"warning: K={self.recommended} is the largest K tried; throughput may still grow "
-            f"with K (try larger values, e.g. --ks ...,{2 * self.recommended},"
-            f"{4 * self.recommended})")
-
-  def table(self) -> str:
-    """A Markdown table of the rows; the recommended K is marked ``*``.
-
-    Columns: K, steps/s (the fastest repeat), the spread over repeats
-    (``(max - min) / max``, ``-`` for one), seconds per device call, host
-    overhead fraction, compile seconds, input bytes per call.
+    ``sqrt(pi / 2) x 1.4826 x MAD / median / sqrt(n)`` over the ``n`` repeats,
+    MAD being their median absolute deviation from the median: 1.4826 x MAD
+    estimates the standard deviation of one measurement (exactly for normal
+    noise, and one outlier among the repeats barely moves it), and a median of
+    ``n`` such measurements varies by about ``sqrt(pi / 2)`` x that / ``sqrt(n)``.
+    A fraction: 0.02 is +-2%.
     """
-    lines = ["| K | steps/s | spread | s/call | host overhead | compile s | input bytes/call |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in self.rows:
-      mark = " *" if r.iterations_per_loop == self.recommended else ""
-      spread = f"{100 * r.spread:.1f}%" if len(r.repeat_steps_per_sec) > 1 else "-"
-      lines.append(f"| {r.iterations_per_loop}{mark} | {r.steps_per_sec:,.0f} | {spread} | "
-                   f"{r.secs_per_call:.4g} | {r.host_overhead:.2f} | {r.compile_secs:.2f} | "
-                   f"{r.input_bytes_per_call:,} |")
-    best = max(self.rows, key=lambda r: r.steps_per_sec)
-    lines.append("")
-    lines.append(f"recommended iterations_per_loop = {self.recommended} (smallest K within "
-                 f"{100 * self.tolerance:g}% of the best, {best.steps_per_sec:,.0f} steps/s "
-                 f"at K={best.iterations_per_loop})")
-    warning = self.warning()
-    if warning is not None:
-      lines.append(warning)
-    return "\n".join(lines)
+    r = self.repeat_steps_per_sec
+    if len(r) < 2:
+      return float("nan")
+    med = statistics.median(r)
+    if med <= 0:
+      return float("inf")
+    mad = statistics.median(abs(x - med) for x in r)
+    return _MEDIAN_SE * _MAD_TO_SIGMA * mad / med / math.sqrt(len(r))
 
 
-def recommend(rows: Sequence[TuneRow], tolerance: float = 0.02) -> int:
-  """The smallest K whose steps/s is at least ``(1 - tolerance)`` x the best.
+def combine(measurements: Sequence[TuneRow]) -> TuneRow:
+  """One row from several measurements of the same K: steps/s is their median.
+
+  The other columns are those of the measurement at the median (for an even
+  count, the slower of the two middle ones); ``repeat_steps_per_sec`` lists
+  every measurement's steps/s, in order.
+
+  Args:
+    measurements: :class:`TuneRow` s of one K (their own repeats ignored).
+
+  Returns:
+    A :class:`TuneRow` (for one measurement: that row, with no repeats).
+
+  Raises:
+    ValueError: no measurements, or measurements of different K (naming them).
+  """
+  if not measurements:
+    raise ValueError("combine needs at least one measurement")
+  ks = sorted({m.iterations_per_loop for m in measurements})
+  if len(ks) > 1:
+    raise ValueError(f"combine takes measurements of one K, got K={ks}")
+  if len(measurements) == 1:
+    return dataclasses.replace(measurements[0], repeat_steps_per_sec=())
+  samples = tuple(m.steps_per_sec for m in measurements)
+  middle = sorted(measurements, key=lambda m: m.steps_per_sec)[(len(measurements) - 1) // 2]
+  return dataclasses.replace(middle, steps_per_sec=statistics.median(samples),
+                             repeat_steps_per_sec=samples)
+
+
+def _band(row: TuneRow, best: TuneRow, tolerance: float) -> float:
+  """How far below ``best`` (a fraction of its steps/s) ``row`` still ties with it: the larger
+  of ``tolerance`` and twice the standard error of the difference of the two medians."""
+  se = [u * r.steps_per_sec for r in (row, best) if not math.isnan(u := r.uncertainty)]
+  if not se or best.steps_per_sec <= 0:
+    return tolerance
+  return max(tolerance, 2 * math.hypot(*se) / best.steps_per_sec)
+
+
+def _check_rows(rows: Sequence[TuneRow], tolerance: float) -> TuneRow:
+  """The best row (highest steps/s; the smaller K on equal values), after checking."""
+  if not rows:
+    raise ValueError("recommend needs at least one row")
+  if not 0 <= tolerance < 1:
+    raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
+  return max(rows, key=lambda r: (r.steps_per_sec, -r.iterations_per_loop))
+
+
+def within_noise(rows: Sequence[TuneRow], tolerance: float = 0.02) -> list[int]:
+  """The K whose steps/s cannot be told apart from the best's, in increasing order.
+
+  A row ties with the best row when ``best - row`` (their steps/s) is at most
+  the larger of ``tolerance x best`` and twice the standard error of that
+  difference, ``2 x hypot(u_row x row, u_best x best)`` with ``u`` the rows'
+  :attr:`TuneRow.uncertainty` (an unknown one, a single measurement, counts
+  0). The best row is always in.
 
   Args:
     rows: measurements (any order).
+    tolerance: relative tolerance in [0, 1).
+
+  Returns:
+    The tying K, sorted.
+
+  Raises:
+    ValueError: for no rows or a tolerance outside [0, 1).
+  """
+  best = _check_rows(rows, tolerance)
+  return sorted(r.iterations_per_loop for r in rows
+                if r.steps_per_sec >= (1 - _band(r, best, tolerance)) * best.steps_per_sec)
+
+
+def recommend(rows: Sequence[TuneRow], tolerance: float = 0.02) -> int:
+  """The smallest K within ``tolerance`` or the noise of the best (:func:`within_noise`).
+
+  Args:
+    rows: measurements (any order); a row's steps/s is the median of its
+      repeats (:func:`combine`).
     tolerance: relative tolerance in [0, 1).
 
   Returns:
@@ -171,13 +231,132 @@ def recommend(rows: Sequence[TuneRow], tolerance: float = 0.02) -> int:
     >>> recommend(rows)
     2
   """
-  if not rows:
-    raise ValueError("recommend needs at least one row")
-  if not 0 <= tolerance < 1:
-    raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
-  best = max(r.steps_per_sec for r in rows)
-  return min(r.iterations_per_loop for r in rows
-             if r.steps_per_sec >= (1 - tolerance) * best)
+  return within_noise(rows, tolerance)[0]
+
+
+def _ks(ks: Sequence[int]) -> str:
+  return ", ".join(str(k) for k in ks)
+
+
+def _pct(x: float) -> str:
+  return f"{100 * x:.1f}%"
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+  """A sweep's rows and the recommended K.
+
+  Attributes:
+    rows: one :class:`TuneRow` per K, in sweep order.
+    recommended: the smallest K within ``tolerance`` or the measurement noise
+      of the best (:func:`recommend`).
+    tolerance: the relative tolerance used (0.02 = 2%).
+  """
+
+  rows: list[TuneRow]
+  recommended: int
+  tolerance: float
+
+  @property
+  def best(self) -> TuneRow:
+    """The row with the highest (median) steps/s."""
+    return _check_rows(self.rows, self.tolerance)
+
+  @property
+  def ties(self) -> list[int]:
+    """The K within noise of the best (:func:`within_noise`), sorted."""
+    return within_noise(self.rows, self.tolerance)
+
+  @property
+  def noisy(self) -> list[TuneRow]:
+    """The rows whose :attr:`TuneRow.uncertainty` is above the tolerance, in sweep order."""
+    return [r for r in self.rows if r.uncertainty > self.tolerance]
+
+  @property
+  def at_largest(self) -> bool:
+    """Whether the recommended K is the largest tried (the sweep may have ended too early)."""
+    return len(self.rows) > 1 and self.recommended == max(r.iterations_per_loop
+                                                          for r in self.rows)
+
+  def warnings(self) -> list[str]:
+    """The ``warning:`` lines the table ends with (also logged by :func:`sweep`), maybe none.
+
+    One for noise above the tolerance (naming each such K, its uncertainty,
+    spread and repeats, the tolerance, and whether K tie within the noise),
+    one for a sweep of single measurements (noise unknown), one when
+    :attr:`at_largest`.
+    """
+    out = []
+    tol = _pct(self.tolerance)
+    noisy = self.noisy
+    if noisy:
+      rows = ", ".join(f"K={r.iterations_per_loop} +-{_pct(r.uncertainty)} (spread "
+                       f"{_pct(r.spread)} over {r.repeats} repeats)" for r in noisy)
+      ties = self.ties
+      verdict = (f"K={_ks(ties)} are within the noise of the best and cannot be told apart, so "
+                 "the smallest is recommended" if len(ties) > 1 else
+                 f"K={ties[0]} is faster than every other K by more than the noise")
+      out.append(f"warning: the measurements are noisier than the {tol} tolerance: {rows}; "
+                 f"{verdict} (a quieter machine or a longer --min-secs narrows the noise)")
+    if len(self.rows) > 1 and all(r.repeats == 1 for r in self.rows):
+      out.append(f"warning: one measurement per K, so the noise is unknown and one fast or slow "
+                 f"measurement can decide against the {tol} tolerance: measure with "
+                 "--repeats 3 or more")
+    if self.at_largest:
+      out.append(f"warning: K={self.recommended} is the largest K tried; throughput may still "
+                 f"grow with K (try larger values, e.g. --ks ...,{2 * self.recommended},"
+                 f"{4 * self.recommended})")
+    return out
+
+  def warning(self) -> str | None:
+    """:meth:`warnings` as one string (lines joined by newlines), or None when there are none."""
+    w = self.warnings()
+    return "\n".join(w) if w else None
+
+  def recommendation(self) -> str:
+    """The sentence that names the recommended K and why (the table's last line before warnings).
+
+    Examples: ``recommended iterations_per_loop = 8 (the smallest of K=8, 16, 32, which are
+    within 2% or the measurement noise of the best: 7,012 steps/s +-3.1% at K=32)``;
+    ``recommended iterations_per_loop = 32 (the fastest: 7,012 steps/s +-0.4%; no other K is
+    within 2% or the measurement noise of it)``.
+    """
+    best, ties = self.best, self.ties
+    pm = "" if math.isnan(best.uncertainty) else f" +-{_pct(best.uncertainty)}"
+    tol = f"{100 * self.tolerance:g}%"
+    if len(ties) == 1:
+      return (f"recommended iterations_per_loop = {self.recommended} (the fastest: "
+              f"{best.steps_per_sec:,.0f} steps/s{pm}; no other K is within {tol} or the "
+              "measurement noise of it)")
+    return (f"recommended iterations_per_loop = {self.recommended} (the smallest of "
+            f"K={_ks(ties)}, which are within {tol} or the measurement noise of the best: "
+            f"{best.steps_per_sec:,.0f} steps/s{pm} at K={best.iterations_per_loop})")
+
+  def table(self) -> str:
+    """A Markdown table of the rows; the recommended K is marked ``*``, tying K ``=``.
+
+    Columns: K, steps/s (the median of the repeats), ``+-`` (its uncertainty,
+    :attr:`TuneRow.uncertainty`; ``-`` for one measurement), repeats, spread over
+    repeats (``(max - min) / max``), seconds per device call, host overhead
+    fraction, compile seconds, input bytes per call. Then
+    :meth:`recommendation` and :meth:`warnings`.
+    """
+    ties = self.ties
+    lines = ["| K | steps/s | +- | repeats | spread | s/call | host overhead | compile s | "
+             "input bytes/call |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in self.rows:
+      k = r.iterations_per_loop
+      mark = " *" if k == self.recommended else " =" if k in ties else ""
+      one = r.repeats == 1
+      lines.append(f"| {k}{mark} | {r.steps_per_sec:,.0f} | "
+                   f"{'-' if one else _pct(r.uncertainty)} | {r.repeats} | "
+                   f"{'-' if one else _pct(r.spread)} | {r.secs_per_call:.4g} | "
+                   f"{r.host_overhead:.2f} | {r.compile_secs:.2f} | {r.input_bytes_per_call:,} |")
+    lines.append("")
+    lines.append(self.recommendation())
+    lines.extend(self.warnings())
+    return "\n".join(lines)
 
 
 class _BoundaryClock(Hook):
@@ -299,31 +478,41 @@ def measure(train_step: Callable, init_state: Any, batches: Any, *, iterations_p
 
 
 def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS,
-          calls: int = 3, warmup_calls: int = 1, min_secs: float = 0.0, repeats: int = 1,
-          tolerance: float = 0.02, plot_path: str | None = None, verbose: bool = False,
-          **loop_kwargs) -> TuneResult:
-  """Measures every K of ``ks`` and recommends one.
+          calls: int = 3, warmup_calls: int = 1, min_secs: float = 0.0, repeats: int = 3,
+          max_repeats: int = 10, tolerance: float = 0.02, plot_path: str | None = None,
+          verbose: bool = False, **loop_kwargs) -> TuneResult:
+  """Measures every K of ``ks`` until its noise is known, and recommends one.
 
   Args:
     target: ``(train_step, init_state, batches)`` or a zero-argument callable
       returning it (called once).
     ks: the values of K to try (ints >= 1).
     calls, warmup_calls, min_secs: see :func:`measure`.
-    repeats: rounds over all of ``ks``; each K keeps its fastest measurement
-      (best-of-n, in interleaved rounds, filters out interference from other
-      processes on a shared machine).
-    tolerance: see :func:`recommend`.
+    repeats: the least measurements of every K, taken in interleaved rounds
+      over all of ``ks`` (slow drifts of a shared machine hit every K alike);
+      each row's steps/s is the median of its measurements (:func:`combine`).
+      1 measures once and leaves the noise unknown (the table warns).
+    max_repeats: the most measurements of one K: after the first ``repeats``
+      rounds, the K within noise of the best (:func:`within_noise`) whose
+      :attr:`TuneRow.uncertainty` is above ``tolerance`` are measured again,
+      one round at a time, until none is or each has ``max_repeats``.
+    tolerance: see :func:`within_noise`.
     plot_path: if given, a PNG of throughput against K is written there.
-    verbose: print each row as it is measured (to stderr).
+    verbose: print each measurement as it is taken (to stderr).
     **loop_kwargs: passed to :class:`~loopkit.TrainLoop`.
 
   Returns:
-    A :class:`TuneResult`.
+    A :class:`TuneResult`; its warnings (:meth:`TuneResult.warnings`) are
+    also logged to the ``loopkit`` logger.
 
   Raises:
-    ValueError: a sized ``batches`` (e.g. a list) shorter than
+    ValueError: ``repeats < 1`` or ``max_repeats < repeats`` (naming both), or
+      a sized ``batches`` (e.g. a list) shorter than
       ``(warmup_calls + calls) * max(ks)``, before anything is measured.
   """
+  if repeats < 1 or max_repeats < repeats:
+    raise ValueError(f"repeats must be >= 1 and max_repeats >= repeats, got repeats={repeats}, "
+                     f"max_repeats={max_repeats}")
   train_step, init_state, batches = target() if callable(target) else target
   if callable(init_state):
     init_state = init_state()
@@ -333,31 +522,43 @@ def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS
     raise ValueError(  # before any K is measured, not after the small ones
         f"sweep needs at least {need} batches ((warmup_calls={warmup_calls} + calls={calls}) x "
         f"the largest K={max(int(k) for k in ks)}); the source has {len(batches)}")
-  best: dict[int, TuneRow] = {}
-  seen: dict[int, list[float]] = {}
-  for rep in range(repeats):  # rounds over all K: slow drifts of the machine hit every K alike
+  ks = [int(k) for k in ks]
+  taken: dict[int, list[TuneRow]] = {k: [] for k in ks}
+
+  def take(k: int, why: str) -> None:
+    row = measure(train_step, init_state, batches, iterations_per_loop=k, calls=calls,
+                  warmup_calls=warmup_calls, min_secs=min_secs, **dict(loop_kwargs))
+    taken[k].append(row)
+    if verbose:
+      print(f"[{len(taken[k])}{why}] K={k}: {row.steps_per_sec:,.0f} steps/s, "
+            f"{row.secs_per_call:.4g} s per call, host overhead {row.host_overhead:.2f}, "
+            f"compile {row.compile_secs:.2f} s", file=sys.stderr)
+
+  for _ in range(repeats):  # rounds over all K: slow drifts of the machine hit every K alike
     for k in ks:
-      row = measure(train_step, init_state, batches, iterations_per_loop=int(k), calls=calls,
-                    warmup_calls=warmup_calls, min_secs=min_secs, **dict(loop_kwargs))
-      seen.setdefault(int(k), []).append(row.steps_per_sec)
-      if int(k) not in best or row.steps_per_sec > best[int(k)].steps_per_sec:
-        best[int(k)] = row
-      if verbose:
-        print(f"[{rep + 1}/{repeats}] K={row.iterations_per_loop}: {row.steps_per_sec:,.0f} "
-              f"steps/s, {row.secs_per_call:.4g} s per call, host overhead "
-              f"{row.host_overhead:.2f}, compile {row.compile_secs:.2f} s", file=sys.stderr)
-  rows = [dataclasses.replace(best[int(k)], repeat_steps_per_sec=tuple(seen[int(k)])
-                              if repeats > 1 else ()) for k in ks]
-  result = TuneResult(rows=rows, recommended=recommend(rows, tolerance), tolerance=tolerance)
-  if result.at_largest:
-    log.warning("%s", result.warning())
+      take(k, f"/{repeats}")
+  while True:  # more rounds over the K that could be the pick while their noise is too large
+    rows = {k: combine(taken[k]) for k in ks}
+    ties = within_noise(list(rows.values()), tolerance)
+    again = [k for k in ks if k in ties and len(taken[k]) < max_repeats
+             and rows[k].uncertainty > tolerance]
+    if not again:
+      break
+    for k in again:
+      take(k, f"/{max_repeats} max: +-{_pct(rows[k].uncertainty)} > {_pct(tolerance)}")
+  result = TuneResult(rows=[rows[k] for k in ks], recommended=recommend(list(rows.values()),
+                                                                         tolerance),
+                      tolerance=tolerance)
+  for line in result.warnings():
+    log.warning("%s", line.removeprefix("warning: "))
   if plot_path is not None:
     plot(result, plot_path)
   return result
 
 
 def plot(result: TuneResult, path: str, *, title: str | None = None) -> None:
-  """Writes a PNG: steps/s against K (log2 axis) with host overhead, the 2% band, the pick.
+  """Writes a PNG: median steps/s against K (log2 axis) with each repeat and the median's
+  uncertainty, host overhead, the 2% band and the pick.
 
   Args:
     result: a :class:`TuneResult`.
@@ -372,7 +573,13 @@ def plot(result: TuneResult, path: str, *, title: str | None = None) -> None:
   sps = [r.steps_per_sec for r in result.rows]
   best = max(sps)
   fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=120)
-  ax.plot(ks, sps, "o-", color="tab:blue", label="steps/s")
+  for r in result.rows:  # every measurement, behind the medians
+    ax.plot([r.iterations_per_loop] * len(r.repeat_steps_per_sec), r.repeat_steps_per_sec, ".",
+            color="tab:blue", alpha=0.35, ms=4)
+  err = [0.0 if math.isnan(r.uncertainty) else r.uncertainty * r.steps_per_sec
+         for r in result.rows]
+  ax.errorbar(ks, sps, yerr=err, fmt="o-", color="tab:blue", capsize=3,
+              label="steps/s (median +- uncertainty)")
   ax.axhline((1 - result.tolerance) * best, color="tab:gray", ls=":", lw=1,
              label=f"{100 * (1 - result.tolerance):g}% of best")
   rec = next(r for r in result.rows if r.iterations_per_loop == result.recommended)
@@ -478,10 +685,15 @@ def main(argv: Sequence[str] | None = None) -> TuneResult:
                  help="unmeasured calls per K, the first compiles (default 1)")
   p.add_argument("--min-secs", type=float, default=1.0,
                  help="measure each K for at least this many seconds (default 1.0)")
-  p.add_argument("--repeats", type=int, default=1,
-                 help="measure each K this many times, keep the fastest (default 1)")
+  p.add_argument("--repeats", type=int, default=3,
+                 help="measure each K at least this many times; a row is the median "
+                      "(default 3)")
+  p.add_argument("--max-repeats", type=int, default=10,
+                 help="measure a K that could be the pick again while its uncertainty is "
+                      "above the tolerance, up to this many times (default 10)")
   p.add_argument("--tolerance", type=float, default=0.02,
-                 help="recommend the smallest K within this fraction of the best (0.02)")
+                 help="recommend the smallest K within this fraction, or the measurement "
+                      "noise, of the best (0.02)")
   p.add_argument("--plot", default="tuner.png", help="PNG to write ('' for none)")
   p.add_argument("--prefetch", type=int, default=2, help="chunks prefetched (default 2)")
   args = p.parse_args(argv)
@@ -491,7 +703,8 @@ def main(argv: Sequence[str] | None = None) -> TuneResult:
     raise SystemExit(f"--ks must be comma-separated integers, got {args.ks!r}") from None
   result = sweep(_load_target(args.target), ks=ks, calls=args.calls,
                  warmup_calls=args.warmup_calls, min_secs=args.min_secs,
-                 repeats=args.repeats, tolerance=args.tolerance,
+                 repeats=args.repeats, max_repeats=max(args.max_repeats, args.repeats),
+                 tolerance=args.tolerance,
                  plot_path=args.plot or None, verbose=True, prefetch=args.prefetch)
   print(f"target {args.target} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
   print(result.table())
