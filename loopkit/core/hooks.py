@@ -20,7 +20,13 @@ dispatching the next call; hooks whose trigger has ``at_end`` and that did not
 fire on the last call then fire with that boundary's state and
 ``info.is_last=True`` (this is how a checkpoint lands off its cadence at a
 preemption), then ``on_run_end`` runs and ``loop.status`` is the reason
-(``"preempted"``).
+(``"preempted"``). A preemption is not the end of training (the run is resumed
+from there): at a preemption only the ``at_end`` hooks whose
+``fires_at_preemption`` is true fire (the default, e.g.
+:class:`~loopkit.checkpoint.CheckpointHook`, which must save there);
+:class:`~loopkit.EvalHook` sets it False, so a preempted and resumed run
+evaluates at the steps an uninterrupted run evaluates at. A stop a hook requests
+(``ctx.request_stop``, early stopping) ends training: every ``at_end`` hook fires.
 
 Every decision to fire is the same on every process: step marks are
 deterministic, and the wall-clock part of a trigger (``every_secs``), stop
@@ -138,7 +144,8 @@ class Hook:
   Args:
     every_steps, every_epochs, at_steps, every_secs, at_end: the hook's
       trigger (see :class:`loopkit.core.triggers.Trigger`); none set = every call.
-      ``at_end`` also covers early stops and preemption (module docstring).
+      ``at_end`` also covers early stops, and preemption when
+      ``fires_at_preemption`` (module docstring).
 
   A hook whose own state must survive a resume may define
   ``checkpoint_state() -> dict`` (JSON-serialisable) and
@@ -154,6 +161,10 @@ class Hook:
     time_bucket: the ledger bucket its time goes to (:class:`~loopkit.core.ledger.Bucket`;
       the default ``hooks`` becomes ``setup`` before a run's first call and after its last).
     hook_name: stable name for its saved state (None: the class name).
+    fires_at_preemption: whether ``at_end`` also fires at a preemption's boundary
+      (True: e.g. a checkpoint, which must land there). False for a hook whose
+      firings are rows at its marks: the run resumes from the preemption and
+      the hook fires at its next mark, as without the preemption.
     not_hook_methods: names of public methods of the subclass that look like hook
       methods (``on_*``, ``after_*``, ``before_*``, ``observe``, ``after_call``)
       but are its own, which the loop does not call; any other such method is
@@ -163,6 +174,7 @@ class Hook:
   needs_state: bool = True
   time_bucket: str = Bucket.HOOKS
   hook_name: str | None = None
+  fires_at_preemption: bool = True
   not_hook_methods: tuple[str, ...] = ()
 
   def __init__(self, *, every_steps: int | None = None, every_epochs: float | None = None,

@@ -706,10 +706,15 @@ class Run:
     After an early stop, with the last call's info (``is_last=True``); after no
     call at all, once with an empty :class:`LoopInfo` at the current step (see
     :mod:`loopkit.core.hooks`: a preempted run still saves, a finished run re-run
-    still evaluates once).
+    still evaluates once). After a preemption only the hooks whose
+    ``fires_at_preemption`` is true (default) fire: a preemption is not the end
+    of training, and a row written there would be one the uninterrupted run
+    does not have (:class:`~loopkit.EvalHook` does not fire).
     """
     last = self.last
-    due = [i for i, h in enumerate(self.hooks) if h.trigger.at_end and not h.trigger.every_call]
+    preempted = self.status == "preempted"
+    due = [i for i, h in enumerate(self.hooks) if h.trigger.at_end and not h.trigger.every_call
+           and (not preempted or getattr(h, "fires_at_preemption", True))]
     if last is None or self.last_info is None:
       if last is not None:  # no hooks: nothing fires
         return state
