@@ -67,7 +67,7 @@ from loopkit.core.ledger import Bucket
 from loopkit.core.program import build_program, run_slots
 from loopkit.data.device_data import DeviceDataState
 from loopkit.data.feeding import ChunkFeeder
-from loopkit.observe.writers import as_writer, keep_rows_through
+from loopkit.observe.writers import as_writer, keep_rows_through, prints_to_console
 
 log = logging.getLogger("loopkit")
 
@@ -514,16 +514,22 @@ class EvalHook(Hook):
     writer: optional metric writer (``write_scalars(step, scalars)``: loopkit's,
       CLU's ``metric_writers``; or Flax's ``tensorboard.SummaryWriter``, see
       :func:`loopkit.observe.writers.as_writer`); gets ``{prefix}/{metric}`` and
-      ``{prefix}/num_examples``.
+      ``{prefix}/num_examples``. Each evaluation is also logged to the ``loopkit``
+      logger (``step N eval: name=value, ... (M examples)``) unless the writer prints its
+      rows itself (:func:`loopkit.observe.writers.prints_to_console`: a ``ConsoleWriter``,
+      ``create_default_writer(...)``, CLU's ``LoggingWriter`` while absl shows INFO lines),
+      so it is printed once.
     prefix: name prefix for the written scalars.
     state_fn: maps the train state to the state ``eval_step`` takes (default:
       unwraps a :class:`~loopkit.data.device_data.DeviceDataState`; for an evaluator
       with ``for_eval_hook``, the map it gives, e.g. ``lambda s: s["model"]``).
     **trigger: ``every_steps``, ``every_epochs``, ``at_steps``,
-      ``every_secs``, ``at_end`` (see :class:`loopkit.core.hooks.Hook`).
-      ``at_end`` does not cover a preemption (``fires_at_preemption`` is
-      False): a preempted run stops without evaluating, and once resumed
-      evaluates at the marks an uninterrupted run evaluates at.
+      ``every_secs``, ``at_end`` (see :class:`loopkit.core.hooks.Hook`). ``at_end``
+      evaluates at the end of training (the target reached, the data exhausted, a stop a
+      hook requested), not at a preemption (SIGTERM / SIGINT,
+      ``ctx.preemption.request()``): a preempted run is resumed, and its resumed run
+      evaluates at the marks (and the end) an uninterrupted run evaluates at, so the
+      evaluation rows of the two are the same (``fires_at_preemption`` is False).
 
   Attributes:
     evaluator: the evaluator given.
@@ -603,8 +609,10 @@ class EvalHook(Hook):
     batches = self.batches() if callable(self.batches) else self.batches
     result = self._evaluate(self.state_fn(state), batches, num_batches=self.num_batches)
     self.results.append((info.end_step, result))
-    log.info("step %d eval: %s (%d examples)", info.end_step,
-             ", ".join(f"{k}={v:.6g}" for k, v in result.metrics.items()), result.num_examples)
+    if not prints_to_console(self.writer):  # else the writer prints the row: once
+      log.info("step %d eval: %s (%d examples)", info.end_step,
+               ", ".join(f"{k}={v:.6g}" for k, v in result.metrics.items()),
+               result.num_examples)
     if self.writer is not None:
       scalars = {f"{self.prefix}/{k}": v for k, v in result.metrics.items()}
       scalars[f"{self.prefix}/num_examples"] = result.num_examples

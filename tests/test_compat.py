@@ -183,3 +183,52 @@ def test_wait_for_orbax_writers_fallback_waits_with_the_public_call():
   start = time.monotonic()
   compat.wait_for_orbax_writers(Manager())
   assert Manager.waited == 1 and time.monotonic() - start < 5
+
+
+# -- CLU's writers ------------------------------------------------------------------------------
+
+CLU_PROBE = """\
+import os, sys, types
+import clu
+# CLU's writer modules without clu/metric_writers/__init__.py (it imports TensorFlow).
+pkg = types.ModuleType("clu.metric_writers")
+pkg.__path__ = [os.path.join(os.path.dirname(clu.__file__), "metric_writers")]
+sys.modules["clu.metric_writers"] = pkg
+from clu.metric_writers import async_writer, logging_writer, multi_writer
+from loopkit._internal import compat
+log = logging_writer.LoggingWriter()
+
+def leaves(writer):
+  inner = compat.clu_wrapped_writers(writer)
+  return [writer] if inner is None else [x for w in inner for x in leaves(w)]
+
+for outer in (async_writer.AsyncMultiWriter([log]), multi_writer.MultiWriter([log]),
+              async_writer.AsyncWriter(log)):
+  assert compat.clu_wrapped_writers(outer) is not None, (
+      f"CLU moved {type(outer).__name__}'s wrapped writers")
+  assert leaves(outer) == [log], leaves(outer)  # AsyncMultiWriter: an AsyncWriter each
+assert compat.clu_wrapped_writers(log) is None
+print("found")
+"""
+
+
+def test_clu_wrapped_writers_probe_finds_what_clus_writers_wrap():
+  """CLU's MultiWriter / AsyncMultiWriter keep their writers in ``_writers``, AsyncWriter in
+  ``_writer`` (loopkit.observe.prints_to_console looks for a LoggingWriter there). A fresh
+  interpreter: CLU's writer modules are loaded as a user's script would have them."""
+  pytest.importorskip("clu")
+  out = subprocess.run([sys.executable, "-c", CLU_PROBE], capture_output=True, text=True,
+                       cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT),
+                                      "JAX_PLATFORMS": "cpu"}, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "found", out.stderr
+
+
+def test_clu_wrapped_writers_fallback_is_none_for_other_writers():
+  """Without CLU's modules loaded, or for any other object: None (the hooks then log their
+  rows themselves)."""
+  class MultiWriter:  # a look-alike: not CLU's class
+    _writers = (loopkit.observe.ConsoleWriter(),)
+
+  assert compat.clu_wrapped_writers(MultiWriter()) is None
+  assert compat.clu_wrapped_writers(loopkit.observe.MultiWriter([])) is None
+  assert not loopkit.observe.prints_to_console(MultiWriter())

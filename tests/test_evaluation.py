@@ -222,6 +222,86 @@ def test_eval_hook_rejects_one_shot_iterator():
     EvalHook(ev, iter(c15_batches()), every_steps=2)
 
 
+# -- at_end is the end of training, not a preemption (NEW-B, tests/test_matrix.py) -----------
+
+
+def _toy_eval_step(state, batch):
+  return {"err": (batch["x"] @ state["params"]["w"] - batch["y"])[:, 0] ** 2}  # [B]
+
+
+def _eval_run(workdir, k, *, num_steps=16, batches=16, extra=(), eval_kw=None):
+  """toy.py's model, 16 steps, an EvalHook every 7 steps (at_end by default) writing to
+  ``workdir/metrics.jsonl`` and checkpoints every 6: ``(loop, eval hook, checkpoint hook)``."""
+  ev = EvalHook(Evaluator(_toy_eval_step), toy.batches(3, seed=7),
+                writer=loopkit.observe.JsonlWriter(workdir / "metrics.jsonl"), every_steps=7,
+                **(eval_kw or {}))
+  ckpt = loopkit.CheckpointHook(workdir / "ckpt", every_steps=6, async_save=False)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k,
+                           hooks=[ev, ckpt, *extra])
+  loop.run(toy.init_state(), toy.batches(batches), num_steps=num_steps)
+  ev.writer.close()
+  return loop, ev, ckpt
+
+
+def _jsonl(path):
+  import json
+  return [json.loads(line) for line in open(path)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_eval_at_end_skips_a_sigint_and_the_resume_writes_the_straight_runs_rows(tmp_path, k):
+  """NEW-B: Ctrl-C at step 9 stops the run there ("preempted", a checkpoint at 9) without an
+  evaluation at 9, which an uninterrupted run does not have; the resumed run evaluates at 14
+  and at its end, 16, and the file then holds the uninterrupted run's rows, values exact."""
+  import os
+  import signal
+
+  (tmp_path / "straight").mkdir()
+  (tmp_path / "cut").mkdir()
+  _, straight, _ = _eval_run(tmp_path / "straight", k)
+  assert [s for s, _ in straight.results] == [7, 14, 16]
+
+  def ctrl_c(info, state):
+    del info, state
+    os.kill(os.getpid(), signal.SIGINT)
+
+  sigint = loopkit.CallbackHook(ctrl_c, at_steps=[9], at_end=False)
+  loop, cut, ckpt = _eval_run(tmp_path / "cut", k, extra=[sigint])
+  assert (loop.status, loop.ledger.step) == ("preempted", 9)
+  assert [s for s, _ in cut.results] == [7]  # not 9: a preemption is not training's end
+  assert ckpt.all_steps() == [6, 9]  # the checkpoint still lands at the preemption
+  loop, resumed, ckpt = _eval_run(tmp_path / "cut", k)
+  assert (loop.status, ckpt.restored_step) == ("completed", 9)
+  assert [s for s, _ in resumed.results] == [14, 16]
+  rows = _jsonl(tmp_path / "cut" / "metrics.jsonl")
+  assert [r["step"] for r in rows] == [7, 14, 16]
+  assert rows == _jsonl(tmp_path / "straight" / "metrics.jsonl")
+
+
+def test_eval_at_end_evaluates_where_training_ends_early(tmp_path):
+  """A stop a hook requests (early stopping) and the end of the data end training: the at_end
+  evaluation runs there, once. ``at_end=False``: only the marks."""
+  (tmp_path / "stop").mkdir()
+  (tmp_path / "data").mkdir()
+  (tmp_path / "marks").mkdir()
+  class EarlyStop(loopkit.Hook):  # needs_state (the default): it runs before the next call
+
+    def on_run_start(self, ctx, state):
+      self.ctx = ctx
+
+    def on_trigger(self, info, state):
+      self.ctx.request_stop("early stop")
+
+  loop, ev, _ = _eval_run(tmp_path / "stop", 3, extra=[EarlyStop(at_steps=[9], at_end=False)])
+  assert (loop.status, loop.ledger.step) == ("early stop", 9)
+  assert [s for s, _ in ev.results] == [7, 9]
+  with pytest.warns(loopkit.DataExhaustedWarning):
+    loop, ev, _ = _eval_run(tmp_path / "data", 3, batches=10)
+  assert (loop.status, [s for s, _ in ev.results]) == ("data_exhausted", [7, 10])
+  _, ev, _ = _eval_run(tmp_path / "marks", 3, eval_kw={"at_end": False})
+  assert [s for s, _ in ev.results] == [7, 14]
+
+
 # -- K = 1 compiles the eval step like every K (the training program's loop) ---------------
 
 

@@ -3,6 +3,7 @@ rows from the injected clock; per-step rows under their own keys; the progress b
 pseudo-terminal."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -509,3 +510,186 @@ def test_log_messages_do_not_repeat_the_loggers_name():
           and str(node.args[0].value).startswith("loopkit: ")):
         found.add(name)
   assert found == KNOWN_PREFIXED
+
+
+# -- each row printed once, whatever the writer (LoggingHook, EvalHook, GoodputHook) ----------
+
+def _toy_eval_step(state, batch):
+  return {"err": (batch["x"] @ state["params"]["w"] - batch["y"])[:, 0] ** 2}  # [B]
+
+
+class PrintingWriter:
+  """A user's writer that prints its rows itself, and says so (``prints_to_console``)."""
+
+  def __init__(self):
+    self.lines = []
+
+  def write_scalars(self, step, scalars):
+    self.lines.append(f"step {step}: " + ", ".join(scalars))
+    logging.getLogger("loopkit").info("user writer: step %d: %s", step, ", ".join(scalars))
+
+  def prints_to_console(self):
+    return True
+
+  def flush(self):
+    pass
+
+  def close(self):
+    pass
+
+
+PRINTED_ROW = re.compile(r"^(?:user writer: )?step (\d+)(:| eval:)(?: (\S+))?")
+
+
+def printed_once_kinds(messages):
+  """{kind: sorted steps} of the rows among log messages: ``row`` (a LoggingHook row),
+  ``eval`` (EvalHook's line, or a writer's row of ``eval/*`` names), ``goodput`` (a writer's
+  row of ``goodput/*`` names, in one line or ConsoleWriter's table), and ``summary`` (the
+  goodput table's or headline's step)."""
+  out = {"row": [], "eval": [], "goodput": [], "summary": []}
+  for message in messages:
+    lines = message.splitlines()
+    m = PRINTED_ROW.match(lines[0])
+    if m is not None:
+      first = m.group(3) or (lines[1].strip() if len(lines) > 1 else "")
+      kind = "eval" if m.group(2) == " eval:" else next(
+          (k for k in ("eval", "goodput") if first.startswith(k + "/")), "row")
+      out[kind].append(int(m.group(1)))
+    g = re.search(r"^goodput [0-9.]+% at step (\d+)", message, re.M)
+    if g is not None:
+      out["summary"].append(int(g.group(1)))
+  return {k: sorted(v) for k, v in out.items()}
+
+
+WRITERS = {
+    "none": lambda d: None,
+    "jsonl": lambda d: loopkit.observe.JsonlWriter(d / "metrics.jsonl"),
+    "console": lambda d: loopkit.observe.ConsoleWriter(),
+    "default": lambda d: loopkit.observe.create_default_writer(d),
+    "default_no_console": lambda d: loopkit.observe.create_default_writer(d, console=False),
+    "async_console_in_multi": lambda d: loopkit.observe.MultiWriter(
+        [loopkit.observe.JsonlWriter(d / "metrics.jsonl"),
+         loopkit.observe.AsyncWriter(loopkit.observe.ConsoleWriter())]),
+    "console_below_the_level": lambda d: loopkit.observe.ConsoleWriter(level=logging.DEBUG),
+    "user_printing": lambda d: PrintingWriter(),
+}
+# Whether the writer itself prints (then the hooks print nothing of their own).
+PRINTS = {"none": False, "jsonl": False, "console": True, "default": True,
+          "default_no_console": False, "async_console_in_multi": True,
+          "console_below_the_level": False, "user_printing": True}
+
+
+@pytest.mark.parametrize("kind", list(WRITERS))
+def test_every_row_and_evaluation_is_printed_once_whatever_the_writer(tmp_path, caplog, kind):
+  """NEW-A (tests/test_matrix.py): LoggingHook, EvalHook and GoodputHook all writing to one
+  writer, 14 steps at K=3, rows every 4, evaluations every 7: each row (4, 8, 12, 14) and each
+  evaluation (7, 14) is printed exactly once, by the writer when it prints (a ConsoleWriter,
+  alone, in create_default_writer's MultiWriter or behind an AsyncWriter; a user's writer that
+  says so), else by the hook; the goodput seconds once (the writer's row and the summary's
+  headline, or the summary's table)."""
+  writer = WRITERS[kind](tmp_path)
+  assert loopkit.observe.prints_to_console(writer) is PRINTS[kind]
+  ev = loopkit.EvalHook(loopkit.Evaluator(_toy_eval_step), toy.batches(2), writer=writer,
+                        every_steps=7)
+  hooks = [loopkit.LoggingHook(writer, every_steps=4), ev,
+           loopkit.observe.GoodputHook(writer)]
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=3, hooks=hooks)
+  with caplog.at_level(logging.INFO, logger="loopkit"):  # a DEBUG ConsoleWriter prints nothing
+    loop.run(toy.init_state(), toy.batches(14), num_steps=14)
+    if writer is not None:
+      writer.close()
+  shown = [r.getMessage() for r in caplog.records]
+  got = printed_once_kinds(shown)
+  want_goodput = [14] if PRINTS[kind] else []  # the writer's goodput/* row, printed
+  assert got == {"row": [4, 8, 12, 14], "eval": [7, 14], "goodput": want_goodput,
+                 "summary": [14]}, shown
+  tables = [m for m in shown if m.startswith("goodput summary:\n")]
+  assert len(tables) == (0 if PRINTS[kind] else 1), shown  # the seconds once
+  assert [s for s, _ in ev.results] == [7, 14]
+  if kind in ("console", "default", "async_console_in_multi"):
+    assert shown[-1] == "goodput " + shown[-1].split("goodput ", 1)[1]  # the headline alone
+    assert sum(m.startswith("step 7: eval/err=") for m in shown) == 1, shown
+  if kind in ("jsonl", "default", "default_no_console", "async_console_in_multi"):
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], sorted(r)[0]) for r in rows] == [
+        (4, "epoch"), (7, "eval/err"), (8, "epoch"), (12, "epoch"), (14, "epoch"),
+        (14, "eval/err"), (14, "goodput/checkpoint_secs")]
+
+
+# The same hooks in a user's script, with CLU's writer (its LoggingWriter logs through absl)
+# or create_default_writer's, in a plain script or under absl.app.run (which turns absl's INFO
+# lines on). CLU's writer modules are loaded without clu/metric_writers/__init__.py, which
+# imports TensorFlow (absent from the newest-JAX environment), as tests/_matrix_worker.py does.
+ONCE_SCRIPT = """\
+import logging, os, sys, types
+from absl import app
+import jax.numpy as jnp
+import loopkit
+from tests import toy
+
+def clu_writer(path):
+  import clu
+  pkg = types.ModuleType("clu.metric_writers")
+  pkg.__path__ = [os.path.join(os.path.dirname(clu.__file__), "metric_writers")]
+  sys.modules["clu.metric_writers"] = pkg
+  from clu.metric_writers import async_writer, logging_writer
+  return async_writer.AsyncMultiWriter([logging_writer.LoggingWriter(),
+                                        loopkit.observe.JsonlWriter(path)])
+
+def eval_step(state, batch):
+  return {"err": (batch["x"] @ state["params"]["w"] - batch["y"])[:, 0] ** 2}
+
+def main(argv=()):
+  workdir = sys.argv[1]
+  writer = (clu_writer(os.path.join(workdir, "metrics.jsonl")) if sys.argv[2] == "clu"
+            else loopkit.observe.create_default_writer(workdir))
+  print("prints_to_console before run:", loopkit.observe.prints_to_console(writer),
+        file=sys.stderr, flush=True)
+  hooks = [loopkit.LoggingHook(writer, every_steps=4, throughput=False),
+           loopkit.EvalHook(loopkit.Evaluator(eval_step), toy.batches(2), writer=writer,
+                            every_steps=7)]
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=3, hooks=hooks)
+  loop.run(toy.init_state(), toy.batches(14), num_steps=14)
+  writer.close()
+
+if sys.argv[3] == "absl":
+  app.run(main, argv=sys.argv[:1])
+else:
+  main()
+"""
+# loopkit's forms ("step N: ...", "step N eval: ...") and CLU's ("[N] name=value, ...").
+LOOPKIT_LINE = re.compile(r"\bstep (\d+)(?::| eval:) (\S+?)=")
+CLU_LINE = re.compile(r"\] \[(\d+)\] (\S+?)=")
+
+
+@pytest.mark.parametrize("writer,setup,printer", [
+    ("clu", "plain", "loopkit"),  # absl shows no INFO line before its flags are parsed
+    ("clu", "absl", "clu"),
+    ("default", "absl", "loopkit")])
+def test_clu_and_default_writers_print_each_row_once_in_a_users_script(tmp_path, writer, setup,
+                                                                       printer):
+  """NEW-A with CLU's writer (a LoggingWriter in an AsyncMultiWriter, as CLU's
+  create_default_writer makes): in a plain script absl hides INFO lines, so the hooks print the
+  rows; under absl.app.run CLU's writer prints them, and the hooks do not again. Every row
+  (4, 8, 12, 14) and evaluation (7, 14) once; metrics.jsonl holds each once."""
+  pytest.importorskip("clu")
+  pytest.importorskip("absl")
+  (tmp_path / "script.py").write_text(ONCE_SCRIPT)
+  out = subprocess.run(bootstrap.command(tmp_path / "script.py", str(tmp_path), writer, setup,
+                                         devices=1),
+                       capture_output=True, text=True, env=bootstrap.env(), cwd=REPO,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr
+  said = re.search(r"prints_to_console before run: (\w+)", out.stderr).group(1)
+  assert said == str(printer == "clu" or writer == "default"), out.stderr
+  pattern = CLU_LINE if printer == "clu" else LOOPKIT_LINE
+  other = LOOPKIT_LINE if printer == "clu" else CLU_LINE
+  shown = [(int(m.group(1)), m.group(2)) for m in map(pattern.search, out.stderr.splitlines())
+           if m]
+  rows = sorted(step for step, name in shown if not name.startswith("eval/")
+                and name != "err")
+  evals = sorted(step for step, name in shown if name.startswith("eval/") or name == "err")
+  assert (rows, evals) == ([4, 8, 12, 14], [7, 14]), out.stderr
+  assert not any(map(other.search, out.stderr.splitlines())), out.stderr
+  disk = [(r["step"], "eval/err" in r) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+  assert disk == [(4, False), (7, True), (8, False), (12, False), (14, False), (14, True)]

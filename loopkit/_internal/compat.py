@@ -1,4 +1,4 @@
-"""Every private JAX and Orbax API loopkit uses, each behind a feature probe with a fallback.
+"""Every private JAX, Orbax and CLU API loopkit uses, each behind a feature probe with a fallback.
 
 loopkit runs on the JAX, Flax and Orbax releases from its pyproject floors to the newest (CI runs
 both ends). Where a public API does the job it is used directly; the few private ones that remain
@@ -28,6 +28,10 @@ what                           private API (why no public one)      fallback
                                the coordination service that        which waits for the program
                                ``jax.distributed`` runs (JAX's      in flight
                                preemption sync point uses it too)
+:func:`clu_wrapped_writers`    CLU's ``MultiWriter._writers``,      None: a CLU writer counts as
+                               ``AsyncWriter._writer``: the         not printing, and the hooks
+                               writers a CLU writer wraps (is a     log their rows themselves
+                               ``LoggingWriter`` among them?)       (printed twice under absl)
 =============================  ===================================  ==============================
 
 Public replacements (no private use left): :func:`addressable_devices` (was
@@ -217,3 +221,25 @@ def coordination_client() -> Any | None:
   if client is None or not all(callable(getattr(client, m, None)) for m in _CLIENT_METHODS):
     return None
   return client
+
+
+# -- CLU's writers (loopkit.observe.writers.prints_to_console) ------------------------------
+
+
+def clu_wrapped_writers(writer: Any) -> list[Any] | None:
+  """The writers a CLU writer wraps, or None when ``writer`` is not a CLU wrapper or they are
+  not found.
+
+  CLU's ``MultiWriter`` and ``AsyncMultiWriter`` (what ``metric_writers.create_default_writer``
+  returns) keep theirs in the private ``_writers``, ``AsyncWriter`` its one in ``_writer``.
+  CLU is never imported here: a CLU writer's modules are loaded when one exists.
+  """
+  multi = getattr(sys.modules.get("clu.metric_writers.multi_writer"), "MultiWriter", None)
+  if isinstance(multi, type) and isinstance(writer, multi):
+    inner = getattr(writer, "_writers", None)
+    return list(inner) if isinstance(inner, (list, tuple)) else None
+  single = getattr(sys.modules.get("clu.metric_writers.async_writer"), "AsyncWriter", None)
+  if isinstance(single, type) and isinstance(writer, single):
+    inner = getattr(writer, "_writer", None)
+    return None if inner is None else [inner]
+  return None

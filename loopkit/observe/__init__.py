@@ -27,6 +27,7 @@ from loopkit.observe.writers import (
   create_default_writer,
   format_row,
   keep_rows_through,
+  prints_to_console,
 )
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "create_default_writer",
     "format_row",
     "keep_rows_through",
+    "prints_to_console",
 ]

@@ -48,7 +48,7 @@ import jax
 from loopkit.core.context import LedgerAdjustment, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket, Ledger, LedgerView
-from loopkit.observe.writers import keep_rows_through
+from loopkit.observe.writers import keep_rows_through, prints_to_console
 
 __all__ = ["GoodputHook", "GoodputSummary", "summarize"]
 
@@ -100,8 +100,13 @@ class GoodputSummary:
     return {f"{prefix}{k}": (float(v) if isinstance(v, float) else v)
             for k, v in dataclasses.asdict(self).items()}
 
+  def headline(self) -> str:
+    """One line: ``goodput 93.1% at step 14 (0 steps redone after restarts)``."""
+    return (f"goodput {100 * self.goodput:.1f}% at step {self.steps} "
+            f"({self.lost_steps} steps redone after restarts)")
+
   def table(self) -> str:
-    """A plain-text table: bucket, seconds, share of the job time."""
+    """A plain-text table: bucket, seconds, share of the job time (under :meth:`headline`)."""
     rows = [("productive", self.productive_secs), ("  device_wait", self.device_wait_secs),
             ("  dispatch", self.dispatch_secs), ("  host_gap", self.host_gap_secs),
             ("compile", self.compile_secs), ("data_wait", self.data_wait_secs),
@@ -109,9 +114,7 @@ class GoodputSummary:
             ("setup", self.setup_secs), ("lost to restarts", self.lost_secs),
             ("job", self.job_secs)]
     job = self.job_secs
-    lines = [f"goodput {100 * self.goodput:.1f}% at step {self.steps} "
-             f"({self.lost_steps} steps redone after restarts)",
-             f"{'bucket':<18}{'seconds':>12}{'share':>9}"]
+    lines = [self.headline(), f"{'bucket':<18}{'seconds':>12}{'share':>9}"]
     for name, secs in rows:
       share = f"{100 * secs / job:8.1f}%" if job > 0 else f"{'-':>9}"
       lines.append(f"{name:<18}{secs:>12.3f}{share}")
@@ -185,7 +188,11 @@ class GoodputHook(Hook):
       the time after the last checkpoint is not carried over).
     every_steps, every_secs: when to write the scalars (default every 60 s
       of wall time, and at the end of every run).
-    log_summary: log :meth:`GoodputSummary.table` at the end of every run.
+    log_summary: log :meth:`GoodputSummary.table` at the end of every run; when the
+      writer has just printed that end's ``goodput/*`` row on the console
+      (:func:`~loopkit.observe.writers.prints_to_console`: ``create_default_writer``'s
+      writer, a ``ConsoleWriter``), only its first line,
+      :meth:`GoodputSummary.headline`, so the seconds are printed once.
 
   Attributes:
     summary: the :class:`GoodputSummary` at the end of the last run.
@@ -313,11 +320,15 @@ class GoodputHook(Hook):
     del state
     ledger = ctx.ledger  # its total is current: the loop ticks it before each on_run_end
     self.summary = summarize(ledger)
-    if self._write_row(self.summary) and self.writer is not None:
+    wrote = self._write_row(self.summary)
+    if wrote and self.writer is not None:
       self.writer.flush()
     self._write_record(ledger, ledger.step)
     if self.log_summary and jax.process_index() == 0:
-      log.info("goodput summary:\n%s", self.summary.table())
+      if wrote and prints_to_console(self.writer):  # its seconds are on the console already
+        log.info("%s", self.summary.headline())
+      else:
+        log.info("goodput summary:\n%s", self.summary.table())
 
   # -- internals ----------------------------------------------------------------
 

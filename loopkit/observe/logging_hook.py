@@ -20,20 +20,9 @@ from loopkit.core.context import RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import hook_seconds
 from loopkit.observe import goodput, peaks
-from loopkit.observe.writers import ConsoleWriter, as_writer, keep_rows_through
+from loopkit.observe.writers import as_writer, keep_rows_through, prints_to_console
 
 log = logging.getLogger("loopkit")
-
-
-def _prints_to_console(writer: Any) -> bool:
-  """Whether ``writer`` logs its scalars itself (a ConsoleWriter, possibly wrapped)."""
-  if isinstance(writer, ConsoleWriter):
-    return True
-  inner = getattr(writer, "writers", None)  # MultiWriter
-  if isinstance(inner, list):
-    return any(_prints_to_console(w) for w in inner)
-  wrapped = getattr(writer, "writer", None)  # AsyncWriter
-  return wrapped is not None and wrapped is not writer and _prints_to_console(wrapped)
 
 
 class LoggingHook(Hook):
@@ -49,9 +38,11 @@ class LoggingHook(Hook):
       Flax's ``tensorboard.SummaryWriter`` (see :func:`loopkit.observe.writers.as_writer`);
       metrics are also logged to
       the ``loopkit`` Python logger at INFO (by process 0 only on multi-host),
-      unless the writer prints them itself (a
+      unless the writer prints them itself (asked at each row:
+      :func:`~loopkit.observe.writers.prints_to_console`; a
       :class:`~loopkit.observe.writers.ConsoleWriter`, alone or inside a
-      ``MultiWriter`` / ``AsyncWriter``, as :func:`create_default_writer` makes).
+      ``MultiWriter`` / ``AsyncWriter``, as :func:`create_default_writer` makes; CLU's
+      ``LoggingWriter`` while absl shows INFO lines): each row is printed once.
     per_step: also write every step's value at its true step number, under
       the key ``per_step/<name>`` (its own key and TensorBoard section, so a
       per-step row never reads as an averaged row of the same step).
@@ -140,7 +131,6 @@ class LoggingHook(Hook):
     self.per_step = per_step
     self.throughput = throughput
     self.clock = clock
-    self._log = not _prints_to_console(writer)
     self._acc: dict[str, metrics_lib.Metric] = {}
     self._first_step: int | None = None  # first step merged into _acc
     self._end_step: int | None = None  # last step merged (None: fresh, or a restored window)
@@ -298,7 +288,7 @@ class LoggingHook(Hook):
     scalars.update(epoch=info.epoch, examples_seen=info.examples_seen)
     self.records.append((info.end_step, scalars))
     self.first_steps.append(self._first_step)
-    if self._log and jax.process_index() == 0:  # multi-host: one line per boundary
+    if jax.process_index() == 0 and not prints_to_console(self.writer):  # printed once
       log.info("step %d: %s", info.end_step,
                ", ".join(f"{k}={v:.6g}" if isinstance(v, float) and not math.isnan(v)
                          else f"{k}={v}" for k, v in scalars.items()))

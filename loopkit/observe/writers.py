@@ -61,11 +61,13 @@ import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
+from loopkit._internal.compat import clu_wrapped_writers
 from loopkit.observe.metric_writer import (
   MetricWriter,
   NullWriter,
@@ -78,7 +80,7 @@ from loopkit.observe.tensorboard_writer import TensorBoardWriter
 
 __all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
            "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer",
-           "format_row", "keep_rows_through"]
+           "format_row", "keep_rows_through", "prints_to_console"]
 
 log = logging.getLogger("loopkit")
 
@@ -322,6 +324,11 @@ class ConsoleWriter(_TextOnly):
       self.logger.log(self.level, "hparams: %s",
                       ", ".join(f"{k}={_hparam_value(v)}" for k, v in hparams.items()))
 
+  def prints_to_console(self) -> bool:
+    """Whether a row written now is printed: on process 0, while its logger takes its level
+    (:func:`prints_to_console`)."""
+    return self._enabled and self.logger.isEnabledFor(self.level)
+
   def flush(self) -> None:
     pass
 
@@ -343,6 +350,65 @@ def keep_rows_through(writer: Any, step: int) -> None:
   fn = getattr(writer, "keep_through", None)
   if callable(fn):
     fn(int(step))
+
+
+def prints_to_console(writer: Any) -> bool:
+  """Whether a row written to ``writer`` now is also printed on the console.
+
+  A hook that writes rows to a writer and also logs them (:class:`~loopkit.LoggingHook`,
+  :class:`~loopkit.EvalHook`, :class:`~loopkit.observe.GoodputHook`'s summary) asks this
+  before each row and logs its own line only when the answer is no, so each row is printed
+  once, whatever the writer. Asked at every row, as the logging set-up may change after the
+  writer is made (``absl.app.run`` turns absl's INFO lines on).
+
+  * A writer with a ``prints_to_console()`` method answers itself: :class:`ConsoleWriter`
+    (on process 0, while its logger takes its level); :class:`MultiWriter` and
+    :class:`AsyncWriter` (any writer they wrap; so :func:`create_default_writer`'s writer
+    with ``console=True``). A writer of your own that prints its rows can say so the same way.
+  * CLU's ``LoggingWriter`` logs through absl: it prints while absl's logger takes INFO
+    records and a handler shows them (after ``absl.app.run`` parsed the flags, or a
+    ``logging.basicConfig(level=logging.INFO)``; not before, when absl shows only
+    warnings). CLU's ``MultiWriter``, ``AsyncMultiWriter`` (``create_default_writer``) and
+    ``AsyncWriter`` print when a writer they wrap does.
+  * Any other writer (JSONL, TensorBoard, Flax's ``SummaryWriter``, None): no.
+
+  Args:
+    writer: a metric writer, or None.
+
+  Returns:
+    True when the row reaches the console through the writer.
+  """
+  if writer is None:
+    return False
+  own = getattr(writer, "prints_to_console", None)
+  if callable(own):
+    return bool(own())
+  if _is_clu_logging_writer(writer):
+    return _shows(logging.getLogger("absl"), logging.INFO)
+  inner = clu_wrapped_writers(writer)
+  return inner is not None and any(prints_to_console(w) for w in inner)
+
+
+def _is_clu_logging_writer(writer: Any) -> bool:
+  """Whether ``writer`` is CLU's ``LoggingWriter`` (its module is loaded if it is one: CLU is
+  never imported here)."""
+  module = sys.modules.get("clu.metric_writers.logging_writer")
+  cls = getattr(module, "LoggingWriter", None)
+  return isinstance(cls, type) and isinstance(writer, cls)
+
+
+def _shows(logger: logging.Logger, level: int) -> bool:
+  """Whether a record of ``level`` logged to ``logger`` now reaches a handler that takes it."""
+  if not logger.isEnabledFor(level):
+    return False
+  current: logging.Logger | None = logger
+  while current is not None:
+    if any(h.level <= level for h in current.handlers):
+      return True
+    if not current.propagate:
+      return False
+    current = current.parent
+  return logging.lastResort is not None and logging.lastResort.level <= level
 
 
 def _call_optional(writer: Any, method: str, *args: Any) -> None:
@@ -390,6 +456,10 @@ class MultiWriter:
     """:func:`keep_rows_through` of each writer."""
     for w in self.writers:
       keep_rows_through(w, step)
+
+  def prints_to_console(self) -> bool:
+    """Whether one of the writers prints its rows (:func:`prints_to_console`)."""
+    return any(prints_to_console(w) for w in self.writers)
 
   def flush(self) -> None:
     for w in self.writers:
@@ -452,6 +522,10 @@ class AsyncWriter:
   def keep_through(self, step: int) -> None:
     """:func:`keep_rows_through` of the wrapped writer, in order with the queued writes."""
     self._put("keep_through", step)
+
+  def prints_to_console(self) -> bool:
+    """Whether the wrapped writer prints its rows (:func:`prints_to_console`)."""
+    return prints_to_console(self.writer)
 
   def _put(self, kind: str, *args: Any) -> None:
     self._raise_pending()

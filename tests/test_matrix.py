@@ -1,0 +1,487 @@
+"""What a user combines, met in pairs: real scripts in subprocesses over a covering array.
+
+Each cell runs tests/_matrix_worker.py (one user's script: 14 steps, rows every 4 steps,
+evaluation every 7 on 21 examples, checkpoints every 6, a callback every 5) with one level of
+every factor:
+
+========== ==========================================================================
+factor     levels
+========== ==========================================================================
+logging    none; ``import orbax.checkpoint``; CLU's writer (``LoggingWriter`` in CLU's
+           ``AsyncMultiWriter``, beside loopkit's ``JsonlWriter``); ``absl.app.run``;
+           ``logging.basicConfig(level=logging.INFO)``
+output     a pty of 100 columns; a pty of 0 columns; a pipe; a file (stdout and stderr
+           together, as a terminal, ``| tee`` or ``> log 2>&1`` has them)
+ending     completes; a hook raises at step 11; SIGINT at step 9 then a resume; SIGKILL
+           right after the checkpoint of step 12 then a resume
+eval       none; ``EvalHook(loopkit.Evaluator(...))``; ``EvalHook(loopkit.nnx.NnxEvaluator(...))``
+loop       ``TrainLoop`` (a pytree state); ``loopkit.nnx.NnxTrainLoop`` (a CNN with BatchNorm,
+           Dropout and ``nnx.Rngs``)
+k          iterations_per_loop 1; 3 (which divides none of the event steps' gaps)
+checkpoint, progress, goodput, profiler, nancheck, callback: each hook off; on
+========== ==========================================================================
+
+(``LoggingHook`` with ``create_default_writer(workdir)``, or CLU's writer, is in every cell.)
+Two combinations cannot be run and are not required: a resume ending without a checkpoint hook,
+and an ``NnxEvaluator`` in a ``TrainLoop``. :func:`covering_array` (a deterministic greedy
+algorithm: each new cell starts from an uncovered pair of the first factor pair with one and
+takes, factor by factor, the level that covers most uncovered pairs) gives **20 cells** that
+cover all **460 allowed pairs of levels of every two of the 12 factors**
+(``test_the_cells_cover_every_pair_of_levels`` checks it independently of the generator); 20
+is the least any pairwise array can have (logging x output alone has 20 pairs). The full
+product would be 15,360 cells.
+
+Every cell asserts what a straight run gives (a reference process trains each loop kind at
+each K straight through: ``test_the_reference_is_the_same_for_every_k``):
+
+* on the console, across the cell's processes: each metric row (``step N: name=...``) and
+  each evaluation (``step N eval: ...``, or a ``ConsoleWriter``'s ``step N: eval/...`` row of
+  it) exactly once, at the straight run's steps up to where the cell's run got; the resume line
+  once; a goodput summary once per run that returned; the progress at the run's last step; no
+  traceback but the raising hook's;
+* on disk: ``metrics.jsonl`` holds exactly the straight run's rows and evaluation rows, in order,
+  values exact (time-measured keys, ``throughput/*`` and ``goodput/*``, left out); the complete
+  checkpoints are the straight run's steps (plus the preemption's own at step 9 after a SIGINT);
+  the callback fired once per its steps with the state of that step; a profile was written;
+* the processes' exit codes and statuses, and a final state bitwise equal to the straight run's.
+
+Every factor here is process-wide (the logging set-up, the output, a kill), so each cell is its
+own process (two with a resume: 30 processes, and one for the reference); they run two at a time
+and share a persistent JAX compilation cache, and none imports TensorFlow (about 120 s of CPU
+in all: about a minute on two idle cores).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import fcntl
+import glob
+import importlib.util
+import itertools
+import json
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import termios
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests import bootstrap, toy
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_matrix_worker.py")
+
+FACTORS: dict[str, list] = {
+    "logging": ["none", "orbax", "clu", "absl", "basic"],
+    "output": ["pty100", "pty0", "pipe", "file"],
+    "ending": ["complete", "raise", "sigint", "sigkill"],
+    "eval": ["none", "evaluator", "nnx"],
+    "loop": ["train", "nnx"],
+    "k": [1, 3],
+    "checkpoint": [False, True],
+    "progress": [False, True],
+    "goodput": [False, True],
+    "profiler": [False, True],
+    "nancheck": [False, True],
+    "callback": [False, True],
+}
+HOOKS = ("checkpoint", "progress", "goodput", "profiler", "nancheck", "callback")
+# The script's schedule: the straight run has rows at 4, 8, 12, 14, evaluations at 7, 14,
+# checkpoints at 6, 12, 14, callbacks at 5, 10, and traces steps 3..4.
+SCHEDULE = {"steps": 14, "log_every": 4, "eval_every": 7, "ckpt_every": 6, "callback_every": 5,
+            "profile_from": 2, "profile_steps": 2, "raise_at": 11, "sigint_at": 9,
+            "sigkill_at": 12}
+RESUMES = ("sigint", "sigkill")
+PROCESS_TIMEOUT_S = 300
+
+
+def allowed(levels: dict) -> bool:
+  """Whether a (partial) cell can run: a resume needs a checkpoint; an NnxEvaluator, NNX."""
+  if levels.get("ending") in RESUMES and levels.get("checkpoint") is False:
+    return False
+  return not (levels.get("eval") == "nnx" and levels.get("loop") == "train")
+
+
+def pairs(factors: dict[str, list], cell: dict) -> set[tuple]:
+  """The pairs of levels ``(a, level_a, b, level_b)`` a cell covers (a before b in factors)."""
+  return {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(factors, 2)}
+
+
+def required_pairs(factors: dict[str, list], ok: Callable[[dict], bool]) -> set[tuple]:
+  return {(a, x, b, y) for a, b in itertools.combinations(factors, 2)
+          for x in factors[a] for y in factors[b] if ok({a: x, b: y})}
+
+
+def covering_array(factors: dict[str, list], ok: Callable[[dict], bool]) -> list[dict]:
+  """A pairwise covering array of ``factors`` whose cells satisfy ``ok``, greedily.
+
+  Deterministic: while a pair is uncovered, each uncovered pair of the first factor pair that
+  has one seeds a candidate cell, whose other factors take, in order, the allowed level
+  covering most uncovered pairs with the levels chosen so far (the first such level on a tie);
+  the candidate covering most uncovered pairs (the first on a tie) becomes the next cell.
+  ``ok`` must let every allowed partial cell be completed.
+  """
+  names = list(factors)
+  uncovered = required_pairs(factors, ok)
+  cells = []
+  while uncovered:
+    seeds = next(sorted((p for p in uncovered if p[0] == a and p[2] == b), key=repr)
+                 for a, b in itertools.combinations(names, 2)
+                 if any(p[0] == a and p[2] == b for p in uncovered))
+    best, best_gain = None, -1
+    for a, x, b, y in seeds:
+      cell = {a: x, b: y}
+      for f in names:
+        if f in cell:
+          continue
+        def gain(v, f=f, cell=cell):
+          return sum(((g, cell[g], f, v) if names.index(g) < names.index(f) else
+                      (f, v, g, cell[g])) in uncovered for g in cell)
+        cell[f] = max((v for v in factors[f] if ok({**cell, f: v})), key=gain)
+      cell = {f: cell[f] for f in names}
+      g = len(pairs(factors, cell) & uncovered)
+      if g > best_gain:
+        best, best_gain = cell, g
+    cells.append(best)
+    uncovered -= pairs(factors, best)
+  return cells
+
+
+CELLS = covering_array(FACTORS, allowed)
+
+
+def cell_id(i: int, cell: dict) -> str:
+  hooks = "+".join(h for h in HOOKS if cell[h]) or "nohooks"
+  return (f"{i:02d}-{cell['loop']}-k{cell['k']}-{cell['ending']}-{cell['output']}-"
+          f"{cell['logging']}-eval_{cell['eval']}-{hooks}")
+
+
+# -- running a script on a pty, a pipe or a file -----------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+  """One process of a cell: its exit code, what it printed, its result file (if it returned)."""
+
+  rc: int | None
+  console: str
+  result: dict | None
+  wall_s: float
+
+
+def run_on(output: str, argv: list[str], env: dict, log_path: str) -> tuple[int | None, str]:
+  """Runs ``argv`` with stdout and stderr on ``output``; its exit code (None: killed after
+  ``PROCESS_TIMEOUT_S``) and output."""
+  if output in ("pipe", "file"):
+    with open(log_path, "wb") as f:
+      try:
+        done = subprocess.run(argv, stdout=subprocess.PIPE if output == "pipe" else f,
+                              stderr=subprocess.STDOUT, env=env, timeout=PROCESS_TIMEOUT_S,
+                              check=False)
+        text, rc = done.stdout, done.returncode
+      except subprocess.TimeoutExpired as e:  # the child was killed
+        text, rc = e.stdout, None
+      if output == "pipe":
+        f.write(text or b"")  # kept beside the cell's files, as the file output is
+    if output == "file":
+      with open(log_path, "rb") as f:
+        text = f.read()
+    return rc, (text or b"").decode(errors="replace")
+  master, slave = pty.openpty()
+  columns = int(output[len("pty"):])
+  fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+  proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env)
+  os.close(slave)
+  chunks, deadline = [], time.monotonic() + PROCESS_TIMEOUT_S
+  try:
+    while time.monotonic() < deadline:
+      if not select.select([master], [], [], 1.0)[0]:
+        continue
+      try:
+        chunk = os.read(master, 65536)
+      except OSError:  # EIO: every writer of the pty is gone
+        break
+      if not chunk:
+        break
+      chunks.append(chunk)
+    else:
+      proc.kill()
+  finally:
+    os.close(master)
+  rc = proc.wait(timeout=60)
+  with open(log_path, "wb") as f:  # kept beside the cell's files
+    f.write(b"".join(chunks))
+  return (None if time.monotonic() >= deadline else rc,
+          b"".join(chunks).decode(errors="replace").replace("\r\n", "\n"))
+
+
+def run_cell(cell: dict, workdir: str, env: dict) -> list[Run]:
+  """The cell's first process and, after a SIGINT or SIGKILL, its resume."""
+  os.makedirs(workdir, exist_ok=True)
+  runs = []
+  for phase in ("first", "resume") if cell["ending"] in RESUMES else ("first",):
+    spec = {**cell, "phase": phase, "workdir": workdir, "schedule": SCHEDULE}
+    t0 = time.monotonic()
+    rc, console = run_on(cell["output"], bootstrap.command(WORKER, json.dumps(spec), devices=1),
+                         env, os.path.join(workdir, f"console-{phase}.txt"))
+    path = os.path.join(workdir, f"result-{phase}.json")
+    result = None
+    if os.path.exists(path):
+      with open(path) as f:
+        result = json.load(f)
+    runs.append(Run(rc, console, result, time.monotonic() - t0))
+  return runs
+
+
+def missing_modules(cell: dict) -> list[str]:
+  need = {"clu": ["clu", "absl"], "absl": ["absl"]}.get(cell["logging"], [])
+  return [m for m in need if importlib.util.find_spec(m) is None]
+
+
+@pytest.fixture(scope="module")
+def matrix(request, tmp_path_factory):
+  """The reference and every selected cell, run two processes at a time: ``(reference,
+  {cell index: [Run, ...]})``."""
+  selected = sorted({item.callspec.params["index"] for item in request.session.items
+                     if item.module is request.module and hasattr(item, "callspec")
+                     and "index" in item.callspec.params})
+  selected = [i for i in selected if not missing_modules(CELLS[i])]
+  root = tmp_path_factory.mktemp("matrix")
+  env = bootstrap.env(COLUMNS="", LINES="", **toy.compilation_cache_env(root / "jax-cache"))
+  ref_dir = str(root / "reference")
+  os.makedirs(ref_dir)
+  ref_spec = {"mode": "reference", "workdir": ref_dir, "schedule": SCHEDULE,
+              "refs": [[loop, k] for loop in FACTORS["loop"] for k in FACTORS["k"]]}
+
+  def reference():
+    out = subprocess.run(bootstrap.command(WORKER, json.dumps(ref_spec), devices=1), env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         timeout=PROCESS_TIMEOUT_S)
+    assert out.returncode == 0, out.stdout.decode(errors="replace")
+    with open(os.path.join(ref_dir, "reference.json")) as f:
+      return json.load(f)
+
+  # The longest first (NNX, a resume), so that the two workers end together.
+  order = sorted(selected, key=lambda i: (CELLS[i]["loop"] != "nnx",
+                                          CELLS[i]["ending"] not in RESUMES, i))
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    ref = pool.submit(reference)
+    runs = {i: pool.submit(run_cell, CELLS[i], str(root / cell_id(i, CELLS[i])), env)
+            for i in order}
+    return ref.result(), {i: f.result() for i, f in runs.items()}, root
+
+
+# -- reading what a cell left -------------------------------------------------------------------
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# "step N: ..." (LoggingHook's row; a ConsoleWriter's row, whose names after the first line may
+# form an aligned table below a bare "step N:"), or "step N eval: ..." (EvalHook's line).
+RECORD = re.compile(r"\bstep (\d+)(:| eval:)(?: (\S+)|$)")
+GOODPUT = re.compile(r"\bgoodput [0-9.]+% at step (\d+)")
+TIMED = ("throughput/", "goodput/")
+
+
+def segments(console: str) -> list[str]:
+  """The console's lines, also split at carriage returns (progress-bar frames), ANSI codes out."""
+  return [ANSI.sub("", s) for s in re.split(r"[\r\n]", console)]
+
+
+def printed(consoles: list[str]) -> dict[str, list[int]]:
+  """The steps of the metric rows, evaluations and goodput rows printed, sorted.
+
+  An evaluation is EvalHook's line or a ConsoleWriter's row of ``eval/*`` names; a goodput row
+  a ConsoleWriter's row of ``goodput/*`` names; any other ``step N: name=...`` is a metric row.
+  """
+  out: dict[str, list[int]] = {"row": [], "eval": [], "goodput": []}
+  for console in consoles:
+    lines = segments(console)
+    for i, line in enumerate(lines):
+      for m in RECORD.finditer(line):
+        if m.group(2) == " eval:":
+          kind = "eval"
+        else:
+          first = m.group(3) or (lines[i + 1].strip() if i + 1 < len(lines) else "")
+          kind = next((k for k in ("eval", "goodput") if first.startswith(k + "/")), "row")
+        out[kind].append(int(m.group(1)))
+  return {k: sorted(v) for k, v in out.items()}
+
+
+def found(pattern: re.Pattern, consoles: list[str]) -> list[int]:
+  return sorted(int(m) for c in consoles for s in segments(c) for m in pattern.findall(s))
+
+
+def disk_rows(workdir: str) -> list[dict]:
+  """``metrics.jsonl``'s rows without their time-measured keys (rows left empty dropped)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path) as f:
+    for line in f:
+      row = {k: v for k, v in json.loads(line).items() if not k.startswith(TIMED)}
+      if set(row) != {"step"}:
+        rows.append(row)
+  return rows
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """Steps of the complete checkpoints: step directories holding Orbax's commit file."""
+  return sorted(int(os.path.basename(d)) for d in glob.glob(os.path.join(workdir, "ckpt", "*"))
+                if os.path.basename(d).isdigit()
+                and os.path.exists(os.path.join(d, "commit_success.txt")))
+
+
+def expected(cell: dict, ref: dict) -> dict:
+  """What the straight run gives for the steps this cell's run got to."""
+  s = SCHEDULE
+  reached = s["raise_at"] if cell["ending"] == "raise" else s["steps"]
+  rows = [(step, 0, {"step": step, **scalars}) for step, scalars in ref["rows"]
+          if step <= reached]
+  evals = []
+  if cell["eval"] != "none":
+    evals = [(step, 1, {"step": step, **{f"eval/{k}": v for k, v in metrics.items()},
+                        "eval/num_examples": n})
+             for step, metrics, n in ref["evals"][cell["eval"]] if step <= reached]
+  checkpoints = []
+  if cell["checkpoint"]:
+    checkpoints = [c for c in ref["checkpoints"] if c <= reached]
+    if cell["ending"] == "sigint":  # a preemption saves where it stopped
+      checkpoints = sorted({*checkpoints, s["sigint_at"]})
+  returned = {"complete": [s["steps"]], "raise": [], "sigint": [s["sigint_at"], s["steps"]],
+              "sigkill": [s["steps"]]}[cell["ending"]]
+  return {"row_steps": [step for step, _, _ in rows],
+          "eval_steps": [step for step, _, _ in evals],
+          "jsonl": [r for _, _, r in sorted(rows + evals, key=lambda t: t[:2])],
+          "checkpoints": checkpoints,
+          "callback": [c for c in ref["callback"] if c[0] <= reached],
+          "returned": returned}
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+def test_the_cells_cover_every_pair_of_levels():
+  """Checked here pair by pair, apart from the generator; the docstring's numbers hold."""
+  required = required_pairs(FACTORS, allowed)
+  covered = set().union(*(pairs(FACTORS, c) for c in CELLS))
+  assert required - covered == set()
+  assert all(allowed(c) and set(c) == set(FACTORS) for c in CELLS)
+  assert all(c[f] in FACTORS[f] for c in CELLS for f in FACTORS)
+  assert (len(CELLS), len(required), len(FACTORS)) == (20, 460, 12)
+  assert f"**{len(CELLS)} cells**" in __doc__ and f"**{len(required)} allowed pairs" in __doc__
+  assert len({json.dumps(c, sort_keys=True) for c in CELLS}) == len(CELLS)  # no cell twice
+  # The generator is deterministic, and the constraint drops exactly the impossible pairs.
+  assert covering_array(FACTORS, allowed) == CELLS
+  total = sum(len(FACTORS[a]) * len(FACTORS[b]) for a, b in itertools.combinations(FACTORS, 2))
+  assert total - len(required) == 3  # (sigint, no checkpoint), (sigkill, ...), (nnx eval, train)
+
+
+def test_the_reference_is_the_same_for_every_k(matrix):
+  """The straight runs: K = 1 and K = 3 give the same rows, evaluations, checkpoints and final
+  state (bitwise); both evaluators evaluate 21 examples at 7 and 14."""
+  ref = matrix[0]
+  for loop in FACTORS["loop"]:
+    one, three = ref[f"{loop}/1"], ref[f"{loop}/3"]
+    assert one == three
+    assert one["status"] == "completed"
+    assert [step for step, _ in one["rows"]] == [4, 8, 12, 14]
+    assert one["checkpoints"] == [6, 12, 14] and one["callback"] == [[5, 5], [10, 10]]
+    kinds = ["evaluator", "nnx"] if loop == "nnx" else ["evaluator"]
+    assert sorted(one["evals"]) == kinds
+    for kind in kinds:
+      assert [(step, n) for step, _, n in one["evals"][kind]] == [(7, 21), (14, 21)]
+
+
+@pytest.mark.parametrize("index", range(len(CELLS)), ids=[cell_id(i, c) for i, c in
+                                                          enumerate(CELLS)])
+def test_cell(matrix, index):
+  cell = CELLS[index]
+  if missing_modules(cell):
+    pytest.skip(f"needs {', '.join(missing_modules(cell))}")
+  ref, outcomes, root = matrix
+  runs = outcomes[index]
+  workdir = str(root / cell_id(index, cell))
+  want = expected(cell, ref[f"{cell['loop']}/{cell['k']}"])
+  consoles = [r.console for r in runs]
+  problems = []
+
+  def check(ok: bool, what: str) -> None:
+    if not ok:
+      problems.append(what)
+
+  # The processes.
+  s = SCHEDULE
+  first_rc = {"complete": 0, "raise": 1, "sigint": 0, "sigkill": -9}[cell["ending"]]
+  check(runs[0].rc == first_rc, f"first process: exit code {runs[0].rc}, want {first_rc}")
+  if len(runs) > 1:
+    check(runs[1].rc == 0, f"resumed process: exit code {runs[1].rc}, want 0")
+  results = [r.result for r in runs]
+  returned = [r for r in results if r is not None]
+  check([r["step"] for r in returned] == want["returned"],
+        f"runs returned at steps {[r['step'] for r in returned]}, want {want['returned']}")
+  for r in returned:
+    check(not r["tensorflow"], "TensorFlow was imported")
+  if results[-1] is not None and cell["ending"] != "raise":
+    final = results[-1]
+    check(final["status"] == "completed", f"final status {final['status']!r}")
+    check(final["digest"] == ref[f"{cell['loop']}/{cell['k']}"]["digest"],
+          "the final state differs from the straight run's")
+    if cell["ending"] in RESUMES:
+      at = s[cell["ending"] + "_at"]
+      check(final["restored_step"] == at, f"resumed from {final['restored_step']}, want {at}")
+  if cell["ending"] == "sigint" and results[0] is not None:
+    check((results[0]["status"], results[0]["step"]) == ("preempted", s["sigint_at"]),
+          f"after SIGINT: {results[0]['status']!r} at step {results[0]['step']}")
+
+  # The console, all processes together.
+  shown = printed(consoles)
+  check(shown["row"] == want["row_steps"],
+        f"rows printed at steps {shown['row']}, want each of {want['row_steps']} once")
+  check(shown["eval"] == want["eval_steps"],
+        f"evaluations printed at {shown['eval']}, want each of {want['eval_steps']} once")
+  if cell["ending"] in RESUMES:
+    line = f"resumed from checkpoint {s[cell['ending'] + '_at']} in {workdir}/ckpt"
+    check(sum(c.count(line) for c in consoles) == 1, f"'{line}' not printed once")
+  tracebacks = sum(c.count("Traceback (most recent call last)") for c in consoles)
+  if cell["ending"] == "raise":
+    check(tracebacks == 1 and "Boom: the matrix's hook raises at step 11" in consoles[0],
+          f"{tracebacks} tracebacks, want 1, the hook's (Boom at step 11)")
+  else:
+    check(tracebacks == 0, f"{tracebacks} tracebacks printed")
+  if cell["goodput"]:
+    check(found(GOODPUT, consoles) == want["returned"],
+          f"goodput summaries at {found(GOODPUT, consoles)}, want {want['returned']}")
+  if cell["progress"]:
+    for run in runs:
+      if run.result is not None:
+        end = run.result["step"]
+        check(re.search(rf"\bstep {end}/{s['steps']}\b", ANSI.sub("", run.console)) is not None,
+              f"no progress at step {end}/{s['steps']}")
+
+  # On disk.
+  rows = disk_rows(workdir)
+  if [(r["step"], sorted(r)) for r in rows] != [(r["step"], sorted(r)) for r in want["jsonl"]]:
+    check(False, "metrics.jsonl rows (step, first key) "
+          f"{[(r['step'], sorted(r)[0]) for r in rows]}, want the straight run's "
+          f"{[(r['step'], sorted(r)[0]) for r in want['jsonl']]}")
+  elif rows != want["jsonl"]:
+    check(False, "metrics.jsonl values differ from the straight run's: (row, want) "
+          + str(next((r, w) for r, w in zip(rows, want["jsonl"]) if r != w)))
+  check(checkpoint_steps(workdir) == want["checkpoints"],
+        f"checkpoints {checkpoint_steps(workdir)}, want {want['checkpoints']}")
+  if cell["callback"]:
+    with open(os.path.join(workdir, "callback.txt")) as f:
+      fired = [list(map(int, line.split())) for line in f]
+    check(fired == want["callback"], f"callback fired (step, state step) {fired}, "
+          f"want {want['callback']}")
+  if cell["profiler"]:
+    traces = glob.glob(os.path.join(workdir, "plugins", "profile", "*", "*.xplane.pb"))
+    check(len(traces) == 1, f"{len(traces)} profiles written, want 1")
+
+  if problems:
+    tail = "\n".join(f"--- process {i} (exit {r.rc}, {r.wall_s:.1f} s), last lines:\n"
+                     + "\n".join(segments(r.console)[-25:]) for i, r in enumerate(runs))
+    pytest.fail(f"cell {cell}:\n" + "\n".join(problems) + "\n" + tail, pytrace=False)
