@@ -643,7 +643,7 @@ def check_first_run_console(stdout: str, stderr: str, workdir) -> None:
                "step 0/2: waiting for the first batches, then compiling the first device call",
                "step 2: accuracy=", "saving checkpoint 2 in",
                "evaluation: waiting for the first batches, then compiling the eval program "
-               "(batch 360, 1 per device call)", "step 2 eval: accuracy="]
+               "(batch 360, 1 per device call)", "step 2: eval/accuracy="]
   at = [next((i for i, msg in enumerate(messages) if msg.startswith(a)), None)
         for a in announced]
   assert None not in at and at == sorted(at), list(zip(announced, at))
