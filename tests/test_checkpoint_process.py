@@ -163,7 +163,7 @@ def test_sigkill_at_random_moments_fault_test(tmp_path, reference, record_proper
 
 
 @pytest.mark.slow(held_by="tests/test_checkpoint_process.py::test_sigkill_at_random_moments_fault_test",
-                  reason="40 kills instead of 10")
+                  reason="40 kills instead of 4")
 def test_sigkill_at_random_moments_fault_test_long(tmp_path, reference):
   """40 kills; shorter and longer windows so kills land in compile, steps and writes."""
   stats = run_fault_trials(
