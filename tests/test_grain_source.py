@@ -7,7 +7,14 @@ uninterrupted run, bitwise. The records are counted by the data source
 (2 -> 1, 1 -> 2) run under jax.distributed on CPU.
 """
 
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +25,7 @@ import loopkit
 from loopkit.checkpoint import CheckpointHook
 from loopkit.data import ArraySource, GrainSource
 from loopkit.tools import testing
+from tests import bootstrap
 from tests import grain_workers as workers
 
 B = workers.GLOBAL_BATCH
@@ -368,6 +376,100 @@ def test_2_processes_save_4_processes_resume_bitwise_where_devices_match(tmp_pat
     assert sum((p["served"][s] for p in four), []) == sum((p["served"][s] for p in whole), []), s
   assert all(p["reads"] == 7 * B // 4 for p in four)
   toy.assert_bitwise(four[0]["params"], whole[0]["params"])  # measured: 0 difference
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+  """(state, ppid, start time in ticks) of ``pid`` from /proc, or None once it is gone."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except OSError:
+    return None
+  return fields[0], int(fields[1]), int(fields[19])
+
+
+def _descendants(pid: int) -> dict[int, int]:
+  """Every live descendant of ``pid`` (from /proc's ppid fields): {pid: start time}."""
+  children: dict[int, list[int]] = {}
+  for name in os.listdir("/proc"):
+    if name.isdigit() and (st := _proc_stat(int(name))) and st[0] != "Z":
+      children.setdefault(st[1], []).append(int(name))
+  out, todo = {}, [pid]
+  while todo:
+    for c in children.get(todo.pop(), []):
+      if (st := _proc_stat(c)) is not None:
+        out[c] = st[2]
+        todo.append(c)
+  return out
+
+
+def _alive(procs: dict[int, int]) -> dict[int, str]:
+  """The ones of ``procs`` ({pid: start time}) still running (not gone, not a zombie): their
+  command lines."""
+  out = {}
+  for pid, start in procs.items():
+    st = _proc_stat(pid)
+    if st is not None and st[0] != "Z" and st[2] == start:  # the same process, not a reused pid
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        out[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+  return out
+
+
+def _lines(stream) -> queue.Queue:
+  """The lines of ``stream`` as they arrive (None at its end), read on a daemon thread."""
+  out: queue.Queue = queue.Queue()
+  def read():
+    for line in stream:
+      out.put(line.strip())
+    out.put(None)
+  threading.Thread(target=read, daemon=True).start()
+  return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads processes from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_c69_nothing_outlives_a_killed_run(tmp_path, sig):
+  """C69: a checkpointed run over a GrainSource with one worker process (the Quickstart's
+  input), signalled right after its first checkpoint: its Grain worker (``spawn_main``) and
+  multiprocessing's resource tracker exit within 10 s of the run's death (measured: under 1 s).
+  Before the fix both outlived a SIGKILL (still running 15 s later); SIGTERM saves and exits
+  (rc 0) with nothing left, as before."""
+  err = tmp_path / "stderr.txt"
+  with open(err, "w") as err_file:
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_grain_kill_worker.py"),
+                             "--dir", str(tmp_path / "ckpt")], stdout=subprocess.PIPE,
+                            stderr=err_file, text=True, env=bootstrap.env(), cwd=bootstrap.ROOT)
+  lines = _lines(proc.stdout)
+  started: dict[int, int] = {}
+  try:
+    line = lines.get(timeout=90)
+    assert line is not None and line.startswith("SAVED"), (
+        f"no SAVED line (rc={proc.poll()}): {err.read_text()[-3000:]}")
+    started = _descendants(proc.pid)
+    kinds = sorted("grain worker" if "spawn_main" in c else
+                   "resource tracker" if "resource_tracker" in c else c
+                   for c in _alive(started).values())
+    assert kinds == ["grain worker", "resource tracker"]  # what the run started, all running
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=60)
+    died = time.monotonic()
+    while _alive(started) and time.monotonic() - died < 10:
+      time.sleep(0.1)
+    left = _alive(started)
+    assert not left, f"{time.monotonic() - died:.0f} s after the run died, still running: {left}"
+    if sig == signal.SIGKILL:
+      assert rc == -signal.SIGKILL
+    else:
+      assert (rc, lines.get(timeout=10).split()[:2]) == (0, ["DONE", "preempted"])
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    for pid in _alive(started):  # a failed check's survivors: processes this test started
+      os.kill(pid, signal.SIGKILL)
 
 
 def test_device_count_is_eight_here():

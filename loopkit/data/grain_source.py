@@ -54,6 +54,7 @@ import numpy as np
 
 from loopkit._internal.checks import check_global_batch_size, process_of, process_rows
 from loopkit._internal.extras import require
+from loopkit.data._worker_exit import exit_with_parent
 from loopkit.data.positions import check_step_position, step_position
 
 _UNBOUNDED_EPOCHS = 2**31  # "endless": a finite Grain length (index arithmetic stays int64)
@@ -109,7 +110,9 @@ class GrainSource:
   Grain iterator, re-opened where a read does not continue the last one).
   Multi-host-safe: every process computes the same order and reads its rows.
   ``close()`` stops the worker processes; the feeder calls it when a run ends
-  (garbage collection does too), and the next read starts them again.
+  (garbage collection does too), and the next read starts them again. A worker also exits by
+  itself within a moment of this process's death, however it died (``SIGKILL`` included:
+  :func:`loopkit.data._worker_exit.exit_with_parent`).
 
   Example:
     >>> src = GrainSource([{"x": np.float32(i)} for i in range(10)], 4, seed=0)
@@ -244,7 +247,8 @@ class GrainSource:
       ds = ds.map(self._batch_transform)
     ds = ds.to_iter_dataset(read_options=self._read_options)
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(
-        num_workers=self.worker_count, per_worker_buffer_size=self._worker_buffer_size))
+        num_workers=self.worker_count, per_worker_buffer_size=self._worker_buffer_size),
+        worker_init_fn=exit_with_parent)  # a worker outlives no parent, however it died
     self._iter = iter(ds)
     self._iter_step = step
 
