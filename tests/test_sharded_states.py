@@ -10,6 +10,8 @@ annotation's, on the new mesh. A sharding that does not fit the new mesh is refu
 1, naming the leaf.
 """
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,11 +56,14 @@ class MLP(nnx.Module):
 
 
 def create(mesh, seed=0, d=8):
-  """The model and its Adam optimizer created on ``mesh`` (Flax's eager sharding: each
-  parameter is placed as its annotation says; the moments inherit their parameter's)."""
-  with jax.set_mesh(mesh):
+  """The model and its Adam optimizer, their arrays placed on ``mesh`` as their annotations say
+  (``nnx.get_named_sharding``; the moments inherit their parameter's annotation)."""
+  with nnx.use_eager_sharding(False):  # made on one device, then placed (no compile per mesh)
     model = MLP(d, nnx.Rngs(seed))
-    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  state = nnx.state((model, optimizer))
+  nnx.update((model, optimizer), jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+  return model, optimizer
 
 
 def train_step(model, optimizer, batch):
@@ -121,51 +126,65 @@ def assert_bitwise(a, b):
 # -- kept across K --------------------------------------------------------------------------
 
 
-def test_every_k_keeps_the_annotated_shardings_and_the_same_bits():
-  mesh = mesh_of((2, 2, 2))
-  finals = {}
+@pytest.fixture(scope="module")
+def on_222(tmp_path_factory):
+  """6 steps on (2, 2, 2) at K = 1 and at K = 3 (2 calls), the latter saving a checkpoint at 6."""
+  mesh, d = mesh_of((2, 2, 2)), tmp_path_factory.mktemp("on_222") / "ckpt"
+  out = {"mesh": mesh, "dir": d}
   for k in (1, 3):
-    loop = nnx_loop(mesh, k)
-    finals[k] = loop.run(loopkit.ArraySource(data(), 16), num_steps=6)
-    assert loop.status == "completed" and loop.program.compile_count() == 1
-    assert_on(finals[k], mesh)
-  state = finals[3]
+    model, optimizer = create(mesh)
+    loop = loopkit.nnx.NnxTrainLoop(train_step, model, optimizer, iterations_per_loop=k,
+                                    mesh=mesh, data_axis=BATCH_AXES,
+                                    hooks=[loopkit.CheckpointHook(d)] if k == 3 else [])
+    state = loop.run(loopkit.ArraySource(data(), 16), num_steps=6)
+    out[k] = {"state": state, "status": loop.status, "compiles": loop.program.compile_count(),
+              "model": model}
+  return out
+
+
+def test_every_k_keeps_the_annotated_shardings_and_the_same_bits(on_222):
+  for k in (1, 3):
+    assert on_222[k]["status"] == "completed" and on_222[k]["compiles"] == 1
+    assert_on(on_222[k]["state"], on_222["mesh"])
+    assert on_222[k]["model"].up.kernel.get_value().sharding.spec == P("fsdp", "tensor")
+  state = on_222[3]["state"]
   on = {a: sum(a in jax.tree.leaves(tuple(s)) for s in specs(state).values())
         for a in ("fsdp", "tensor")}
   assert on == {"fsdp": 9, "tensor": 9}  # 3 copies (param, mu, nu) of 3 leaves on each axis
   assert int(state["optimizer"]["step"]) == 6
-  assert_bitwise(finals[1], finals[3])
+  assert_bitwise(on_222[1]["state"], on_222[3]["state"])
 
 
 # -- saved and restored onto other mesh shapes ---------------------------------------------
 
 
-def test_a_checkpoint_hops_across_mesh_shapes_keeping_values_and_annotations(tmp_path):
+def test_a_checkpoint_hops_across_mesh_shapes_keeping_values_and_annotations(on_222, tmp_path):
   """(2, 2, 2) -> (1, 4, 2) -> (8, 1, 1) -> 1 device. On each new mesh the model is created
-  there (its arrays say the new mesh); the hook restores the checkpoint into those shardings: a
-  0-step run gives the restored state (bitwise the last run's final state), then 2 more steps
-  are trained and saved. ``P("fsdp", "tensor")`` stays so where both axes have size 1."""
-  d = str(tmp_path / "ckpt")
+  there, from another seed (its arrays say the new mesh); the hook restores the checkpoint into
+  those shardings: a 0-step run gives the restored state, bitwise the last run's final state;
+  then 2 more steps are trained (one compilation) and saved. ``P("fsdp", "tensor")`` stays so
+  where both axes have size 1."""
+  d = tmp_path / "ckpt"
+  shutil.copytree(on_222["dir"], d)  # the checkpoint at step 6, saved on (2, 2, 2)
   source = loopkit.ArraySource(data(), 16)
-  previous, step = None, 0
-  for shape, k in [((2, 2, 2), 2), ((1, 4, 2), 1), ((8, 1, 1), 2), ((1, 1, 1), None)]:
+  previous, step = host(on_222[3]["state"]), 6
+  for seed, (shape, k) in enumerate([((1, 4, 2), 1), ((8, 1, 1), 2), ((1, 1, 1), None)], 1):
     mesh = mesh_of(shape)
     ckpt = loopkit.CheckpointHook(d)
-    loop = nnx_loop(mesh, k or 1, hooks=[ckpt], seed=len(shape) + step)  # other initial values
-    if previous is not None:
-      restored = loop.run(source, num_steps=step)
-      assert ckpt.restored_step == step and loop.program.compile_count() == 0, shape
-      assert_on(restored, mesh)
-      assert_bitwise(restored, previous)
+    loop = nnx_loop(mesh, k or 1, hooks=[ckpt], seed=seed)
+    restored = loop.run(source, num_steps=step)
+    assert ckpt.restored_step == step and loop.program.compile_count() == 0, shape
+    assert_on(restored, mesh)
+    assert_bitwise(restored, previous)
     if k is None:
       break
     step += 2
     out = loop.run(source, num_steps=step)
-    assert loop.status == "completed" and ckpt.saved_steps[-1] == step
+    assert loop.status == "completed" and ckpt.saved_steps == [step], shape
     assert loop.program.compile_count() == 1
     assert_on(out, mesh)
     previous = host(out)
-  assert step == 6
+  assert step == 10 and ckpt.all_steps() == [6, 8, 10]
 
 
 # -- given as PartitionSpecs: linen's logical axis rules ------------------------------------
@@ -337,7 +356,7 @@ def test_c60_an_nnx_model_sharded_on_its_mesh_and_a_loop_without_mesh_is_refused
       "loop would replicate it (12 of 14 state leaves would lose their sharding). Build the "
       "loop on the state's mesh: TrainLoop(..., mesh=<that mesh>"), message
   assert "state_shardings=<a pytree of PartitionSpecs>" in message
-  assert loop.ledger is None and model.up.kernel.value.sharding.spec == P("fsdp", "tensor")
+  assert loop.ledger is None and model.up.kernel.get_value().sharding.spec == P("fsdp", "tensor")
 
 
 def test_aot_compiles_with_the_loops_state_shardings_on_the_target_mesh():

@@ -283,11 +283,11 @@ def pinned_state_shardings(state: Any, mesh: Mesh, *, given: Any = None,
   def pick(path: Any, x: Any, want: Any) -> Any:
     name = jax.tree_util.keystr(path) or "<root>"
     if want is not None:
-      sh = _given_sharding(name, want, mesh)
-      if replicated_only and not sh.is_fully_replicated:
-        lost.append((name, x, sh))
+      chosen = _given_sharding(name, want, mesh)
+      if replicated_only and not chosen.is_fully_replicated:
+        lost.append((name, x, chosen))
         return replicated
-      return _divides(name, x, sh)
+      return _divides(name, x, chosen)
     sh = getattr(x, "sharding", None)
     if sh is None:
       return replicated
