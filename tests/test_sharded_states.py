@@ -245,6 +245,8 @@ def test_partition_specs_from_logical_rules_place_a_host_state_and_restore_it_el
     for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
       assert x.sharding.mesh == mesh, jax.tree_util.keystr(path)
     got = specs(out)
+    assert got == {jax.tree_util.keystr(p): spec
+                   for p, spec in jax.tree_util.tree_flatten_with_path(state_specs)[0]}
     assert got["['params']['Dense_0']['kernel']"] == P("fsdp", "tensor")
     assert got["['opt'][0].nu['Dense_1']['bias']"] == P("fsdp")
     assert got["['step']"] == P()
@@ -269,6 +271,22 @@ def test_named_shardings_as_jit_was_given_them_are_taken_as_they_are():
     assert specs(placed) == {jax.tree_util.keystr(p): s.spec
                              for p, s in jax.tree_util.tree_flatten_with_path(named)[0]}
     assert jax.tree.leaves(placed)[0].sharding.mesh == mesh
+
+
+def test_state_shardings_move_a_state_from_another_mesh():
+  """A state on the (2, 2, 2) mesh given to a loop on (1, 4, 2) with PartitionSpecs is placed
+  on the new mesh (without them it would be refused: C60), values unchanged."""
+  nn, init, step, state_specs = linen_model()
+  old, new = mesh_of((2, 2, 2)), mesh_of((1, 4, 2))
+  state = jax.device_put(nn.meta.unbox(init(jax.random.key(0))),
+                         jax.tree.map(lambda p: NamedSharding(old, p), state_specs))
+  loop = loopkit.TrainLoop(step, iterations_per_loop=2, mesh=new, data_axis=BATCH_AXES,
+                           state_shardings=state_specs)
+  placed = loop.program.place_state(state)
+  assert all(x.sharding.mesh == new for x in jax.tree.leaves(placed))
+  assert specs(placed) == specs(state) and specs(state)["['params']['Dense_0']['kernel']"] == P(
+      "fsdp", "tensor")
+  assert_bitwise(placed, host(state))
 
 
 # -- refused before step 1, naming the leaf ------------------------------------------------

@@ -322,7 +322,7 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
     state: the train state: a pytree of ``jax.ShapeDtypeStruct`` (e.g.
       ``jax.eval_shape(init)``) or arrays. A leaf's ``NamedSharding`` is kept
       (same ``PartitionSpec`` on the target mesh); other leaves are replicated. The loop's
-      ``state_shardings`` (as ``PartitionSpec``s on the target mesh) take precedence.
+      ``state_shardings`` (their ``PartitionSpec`` on the target mesh) take precedence.
     batch: one step's global batch, leaves ``[B, ...]`` (``ShapeDtypeStruct``
       or arrays), as the source yields it on one process.
     topology: a TPU topology (``"v5e:2x2"``, ``"v4-32"``: see
