@@ -295,7 +295,8 @@ def test_state_shardings_move_a_state_from_another_mesh():
 def test_a_spec_that_does_not_divide_a_dimension_on_the_new_mesh_names_the_leaf():
   """A width of 12 splits over fsdp=2 of (2, 2, 2) but not over fsdp=8 of (1, 8, 1)."""
   nn, init, step, state_specs = linen_model(d=12)
-  state = nn.meta.unbox(init(jax.random.key(0)))
+  abstract = nn.meta.unbox(jax.eval_shape(init, jax.random.key(0)))
+  state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)  # refused before use
   loop = loopkit.TrainLoop(step, iterations_per_loop=2, mesh=mesh_of((1, 8, 1)),
                            data_axis=BATCH_AXES, state_shardings=state_specs)
   with pytest.raises(ValueError) as error:
