@@ -184,7 +184,9 @@ class NnxTrainLoop:
       ``{"model", "optimizer", "metrics", "extra"}`` of arrays, see
       :meth:`state`); :class:`loopkit.CheckpointHook` saves and restores it
       (typed keys of ``nnx.Rngs`` included). ``step_of`` defaults to the
-      optimizer's ``step``.
+      optimizer's ``step``. A model sharded over a mesh (``nnx.with_partitioning``, created
+      under ``jax.set_mesh``) keeps its arrays' shardings, the optimizer's moments theirs: pass
+      that ``mesh`` (``docs/sharded.md``); without it the run is refused, naming a leaf.
 
   Raises:
     ValueError: (at ``run``) the objects' structure changed since construction

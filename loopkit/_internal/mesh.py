@@ -232,19 +232,28 @@ def same_layout(a: Any, b: Any) -> bool:
           and ids_a is not None and ids_b is not None and np.array_equal(ids_a, ids_b))
 
 
-def pinned_state_shardings(state: Any, mesh: Mesh, *, replicated_only: bool = False) -> Any:
+def pinned_state_shardings(state: Any, mesh: Mesh, *, given: Any = None,
+                           replicated_only: bool = False) -> Any:
   """The sharding each state leaf keeps on ``mesh`` in the compiled program (invariant 7).
 
-  A leaf with a ``NamedSharding`` on ``mesh`` (or on a mesh that places alike,
-  :func:`same_layout`) keeps it; a leaf without a sharding, or whose sharding is
-  fully replicated (a single-device array, a replicated array on any mesh), is
-  replicated on ``mesh``: nothing of its layout is lost. Any other leaf would
-  lose its sharding to replication, silently; it is refused.
+  A leaf's sharding is the one ``given`` names for it, else its own: a leaf with a
+  ``NamedSharding`` on ``mesh`` (or on a mesh that places alike, :func:`same_layout`) keeps it,
+  its ``PartitionSpec`` unchanged (also where the mesh's axes of that spec have size 1, so the
+  leaf is whole on every device: ``P("fsdp", "tensor")`` on a ``(8, 1, 1)`` mesh stays so); a
+  leaf without a sharding, or whose sharding is fully replicated on another mesh (a
+  single-device array, a replicated array on other devices), is replicated on ``mesh``: nothing
+  of its layout is lost. Any other leaf would lose its sharding to replication, silently; it is
+  refused.
 
   Args:
     state: the state pytree: arrays (``jax.Array``, numpy, scalars) or
       ``jax.ShapeDtypeStruct``.
     mesh: the loop's mesh.
+    given: the shardings the user gave (``TrainLoop(state_shardings=...)``), or None: a pytree
+      with the structure of ``state`` or a prefix of it, whose leaves are ``PartitionSpec``
+      (on ``mesh``), ``NamedSharding`` (on ``mesh``, or a mesh that places alike) or None (the
+      leaf's own sharding, as without ``given``); a leaf of a prefix applies to every state
+      leaf below it.
     replicated_only: the program keeps the whole state replicated
       (``step_style="per_device"``): a sharded leaf is refused even on ``mesh``.
 
@@ -257,29 +266,166 @@ def pinned_state_shardings(state: Any, mesh: Mesh, *, replicated_only: bool = Fa
       ``flax.jax_utils.replicate``), or sharded at all under ``replicated_only``.
       The message names the first such leaf (its path and ``PartitionSpec``), its
       mesh and the loop's mesh, how many leaves are affected, the state's meshes
-      when its sharded leaves are on more than one, and ``mesh=``.
+      when its sharded leaves are on more than one, and ``mesh=``. Also: ``given``
+      whose structure is not a prefix of the state's (naming the first path that differs),
+      a given ``NamedSharding`` on another mesh, a ``PartitionSpec`` naming an axis ``mesh``
+      lacks, or a sharding that does not divide a leaf's dimension on ``mesh`` (naming the
+      leaf, its shape, the spec, the dimension and the mesh axes' sizes).
+    TypeError: a leaf of ``given`` that is neither a ``PartitionSpec``, a ``NamedSharding``
+      nor None (naming it).
   """
   replicated = NamedSharding(mesh, P())
   lost: list[tuple[str, Any, Any]] = []  # (path, leaf, sharding) of the refused leaves
   sharded_meshes: dict[Any, str] = {}  # mesh of sharded leaves -> its first leaf's path
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  wanted = given_per_leaf(state, given)
 
-  def pick(path: Any, x: Any) -> Any:
-    sh = getattr(x, "sharding", None)
-    if sh is None or sh.is_fully_replicated:
-      return replicated
+  def pick(path: Any, x: Any, want: Any) -> Any:
     name = jax.tree_util.keystr(path) or "<root>"
-    if isinstance(sh, NamedSharding):
+    if want is not None:
+      chosen = _given_sharding(name, want, mesh)
+      if replicated_only and not chosen.is_fully_replicated:
+        lost.append((name, x, chosen))
+        return replicated
+      return _divides(name, x, chosen)
+    sh = getattr(x, "sharding", None)
+    if sh is None:
+      return replicated
+    if isinstance(sh, NamedSharding) and not sh.is_fully_replicated:
       sharded_meshes.setdefault(sh.mesh, name)
-      if same_layout(sh.mesh, mesh) and not replicated_only:
-        return sh if sh.mesh == mesh else NamedSharding(mesh, sh.spec, memory_kind=sh.memory_kind)
+    if isinstance(sh, NamedSharding) and same_layout(sh.mesh, mesh) and not replicated_only:
+      return _divides(name, x, sh if sh.mesh == mesh
+                      else NamedSharding(mesh, sh.spec, memory_kind=sh.memory_kind))
+    if sh.is_fully_replicated:
+      return replicated
     lost.append((name, x, sh))
     return replicated
 
-  shardings = jax.tree_util.tree_map_with_path(pick, state)
+  shardings = [pick(path, x, want) for (path, x), want in zip(leaves, wanted, strict=True)]
   if lost:
     raise ValueError(_lost_sharding_message(lost, mesh, sharded_meshes, replicated_only,
-                                            len(jax.tree.leaves(state))))
-  return shardings
+                                            len(leaves)))
+  return jax.tree.unflatten(treedef, shardings)
+
+
+def is_sharding_entry(x: Any) -> bool:
+  """Whether ``x`` is a leaf of a ``state_shardings`` pytree (a sharding, a spec or None)."""
+  return x is None or isinstance(x, (P, jax.sharding.Sharding))
+
+
+def given_per_leaf(state: Any, given: Any) -> list[Any]:
+  """The entry of ``given`` (a pytree of shardings with the structure of ``state`` or a prefix
+  of it: :func:`pinned_state_shardings`) that applies to each leaf of ``state``, in leaf order.
+
+  Raises:
+    ValueError: ``given``'s structure is not a prefix of the state's; the message names the
+      first path of ``given`` that the state lacks, or the first state leaf ``given`` does not
+      reach.
+  """
+  state_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  if given is None:
+    return [None] * len(state_paths)
+  entries = jax.tree_util.tree_flatten_with_path(given, is_leaf=is_sharding_entry)[0]
+  try:
+    nested = jax.tree.map(lambda entry, sub: jax.tree.map(lambda _: _Entry(entry), sub),
+                          given, state, is_leaf=is_sharding_entry)
+    out = [e.value for e in jax.tree.leaves(nested, is_leaf=lambda e: isinstance(e, _Entry))]
+    if len(out) == len(state_paths):
+      return out
+  except (ValueError, TypeError, KeyError):
+    pass
+  where = "the state's structure"
+  for path, _ in entries:  # a path of given that no state leaf lies under
+    if not any(p[:len(path)] == path for p in state_paths):
+      where = (f"state_shardings has an entry at {jax.tree_util.keystr(path) or '<root>'}, "
+               "which is not a subtree of the state")
+      break
+  else:
+    given_paths = [path for path, _ in entries]
+    for p in state_paths:
+      if not any(p[:len(g)] == g for g in given_paths):
+        where = (f"state leaf {jax.tree_util.keystr(p) or '<root>'} has no entry in "
+                 "state_shardings")
+        break
+  raise ValueError(
+      f"state_shardings must have the state's tree structure, or a prefix of it (one entry "
+      f"for a whole subtree), with a PartitionSpec, a NamedSharding or None at each of its "
+      f"leaves: {where} (state: {jax.tree.structure(state)}; state_shardings: "
+      f"{jax.tree.structure(given, is_leaf=is_sharding_entry)})")
+
+
+class _Entry:
+  """A leaf of ``state_shardings`` copied onto each state leaf below it (not a pytree node)."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+
+def _given_sharding(name: str, want: Any, mesh: Mesh) -> NamedSharding:
+  """The ``NamedSharding`` on ``mesh`` that ``state_shardings`` gives the leaf ``name``.
+
+  Raises:
+    ValueError: a ``PartitionSpec`` naming an axis ``mesh`` lacks; a ``NamedSharding`` on a
+      mesh that does not place as ``mesh`` does.
+    TypeError: neither a ``PartitionSpec`` nor a ``NamedSharding``.
+  """
+  if isinstance(want, P):
+    missing = [a for a in _spec_axes(want) if a not in mesh.axis_names]
+    if missing:
+      raise ValueError(
+          f"state_shardings gives state leaf {name} the PartitionSpec {want}, which names "
+          f"{'the axis' if len(missing) == 1 else 'the axes'} "
+          f"{', '.join(map(repr, missing))} that the loop's mesh {describe_mesh(mesh)} lacks")
+    return NamedSharding(mesh, want)
+  if isinstance(want, NamedSharding):
+    if not same_layout(want.mesh, mesh):
+      raise ValueError(
+          f"state_shardings gives state leaf {name} the sharding {want.spec} on the mesh "
+          f"{describe_mesh(want.mesh)}, but the loop's mesh is {describe_mesh(mesh)}: give "
+          "shardings on the loop's mesh, or PartitionSpecs (placed on the loop's mesh)")
+    return want if want.mesh == mesh else NamedSharding(mesh, want.spec,
+                                                        memory_kind=want.memory_kind)
+  raise TypeError(f"state_shardings gives state leaf {name} {want!r} ({type(want).__name__}): "
+                  "each entry must be a PartitionSpec, a NamedSharding or None")
+
+
+def _spec_axes(spec: Any) -> list[str]:
+  """The mesh axis names a ``PartitionSpec`` uses, in order."""
+  out: list[str] = []
+  for part in spec:
+    if part is None or part is P.UNCONSTRAINED:
+      continue
+    out.extend(part if isinstance(part, tuple) else (part,))
+  return out
+
+
+def _divides(name: str, x: Any, sharding: NamedSharding) -> NamedSharding:
+  """``sharding``, after checking that it splits each dimension of the leaf ``x`` evenly.
+
+  Raises:
+    ValueError: the spec has more entries than ``x`` has dimensions, or splits a dimension over
+      mesh axes whose sizes' product does not divide it (naming the leaf, its shape, the spec,
+      the dimension and the axes' sizes).
+  """
+  shape, spec, mesh = tuple(np.shape(x)), sharding.spec, sharding.mesh
+  where = (f"state leaf {name} (shape {shape}) cannot be sharded as {spec} on the mesh "
+           f"{describe_mesh(mesh)}")
+  if len(spec) > len(shape):
+    raise ValueError(f"{where}: the spec has {len(spec)} entries for its {len(shape)} "
+                     "dimensions")
+  for dim, part in enumerate(spec):
+    if part is None or part is P.UNCONSTRAINED:
+      continue
+    axes = part if isinstance(part, tuple) else (part,)
+    parts = math.prod(mesh.shape[a] for a in axes)
+    if shape[dim] % parts:
+      sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+      raise ValueError(
+          f"{where}: its dimension {dim} (size {shape[dim]}) would be split over {sizes} = "
+          f"{parts} devices, which does not divide it. Shard that leaf over other axes on this "
+          "mesh (state_shardings=, or the logical axis rules that make its sharding), or pick "
+          "a mesh whose axes divide it")
+  return sharding
 
 
 def _lost_sharding_message(lost: list[tuple[str, Any, Any]], mesh: Mesh,
@@ -314,4 +460,6 @@ def _lost_sharding_message(lost: list[tuple[str, Any, Any]], mesh: Mesh,
             "it itself")
     return msg
   return (f"{msg}. Build the loop on the state's mesh: TrainLoop(..., mesh=<that mesh>, "
-          "data_axis=<its axis the batch is split over>)")
+          "data_axis=<its axis the batch is split over>); or, to move the state onto the "
+          "loop's mesh, say where each leaf goes: TrainLoop(..., state_shardings=<a pytree of "
+          "PartitionSpecs>)")

@@ -97,10 +97,21 @@ class TrainLoop:
       (default 100; calls shorter than it transfer padding batches).
     hooks: :class:`loopkit.core.hooks.Hook` objects, called in order at boundaries.
     mesh: device mesh (default: 1-D mesh ``("data",)`` over all devices). A state
-      leaf with a ``NamedSharding`` on it keeps its sharding; unsharded and fully
-      replicated leaves are replicated on it. A leaf sharded on another mesh (a
-      model-parallel state built on a ``("data", "fsdp", "tensor")`` mesh, with this
-      argument left out) is refused at ``run``, before any step: pass that mesh here.
+      leaf with a ``NamedSharding`` on it keeps its sharding (its ``PartitionSpec``
+      unchanged); unsharded leaves, and leaves fully replicated on other devices, are
+      replicated on it. A leaf sharded on another mesh (a model-parallel state built on a
+      ``("data", "fsdp", "tensor")`` mesh, with this argument left out) is refused at
+      ``run``, before any step: pass that mesh here (or ``state_shardings=`` to move it).
+    state_shardings: the state's shardings, where they are not the arrays' own (default
+      None: every leaf's own): a pytree with the state's tree structure, or a prefix of it
+      (``{"params": specs, "opt": opt_specs, "step": P()}``), whose leaves are
+      ``PartitionSpec`` (placed on ``mesh``), ``NamedSharding`` (on ``mesh``) or None (that
+      leaf's own sharding). What ``jax.jit(train_step, in_shardings=(state_sharding, ...))``
+      was given fits, e.g. Flax linen's ``nn.logical_to_mesh_sharding(...)`` output. The state
+      given to ``run``, and a checkpoint that :class:`~loopkit.CheckpointHook` restores, are
+      placed there; with ``PartitionSpec`` entries the same argument puts the state on any mesh
+      that has those axes (restoring a checkpoint onto another mesh shape). A sharding that
+      does not divide a leaf's dimension on ``mesh`` is refused at ``run``, naming the leaf.
     data_axis: the mesh axis the batch is split over (default ``"data"``), or a tuple of mesh
       axes, the major one first (``("data", "fsdp")``: the batch split over their product, as
       ``PartitionSpec(("data", "fsdp"))`` splits it; FSDP training, MaxText's default). The
@@ -143,7 +154,8 @@ class TrainLoop:
       ``global_batch_size`` not divisible by the data-parallel size (the
       product of the data axes' sizes; the message names them); a ``data_axis``
       that is not an axis of ``mesh`` (or a tuple naming one twice, or several
-      axes without ``mesh``);
+      axes without ``mesh``); (at ``run``) ``state_shardings`` unlike the state, naming an
+      axis ``mesh`` lacks or not dividing a leaf (naming the leaf);
       ``steps_per_epoch`` < 1; a hook's ``every_epochs`` that is not a
       whole number of steps (or, at ``run``, without ``steps_per_epoch``).
 
@@ -172,12 +184,13 @@ class TrainLoop:
                steps_per_epoch: int | str | None = None, global_batch_size: int | None = None,
                prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
                preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
-               canonical_convs: bool | None = None):
+               canonical_convs: bool | None = None, state_shardings: Any = None):
     slots, time_based_k = _slots_and_time_based_k(iterations_per_loop, max_iterations_per_loop)
     mesh, data_axis, data_parallel_size = resolve_mesh(mesh, data_axis)
     program = MultiStepProgram(train_step, iterations_per_loop=slots,  # checks the slot count
                                mesh=mesh, data_axis=data_axis, style=step_style,
-                               step_of=step_of, canonical_convs=canonical_convs)
+                               step_of=step_of, canonical_convs=canonical_convs,
+                               state_shardings=state_shardings)
     self._auto_steps_per_epoch = steps_per_epoch == "auto"  # from the source, at each run
     self.steps_per_epoch: int | None = _fixed_steps_per_epoch(steps_per_epoch)
     if global_batch_size is not None:
@@ -231,7 +244,9 @@ class TrainLoop:
       ValueError: bad arguments; a source whose own epoch is not
         ``steps_per_epoch`` steps (naming both); a state leaf sharded on another
         mesh than the loop's, which would lose its sharding (naming the leaf, both
-        meshes and ``mesh=``); batch shape/dtype changes (naming the leaf),
+        meshes and ``mesh=``); a sharding (the leaf's own, or from ``state_shardings``) that
+        does not divide a leaf's dimension on the mesh (naming the leaf, the spec and the
+        axes' sizes); batch shape/dtype changes (naming the leaf),
         a step that changes the state's structure/shape/dtype; a step counter
         that does not advance by one per step
         (:class:`~loopkit.core.StepCounterError`). Whatever ``run`` raises (also a

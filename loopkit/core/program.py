@@ -317,6 +317,16 @@ class MultiStepProgram:
       loop body (:mod:`loopkit.conv_layout`): XLA:CPU otherwise runs them with
       a naive kernel in a loop body, 10-40x slower. None (default): only when
       the mesh's devices are CPUs.
+    state_shardings: the state's shardings where they are not the arrays' own: a pytree with
+      the state's structure or a prefix of it, of ``PartitionSpec`` / ``NamedSharding`` (on
+      ``mesh``) / None (the leaf's own); see
+      :func:`loopkit._internal.mesh.pinned_state_shardings`. Checked against the state when
+      the program is built (its first call, :meth:`place_state` or :meth:`lower`).
+
+  Attributes:
+    state_shardings: the pinned ``NamedSharding`` of every state leaf (the structure of the
+      state), once the program is built; None before.
+    given_state_shardings: the ``state_shardings`` argument, as given.
 
   Not thread-safe; multi-host-safe (every process builds the same program).
   """
@@ -324,7 +334,7 @@ class MultiStepProgram:
   def __init__(self, train_step: Callable, *, iterations_per_loop: int, mesh: Mesh,
                data_axis: str | tuple[str, ...] = "data", style: StepStyle = "global",
                step_of: Callable[[Any], jax.Array] = default_step_of,
-               canonical_convs: bool | None = None):
+               canonical_convs: bool | None = None, state_shardings: Any = None):
     check_step_style(style)
     self.train_step = train_step
     self.iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
@@ -340,7 +350,8 @@ class MultiStepProgram:
     self._replica_check: Callable[[Any], Any] | None = None
     self._first_signature: list[tuple[str, tuple]] | None = None
     self._compiles = 0  # calls that compiled (lowering_count)
-    self.state_shardings = None
+    self.state_shardings: Any = None
+    self.given_state_shardings = state_shardings
     # abstract arguments of the last call that compiled, and its executable's cost analysis
     self._compiled_args: tuple[Any, Any, Any] | None = None
     self._cost: dict[str, float] | None = None
@@ -355,16 +366,20 @@ class MultiStepProgram:
     return NamedSharding(self.mesh, P())
 
   def state_sharding_for(self, state: Any) -> Any:
-    """Pinned shardings for a state: a leaf's ``NamedSharding`` on this mesh is kept, an
-    unsharded or fully replicated leaf is replicated
-    (:func:`loopkit._internal.mesh.pinned_state_shardings`).
+    """Pinned shardings for a state: the one ``state_shardings`` gives a leaf, else the leaf's
+    ``NamedSharding`` on this mesh; an unsharded leaf, or one fully replicated on other devices,
+    is replicated (:func:`loopkit._internal.mesh.pinned_state_shardings`).
 
     Raises:
       ValueError: a leaf sharded on another mesh or by another kind of sharding, or
         (``"per_device"`` style, whose state is replicated) sharded at all: it would
-        lose its sharding. The message names the leaf, both meshes and ``mesh=``.
+        lose its sharding. The message names the leaf, both meshes and ``mesh=``. Also a
+        ``state_shardings`` unlike the state, or a sharding that does not divide a leaf's
+        dimension on this mesh (naming the leaf, the spec and the axes' sizes).
+      TypeError: a ``state_shardings`` entry of another kind (naming it).
     """
-    return pinned_state_shardings(state, self.mesh, replicated_only=self.style == "per_device")
+    return pinned_state_shardings(state, self.mesh, given=self.given_state_shardings,
+                                  replicated_only=self.style == "per_device")
 
   # -- tracing ---------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from loopkit._internal.checks import (
   check_global_batch_size,
   data_axes,
 )
-from loopkit._internal.mesh import data_parallel_size, describe_data_axis
+from loopkit._internal.mesh import data_parallel_size, describe_data_axis, is_sharding_entry
 from loopkit.core.program import MultiStepProgram, compiled_cost
 from loopkit.evaluation import Evaluator
 from loopkit.tools.topology import Chip, GiB, chip_of, topology_devices
@@ -321,7 +321,8 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
     loop: a :class:`~loopkit.TrainLoop` or a :class:`~loopkit.core.MultiStepProgram`.
     state: the train state: a pytree of ``jax.ShapeDtypeStruct`` (e.g.
       ``jax.eval_shape(init)``) or arrays. A leaf's ``NamedSharding`` is kept
-      (same ``PartitionSpec`` on the target mesh); other leaves are replicated.
+      (same ``PartitionSpec`` on the target mesh); other leaves are replicated. The loop's
+      ``state_shardings`` (their ``PartitionSpec`` on the target mesh) take precedence.
     batch: one step's global batch, leaves ``[B, ...]`` (``ShapeDtypeStruct``
       or arrays), as the source yields it on one process.
     topology: a TPU topology (``"v5e:2x2"``, ``"v4-32"``: see
@@ -366,9 +367,14 @@ def compile_for(loop: Any, state: Any, batch: Any, *, topology: str | None = Non
   hbm = hbm_bytes if hbm_bytes is not None else (chip.hbm_bytes if chip else None)
   where = f"on {topology or 'the local devices'}"
 
+  given = program.given_state_shardings  # the same PartitionSpecs on the target mesh
+  if given is not None:
+    given = jax.tree.map(lambda g: g.spec if isinstance(g, NamedSharding) else g, given,
+                         is_leaf=is_sharding_entry)
   target = MultiStepProgram(program.train_step, iterations_per_loop=program.iterations_per_loop,
                             mesh=mesh, data_axis=program.data_axis, style=program.style,
-                            step_of=program.step_of, canonical_convs=canonical_convs)
+                            step_of=program.step_of, canonical_convs=canonical_convs,
+                            state_shardings=given)
   b = _batch_size(batch, "train")
   check_global_batch_size(b, dp, data_axes=describe_data_axis(mesh, program.data_axis))
   chunk = _chunk(batch, program.iterations_per_loop)
