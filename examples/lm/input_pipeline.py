@@ -29,6 +29,7 @@ import os
 import sysconfig
 from collections.abc import Iterator, Sequence
 
+import jax
 import numpy as np
 
 import loopkit
@@ -146,28 +147,42 @@ def train_source(corpus: Corpus, *, seq_len: int, global_batch_size: int, seed: 
 class EvalBatches:
   """The held-out windows, ``num_windows`` spread evenly, in batches: a re-iterable.
 
-  Window ``j`` is held-out window ``j * (total // num_windows)``. Every iteration yields the
-  same batches ``{"tokens": uint8 [b, seq_len + 1]}``, ``b = global_batch_size`` except a
-  shorter last one.
+  Window ``j`` is held-out window ``j * (total // num_windows)``. Global batch ``i`` holds
+  windows ``[i * B, (i + 1) * B)`` (the last one may be short: the evaluator pads and masks it);
+  process ``p`` of ``P`` yields rows ``[p * B / P, (p + 1) * B / P)`` of each, the rows its
+  devices hold. Every iteration yields the same batches ``{"tokens": uint8 [rows, seq_len + 1]}``.
 
-  Multi-host: every process yields all rows (the global batch); use one process or give each
-  process its rows.
+  Args:
+    corpus: the corpus (its held-out text).
+    seq_len: tokens per sequence.
+    num_windows: held-out sequences to evaluate.
+    global_batch_size: B, divisible by the process count.
+    process_index, process_count: default to JAX's.
 
   Raises:
-    ValueError: fewer held-out windows than ``num_windows``.
+    ValueError: fewer held-out windows than ``num_windows``; B not divisible by the process
+      count.
   """
 
-  def __init__(self, corpus: Corpus, *, seq_len: int, num_windows: int, global_batch_size: int):
+  def __init__(self, corpus: Corpus, *, seq_len: int, num_windows: int, global_batch_size: int,
+               process_index: int | None = None, process_count: int | None = None):
     windows = Windows(corpus.heldout_text, seq_len)
     if len(windows) < num_windows:
       raise ValueError(f"the held-out text has {len(windows)} windows of {seq_len + 1} bytes, "
                        f"fewer than num_windows={num_windows}")
+    count = jax.process_count() if process_count is None else process_count
+    index = jax.process_index() if process_index is None else process_index
+    if global_batch_size % count:
+      raise ValueError(f"eval batch {global_batch_size} is not divisible by the {count} "
+                       "processes")
     stride = len(windows) // num_windows
     self.tokens = np.stack([windows[j * stride]["tokens"] for j in range(num_windows)])
     self.global_batch_size = global_batch_size
     self.num_batches = -(-num_windows // global_batch_size)
+    local = global_batch_size // count
+    self._rows = (index * local, (index + 1) * local)
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-    b = self.global_batch_size
+    b, (lo, hi) = self.global_batch_size, self._rows
     for i in range(self.num_batches):
-      yield {"tokens": self.tokens[i * b:(i + 1) * b]}
+      yield {"tokens": self.tokens[i * b:(i + 1) * b][lo:hi]}

@@ -188,7 +188,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loopkit.metrics.Mean.of(loss, jnp.float32(targets.size)),
                "learning_rate": loopkit.metrics.Last(schedule(state.step)),
-               "grad_norm": loopkit.metrics.Last(optax.global_norm(grads))}
+               "grad_norm": loopkit.metrics.Last(optax.tree.norm(grads))}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step
