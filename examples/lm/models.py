@@ -24,9 +24,11 @@ and MaxText:
 activations' shardings with the same table (:func:`logical_spec`) when the model is built with a
 ``mesh``.
 
-**Layers.** The ``num_layers`` blocks' parameters are stacked along a leading ``layers`` axis and
-the forward pass runs ``jax.lax.scan`` over it (optionally ``jax.checkpoint`` per block,
-``remat=True``), so the compiled program's size and compile time do not grow with depth.
+**Layers.** The ``num_layers`` blocks' parameters are stacked along a leading ``layers`` axis;
+the forward pass runs the blocks in a Python loop over it, or as one ``jax.lax.scan``
+(``scan_layers=True``: the compiled program's size and compile time do not grow with depth, but
+XLA's cost analysis then counts one block's FLOPs); ``remat=True`` recomputes each block's
+activations in the backward pass (``jax.checkpoint``).
 
 **Initial values.** Embedding ``N(0, 1)``; every other matrix ``N(0, 1 / fan_in)``; norm scales 1;
 the output projection starts at 0, so the untrained model predicts the uniform distribution over
@@ -73,6 +75,11 @@ class ModelConfig:
     max_len: longest sequence (the rotary table's length).
     dtype: compute dtype (parameters stay float32; logits are returned as float32).
     remat: recompute each block's activations in the backward pass (``jax.checkpoint``).
+    scan_layers: run the blocks as one ``jax.lax.scan`` (compile time independent of depth)
+      instead of a Python loop over the stacked parameters (the same parameters either way).
+      XLA's cost analysis counts a loop body once, so with a scan the FLOPs it reports (loopkit's
+      AOT compute bound, ``throughput/tflops_per_device``) are those of one block, not
+      ``num_layers``.
   """
 
   num_layers: int
@@ -83,6 +90,7 @@ class ModelConfig:
   max_len: int
   dtype: Any = jnp.float32
   remat: bool = False
+  scan_layers: bool = False
 
 
 def logical_spec(names: tuple[str | None, ...],
@@ -209,7 +217,11 @@ class Transformer(nnx.Module):
 
     if cfg.remat:
       block = jax.checkpoint(block)
-    x, _ = jax.lax.scan(block, x, layers)
+    if cfg.scan_layers:
+      x, _ = jax.lax.scan(block, x, layers)
+    else:
+      for i in range(cfg.num_layers):
+        x, _ = block(x, {name: p[i] for name, p in layers.items()})
     x = _rms_norm(x, self.final_norm[...])
     logits = jnp.einsum("bld,dv->blv", x, self.head[...].astype(dt)).astype(jnp.float32)
     return self._constrain(logits, ("batch", "length", "vocab"), on)
@@ -236,6 +248,25 @@ def param_shardings(model: Transformer, mesh: Mesh,
   """``{param name: NamedSharding}`` on ``mesh`` (:func:`param_specs`)."""
   return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(model, rules),
                       is_leaf=lambda x: isinstance(x, P))
+
+
+def train_flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int) -> float:
+  """Model FLOPs of one train step over the whole batch (all devices), counted by hand.
+
+  Each multiply-add is 2 FLOPs; the backward pass costs twice the forward (Kaplan et al. 2020's
+  ``6 N`` per token for the ``N`` matrix parameters). Per layer and sequence the forward pass
+  computes ``2 * L * (4 d h k + 2 d f)`` for the projections and ``4 * L^2 * h * k`` for the
+  scores and their weighted sum (the full ``L x L`` product: the causal mask does not skip the
+  upper half); the embedding lookup (a one-hot matmul) and the head ``2 * 2 * L * 256 * d``.
+  ``remat`` adds one forward pass of the blocks. The lookup costs its forward pass and the
+  table's gradient, the head its forward pass and two gradients. Norms, softmax and the
+  optimizer are left out (under 1% at the pod config's size).
+  """
+  d, h, k, f, n = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.num_layers
+  block = 2 * seq_len * (4 * d * h * k + 2 * d * f) + 4 * seq_len ** 2 * h * k
+  lookup_and_head = (2 + 3) * 2 * seq_len * VOCAB_SIZE * d
+  forward_passes = 4 if cfg.remat else 3
+  return float(batch_size * (forward_passes * n * block + lookup_and_head))
 
 
 def param_count(cfg: ModelConfig) -> int:

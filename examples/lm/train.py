@@ -68,7 +68,7 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
   return models.ModelConfig(num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads,
                             head_dim=m.head_dim, mlp_dim=m.mlp_dim, max_len=config.seq_len,
                             dtype=jnp.bfloat16 if config.half_precision else jnp.float32,
-                            remat=m.remat)
+                            remat=m.remat, scan_layers=m.get("scan_layers", False))
 
 
 def make_mesh(config: ml_collections.ConfigDict,

@@ -34,6 +34,7 @@ def get_config():
   config.model.head_dim = 32
   config.model.mlp_dim = 512
   config.model.remat = False
+  config.model.scan_layers = False  # True: one lax.scan over the blocks (see models.py)
   config.half_precision = False   # float32 on CPU (bfloat16 matmuls are slow there)
 
   # -- optimisation ------------------------------------------------------------------------
