@@ -5,8 +5,11 @@ reference; a K = 1 run and a run preempted at step 4 then resumed from its check
 its final state bit for bit, and every state leaf must keep the sharding its logical axes give.
 """
 
+import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -226,3 +229,46 @@ def test_param_count_and_logical_spec():
     models.logical_spec(("hidden",))
   from examples.lm.configs import pod
   assert models.param_count(train.model_config(pod.get_config())) == 1_007_765_504
+
+
+# -- the whole example ------------------------------------------------------------------------
+
+
+@pytest.mark.slow(held_by="examples/lm/lm_test.py::"
+                  "test_the_state_keeps_its_fsdp_and_tensor_shardings_across_a_k4_run",
+                  reason="the CPU default config end to end: about 3 minutes on 2 cores")
+def test_the_cpu_default_run_prints_its_held_out_perplexity(tmp_path):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # main.py sets its 8 devices itself
+  out = subprocess.run([sys.executable, "-m", "examples.lm.main", "--workdir", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=1200,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+  assert out.returncode == 0, out.stderr[-3000:]
+  line = next(x for x in out.stdout.splitlines() if x.startswith("byte-level LM"))
+  ppl = float(line.split("held-out perplexity ")[1].split()[0])
+  assert 4 < ppl < 10, line  # measured: see README.md
+  assert "status completed" in line and "1 train compilation" in line
+  assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in line
+  assert "greedy continuation of 'def __init__(self': " in out.stdout
+  with open(tmp_path / "results.json") as f:
+    results = json.load(f)
+  assert results["step"] == 200 and results["eval_perplexity"] == pytest.approx(ppl, abs=1e-3)
+
+
+@pytest.mark.slow(held_by="tests/test_aot.py::test_eval_program_with_the_train_program",
+                  reason="the ~1B-parameter pod config compiled for 16 v5p chips through libtpu: "
+                         "minutes on 2 cores")
+def test_the_pod_config_compiles_for_a_v5p_slice():
+  pytest.importorskip("libtpu")
+  from examples.lm.configs import pod
+  config = pod.get_config()
+  report = train.compile_only(config, "v5p:2x2x4", with_eval=False)
+  assert report.mesh_shape == {"data": 2, "fsdp": 4, "tensor": 2} and report.num_devices == 16
+  t = report.train
+  assert (t.global_batch_size, t.per_device_batch) == (256, 32)
+  assert t.headroom_bytes > 0
+  # the state (1.008e9 parameters and two AdamW moments, float32) split 16 ways, aliased
+  assert t.alias_bytes == pytest.approx(3 * 4 * 1_007_765_504 / 16, rel=0.01)
+  # XLA counts every layer (unrolled): its FLOPs agree with the hand count
+  hand = models.train_flops_per_step(train.model_config(config), 256, 2048) / 16
+  assert t.flops_per_step == pytest.approx(hand, rel=0.05)

@@ -100,6 +100,8 @@ def _compile_only(config, topology: str, workdir: str) -> None:
   print(f"byte-level LM, {models.param_count(train.model_config(config)):,} parameters, "
         f"sequences of {config.seq_len} bytes, mesh_shape {tuple(config.mesh_shape)}")
   print(report)
+  for line in train.flops_lines(config, report):
+    print(line)
   print(f"compiled for {topology} in {time.perf_counter() - t0:.1f} s on "
         f"{os.cpu_count()} CPUs (jax {jax.__version__})")
   os.makedirs(workdir, exist_ok=True)

@@ -467,6 +467,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 # -- ahead-of-time compilation ---------------------------------------------------------------
 
 
+def flops_lines(config: ml_collections.ConfigDict, report: Any) -> list[str]:
+  """The train program's FLOPs from XLA beside the model's, counted by hand, per device.
+
+  Args:
+    config: the example's configuration.
+    report: the :class:`loopkit.tools.aot.AotReport` of :func:`compile_only`.
+
+  Returns:
+    Report lines: the hand count (:func:`models.train_flops_per_step`, with and without
+    ``remat``'s extra forward pass) per device, XLA's count and their ratio, and the compute
+    bound of the hand count at the chip's peak.
+  """
+  cfg = model_config(config)
+  devices = report.num_devices
+  hand = models.train_flops_per_step(cfg, config.global_batch_size, config.seq_len) / devices
+  model = models.train_flops_per_step(dataclasses.replace(cfg, remat=False),
+                                      config.global_batch_size, config.seq_len) / devices
+  xla = report.train.flops_per_step
+  lines = [f"train FLOPs per step per device: XLA {xla:.4g}; by hand {hand:.4g} (ratio XLA / "
+           f"hand {xla / hand:.3f}), of which model FLOPs (6 N T + attention, no remat) "
+           f"{model:.4g}"]
+  if report.chip is not None:
+    peak = report.chip.peak_bf16_flops
+    lines.append(f"  by hand at peak bf16: >= {hand / peak * 1e3:.4g} ms per step; a step of t ms "
+                 f"runs at MFU {model / peak * 1e3:.4g} ms / t (model FLOPs)")
+  return lines
+
+
 def compile_only(config: ml_collections.ConfigDict, topology: str, *,
                  with_eval: bool = True, hbm_bytes: int | None = None) -> Any:
   """Compiles the run's train (and eval) program for a TPU topology; no data, no training.

@@ -1,4 +1,4 @@
-"""The CPU run: a 0.8M-parameter byte-level LM on the standard library's sources, minutes on 2 cores.
+"""The CPU run: a 0.85M-parameter byte-level LM on the stdlib's sources, minutes on 2 cores.
 
 Run (from the repository root; nothing is downloaded):
 
