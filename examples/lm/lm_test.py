@@ -249,10 +249,10 @@ def test_the_cpu_default_run_prints_its_held_out_perplexity(tmp_path):
   assert 4 < ppl < 10, line  # measured: see README.md
   assert "status completed" in line and "1 train compilation" in line
   assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in line
-  assert "greedy continuation of 'def __init__(self': " in out.stdout
+  assert "greedy continuation of 'def ': " in out.stdout
   with open(tmp_path / "results.json") as f:
     results = json.load(f)
-  assert results["step"] == 200 and results["eval_perplexity"] == pytest.approx(ppl, abs=1e-3)
+  assert results["step"] == 300 and results["eval_perplexity"] == pytest.approx(ppl, abs=1e-3)
 
 
 @pytest.mark.slow(held_by="tests/test_aot.py::test_eval_program_with_the_train_program",

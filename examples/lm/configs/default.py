@@ -5,8 +5,9 @@ Run (from the repository root; nothing is downloaded):
   python -m examples.lm.main --workdir /tmp/lm-cpu
 
 8 fake CPU devices on a ``("data", "fsdp", "tensor")`` mesh of shape (2, 2, 2): parameters split
-over ``fsdp`` and ``tensor`` by their logical axes, the batch of 32 sequences of 128 bytes over
-``("data", "fsdp")`` (8 per data slice), K = 10 steps per device call, 300 steps. Held-out
+over ``fsdp`` and ``tensor`` by their logical axes, the batch of 16 sequences of 128 bytes over
+``("data", "fsdp")`` (4 per slice), K = 10 steps per device call, 300 steps (614,400 bytes, 0.14
+of an epoch), evaluated on 256 held-out sequences at steps 150 and 300. Held-out
 perplexity is printed at the end with a greedy continuation of ``config.prompt``; measured
 numbers (perplexity, wall time, tokens/s) are in ``examples/lm/README.md``.
 """
@@ -38,7 +39,7 @@ def get_config():
   config.half_precision = False   # float32 on CPU (bfloat16 matmuls are slow there)
 
   # -- optimisation ------------------------------------------------------------------------
-  config.global_batch_size = 32
+  config.global_batch_size = 16
   config.num_train_steps = 300
   config.learning_rate = 3e-3
   config.warmup_steps = 30
@@ -53,14 +54,14 @@ def get_config():
   config.prefetch = 2
   config.log_every_steps = 50
   config.progress_every_secs = 30.0
-  config.eval_every_steps = 100   # and at the end
+  config.eval_every_steps = 150   # and at the end
   config.eval_batch_size = 64
   config.eval_iterations_per_loop = 4  # the 4 eval batches in one device call
-  config.checkpoint_every_steps = 100
+  config.checkpoint_every_steps = 150
   config.max_checkpoints_to_keep = 2
 
   # -- the end -----------------------------------------------------------------------------
-  config.prompt = "def __init__(self"
+  config.prompt = "def "
   config.generate_bytes = 80      # greedy continuation printed at the end
   config.platform = "cpu"         # no TPU/GPU probe
   config.distributed = False
