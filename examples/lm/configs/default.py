@@ -61,8 +61,8 @@ def get_config():
   config.max_checkpoints_to_keep = 2
 
   # -- the end -----------------------------------------------------------------------------
-  config.prompt = "def "
-  config.generate_bytes = 80      # greedy continuation printed at the end
+  config.prompt = "    def __init__(self"
+  config.generate_bytes = 60      # greedy continuation printed at the end
   config.platform = "cpu"         # no TPU/GPU probe
   config.distributed = False
   return config
