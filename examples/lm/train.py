@@ -236,10 +236,10 @@ class PerplexityEvaluator:
     return self.evaluator.compile_count()
 
 
-def make_generate(graphdef: nnx.GraphDef, max_len: int) -> Callable[..., jax.Array]:
+def make_generate(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
   """Greedy decoding: ``generate(params, buffer, start, num) -> buffer``, one compiled program.
 
-  ``buffer`` int32 ``[max_len]`` holds the prompt in ``[:start]``; position ``start + i``
+  ``buffer`` int32 ``[max_len]`` (at most the model's ``max_len``) holds the prompt in ``[:start]``; position ``start + i``
   becomes the argmax of the model's next-byte logits after the bytes before it, for
   ``i < num`` (``start + num <= max_len``). Each new byte reruns the model over the whole
   buffer (no cache: the causal mask makes the bytes after the current one irrelevant).
@@ -256,7 +256,6 @@ def make_generate(graphdef: nnx.GraphDef, max_len: int) -> Callable[..., jax.Arr
 
     return jax.lax.fori_loop(0, num, body, buffer)
 
-  del max_len
   return generate
 
 
@@ -378,10 +377,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   os.makedirs(workdir, exist_ok=True)
   workdir = os.path.abspath(workdir)
   cfg = model_config(config)
+  mesh = make_mesh(config)
   absl_logging.info("reading the corpus and initialising the %s-parameter model on mesh %s",
-                    f"{models.param_count(cfg):,}", dict(make_mesh(config).shape))
+                    f"{models.param_count(cfg):,}", dict(mesh.shape))
   t0 = time.perf_counter()
-  s = build(config)
+  s = build(config, mesh)
   absl_logging.info(
       "corpus %s: %d training files (%s bytes), %d held-out files (%s bytes), sha256 %s; "
       "initialised in %.1f s", s.corpus.root, len(s.corpus.train_files),
@@ -422,7 +422,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     eval_results.append((loop.ledger.step, result))
   continuation = b""
   if loop.status != "preempted" and config.generate_bytes:
-    generate = make_generate(s.graphdef, config.seq_len)
+    generate = make_generate(s.graphdef)
     continuation = continue_text(generate, state.params, config.prompt.encode(),
                                  config.generate_bytes, config.seq_len)
   writer.close()
