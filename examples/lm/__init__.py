@@ -1,0 +1,1 @@
+"""A byte-level Transformer LM with loopkit: FSDP + tensor parallelism, on a CPU or a TPU slice."""
