@@ -46,8 +46,9 @@ The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.
 
 FLOPs per step (:meth:`MultiStepProgram.flops_per_step`, for MFU) come from XLA's cost analysis
-of the executable the calls run, not from a model formula. XLA counts a while loop's body once
-(the trip count is a traced value, unknown to it), so the program's FLOPs are those of one step
+of the executable the calls run, not from a model formula (plus, where XLA counted an inner
+``scan`` over layers once, the matrix FLOPs of its other trips, from the step's jaxpr:
+:mod:`loopkit.core.flops`). XLA counts a while loop's body once (the trip count is a traced value, unknown to it), so the program's FLOPs are those of one step
 plus the reductions of the ``[K]`` metric traces after the loop, a few FLOPs per slot. Measured
 (``tests/test_mfu.py``'s MLP on the 8-device CPU mesh, jax 0.10.2): 963093, 963117, 963135 and
 963153 FLOPs for K = 1, 2, 3, 4, 5.0% above the analytic count of its matmuls on one device's
@@ -69,6 +70,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from loopkit import conv_layout, metrics as metrics_lib
+from loopkit.core import flops as flops_lib
 from loopkit._internal.checks import (
   MIN_SLOTS,
   RecompileWarning,
@@ -327,6 +329,12 @@ class MultiStepProgram:
     state_shardings: the pinned ``NamedSharding`` of every state leaf (the structure of the
       state), once the program is built; None before.
     given_state_shardings: the ``state_shardings`` argument, as given.
+    step_jaxpr_flops: matrix FLOPs of one step on one device counted from its jaxpr when it
+      was traced (:func:`loopkit.core.flops.jaxpr_flops`; for the ``"global"`` style the
+      global count over the mesh's devices), or None before the trace or where a while loop
+      in the step hides its trip count.
+    step_jaxpr_flops_once: the same with every inner ``scan`` body counted once (as XLA counts
+      it).
 
   Not thread-safe; multi-host-safe (every process builds the same program).
   """
@@ -355,6 +363,8 @@ class MultiStepProgram:
     # abstract arguments of the last call that compiled, and its executable's cost analysis
     self._compiled_args: tuple[Any, Any, Any] | None = None
     self._cost: dict[str, float] | None = None
+    self.step_jaxpr_flops: float | None = None
+    self.step_jaxpr_flops_once: float | None = None
 
   @property
   def batch_sharding(self) -> NamedSharding:
@@ -413,6 +423,11 @@ class MultiStepProgram:
                             what="train_step returned a state unlike the one it received")
     if problem:
       raise ValueError(problem)
+    # a global step's jaxpr has global shapes: one device's share (a per-device step's are its own)
+    share = self.mesh.size if self.style == "global" else 1
+    counts = [flops_lib.jaxpr_flops(closed, loops_once=once) for once in (False, True)]
+    self.step_jaxpr_flops, self.step_jaxpr_flops_once = (
+        None if c is None else c / share for c in counts)
     run_step = (conv_layout.canonicalize_convs(closed) if self.canonical_convs
                 else jax.extend.core.jaxpr_as_fun(closed))
     out_def = jax.tree.structure((out_state_shape, metric_shape))
@@ -565,19 +580,29 @@ class MultiStepProgram:
     return self._cost
 
   def flops_per_step(self) -> float | None:
-    """FLOPs of one train step on one device, from :meth:`cost_analysis`.
+    """FLOPs of one train step on one device: XLA's count, corrected for inner loops.
 
-    The body of the step loop counts once in XLA's analysis, so this is one step's FLOPs for
-    every K (plus the few FLOPs of the metric reductions after the loop). For the step style
-    ``"per_device"`` and for sharded states alike, it is what one device computes.
+    XLA's count is :meth:`cost_analysis`'s ``"flops"``: the body of the step loop counts once,
+    so it is one step's FLOPs for every K (plus the few FLOPs of the metric reductions after the
+    loop), elementwise work included. But XLA counts every while loop's body once, so a step
+    whose layers run in a ``lax.scan`` (``nnx.scan`` over stacked layers) would count one layer.
+    The step's jaxpr is therefore counted too, when it is traced
+    (:func:`loopkit.core.flops.jaxpr_flops`: ``dot_general`` and convolution FLOPs, inner
+    ``scan`` bodies times their length; for the ``"global"`` style, on global shapes divided by
+    the mesh's devices: :attr:`step_jaxpr_flops`); where it exceeds XLA's,
+    :func:`loopkit.core.flops.step_flops` adds the matrix FLOPs of the inner loops' other trips
+    to XLA's count. For the step style ``"per_device"`` and for sharded states alike, it is what
+    one device computes.
 
     Returns:
       FLOPs (a float), or None before the first call, on a cache miss (see
-      :meth:`cost_analysis`) or where XLA reports no positive ``"flops"``.
+      :meth:`cost_analysis`) or where neither count is positive.
     """
     cost = self.cost_analysis()
-    flops = None if cost is None else cost.get("flops")
-    return float(flops) if flops is not None and flops > 0 else None
+    if cost is None:
+      return None
+    return flops_lib.step_flops(cost.get("flops"), self.step_jaxpr_flops,
+                                self.step_jaxpr_flops_once)
 
   def compile_count(self) -> int:
     """Number of times a call compiled this program (1 in a healthy run).

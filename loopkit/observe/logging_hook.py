@@ -65,7 +65,9 @@ class LoggingHook(Hook):
       the TFLOP/s one device ran, ``flops_per_step * steps / loop seconds / 1e12`` with the
       window's steps, its loop seconds (``loop_secs_per_call * calls``: the hooks' time left
       out) and ``flops_per_step`` the train program's FLOPs of one step on one device, from
-      XLA's cost analysis of the executable the run dispatches
+      XLA's cost analysis of the executable the run dispatches, or from the step's jaxpr
+      (matmul and convolution FLOPs) where XLA counted less because it counts an inner
+      ``scan``'s body once (layers scanned with ``nnx.scan``)
       (:meth:`loopkit.core.MultiStepProgram.flops_per_step`: no second compilation, the same
       for every K); and, where the device's peak is known, ``throughput/mfu =
       tflops_per_device * 1e12 / peak`` (model FLOPs utilization, 1 = the chip's peak), the

@@ -49,6 +49,7 @@ from loopkit._internal.checks import (
   data_axes,
 )
 from loopkit._internal.mesh import data_parallel_size, describe_data_axis, is_sharding_entry
+from loopkit.core.flops import step_flops
 from loopkit.core.program import MultiStepProgram, compiled_cost
 from loopkit.evaluation import Evaluator
 from loopkit.tools.topology import Chip, GiB, chip_of, topology_devices
@@ -65,7 +66,9 @@ class ProgramReport:
   Bytes are XLA's ``memory_analysis()`` of the compiled SPMD program (one
   device's share); FLOPs and bytes accessed are its ``cost_analysis()``, in
   which a while loop's body counts once: for the K-step program that is one
-  step.
+  step. The train program's FLOPs are the step's jaxpr count instead where that is
+  higher (an inner ``scan`` over layers, which XLA also counts once:
+  :meth:`loopkit.core.MultiStepProgram.flops_per_step`).
 
   Attributes:
     name: ``"train"`` or ``"eval"``.
@@ -85,7 +88,8 @@ class ProgramReport:
     used_bytes: ``peak_bytes + prefetch_chunks * chunk_bytes``.
     hbm_bytes: the chip's HBM (None off TPU unless given).
     headroom_bytes: ``hbm_bytes - used_bytes`` (negative: does not fit).
-    flops_per_step: FLOPs of one step (one eval batch), per device.
+    flops_per_step: FLOPs of one step (one eval batch), per device (the train program's as
+      :meth:`loopkit.core.MultiStepProgram.flops_per_step` counts them).
     bytes_accessed_per_step: HBM bytes read and written per step, per device
       (XLA's estimate).
     compute_bound_secs: ``flops_per_step / peak_bf16_flops``.
@@ -269,7 +273,10 @@ def _report(name: str, lowered: Any, traced: Any, *, k: int, batch_size: int, dp
   alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
   peak = arg + out - alias + temp
   used = peak + prefetch * chunk_bytes
-  flops = float(cost.get("flops", 0.0))
+  # XLA's count, or the step's jaxpr's where XLA counted an inner scan's body once (the train
+  # program: MultiStepProgram.flops_per_step's rule)
+  flops = step_flops(cost.get("flops"), getattr(traced, "step_jaxpr_flops", None),
+                     getattr(traced, "step_jaxpr_flops_once", None)) or 0.0
   accessed = float(cost.get("bytes accessed", 0.0))
   compute = memory = rate = ceiling = None
   if chip is not None:
