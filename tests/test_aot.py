@@ -196,3 +196,27 @@ def test_arrays_and_kept_shardings():
   r = aot.compile_for(loop, state, batch, topology="v5e:2x2")
   # w split over the 4 chips (replicated it would be 4x more), the step a padded scalar
   assert N * M * 4 // 4 <= r.train.alias_bytes < N * M * 4 // 4 + 4096
+
+
+def test_scanned_layers_flops_count_every_layer():
+  """Layers in a ``lax.scan`` (XLA counts its body once): the report's FLOPs and compute bound
+  count all L layers, as :meth:`loopkit.core.MultiStepProgram.flops_per_step` does."""
+  layers, b = 6, 64
+
+  def step(state, batch):
+    def loss(ws):
+      h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch["x"], ws)
+      return jnp.mean(h ** 2)
+    value, grad = jax.value_and_grad(loss)(state["ws"])
+    return {"step": state["step"] + 1, "ws": state["ws"] - 0.1 * grad}, {"loss": value}
+
+  state = {"step": jax.ShapeDtypeStruct((), jnp.int32),
+           "ws": jax.ShapeDtypeStruct((layers, N, N), jnp.float32)}
+  loop = loopkit.TrainLoop(step, iterations_per_loop=2)
+  r = aot.compile_for(loop, state, {"x": jax.ShapeDtypeStruct((b, N), jnp.float32)},
+                      topology="v5e:2x2")
+  # per device (b / 4 rows): forward, weight gradient and activation gradient of every layer
+  matmuls = 3 * layers * 2 * (b // 4) * N * N
+  t = r.train  # (XLA's own count: about 1/L of this)
+  assert matmuls <= t.flops_per_step < 1.05 * matmuls, (t.flops_per_step, matmuls)
+  assert t.compute_bound_secs == t.flops_per_step / topology.CHIPS["v5e"].peak_bf16_flops

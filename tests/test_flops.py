@@ -4,9 +4,10 @@ loopkit counts the step's jaxpr (:mod:`loopkit.core.flops`) and, where XLA's cou
 adds the matmul FLOPs of the inner loops' other trips.
 
 The model: ``x @ w_in``, then L = 6 ReLU layers ``W x W`` (stacked ``[L, W, W]`` applied by a
-``lax.scan``, or L separate arrays applied in turn), then ``@ w_out``. Per step and device (``b = B / 8`` rows), the matmul
-FLOPs are ``2 b (2 IN W + 3 L W W + 3 W OUT)``: forward and weight gradient of every matmul, and
-the activations' gradient of all but the input layer (the input is data).
+``lax.scan``, or L separate arrays applied in turn), then ``@ w_out``. Per step and device
+(``b = B / 8`` rows), the matmul FLOPs are ``2 b (2 IN W + 3 L W W + 3 W OUT)``: forward and weight
+gradient of every matmul, and the activations' gradient of all but the input layer (the input is
+data).
 """
 
 import jax

@@ -45,15 +45,16 @@ K = 1, and it cost a dispatch-bound step about 30% at K = 100
 The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.
 
-FLOPs per step (:meth:`MultiStepProgram.flops_per_step`, for MFU) come from XLA's cost analysis
-of the executable the calls run, not from a model formula (plus, where XLA counted an inner
-``scan`` over layers once, the matrix FLOPs of its other trips, from the step's jaxpr:
-:mod:`loopkit.core.flops`). XLA counts a while loop's body once (the trip count is a traced value, unknown to it), so the program's FLOPs are those of one step
-plus the reductions of the ``[K]`` metric traces after the loop, a few FLOPs per slot. Measured
-(``tests/test_mfu.py``'s MLP on the 8-device CPU mesh, jax 0.10.2): 963093, 963117, 963135 and
-963153 FLOPs for K = 1, 2, 3, 4, 5.0% above the analytic count of its matmuls on one device's
-slice of the batch (the rest is the ReLU, the loss and the update). The counts are per device
-(the SPMD-partitioned program), as in :mod:`loopkit.tools.aot`.
+FLOPs per step (:meth:`MultiStepProgram.flops_per_step`, for MFU) come from XLA's cost analysis of
+the executable the calls run, not from a model formula (plus, where XLA counted an inner ``scan``
+over layers once, the matrix FLOPs of its other trips, from the step's jaxpr:
+:mod:`loopkit.core.flops`). XLA counts a while loop's body once (the trip count is a traced value,
+unknown to it), so the program's FLOPs are those of one step plus the reductions of the ``[K]``
+metric traces after the loop, a few FLOPs per slot. Measured (``tests/test_mfu.py``'s MLP on the
+8-device CPU mesh, jax 0.10.2): 963093, 963117, 963135 and 963153 FLOPs for K = 1, 2, 3, 4, 5.0%
+above the analytic count of its matmuls on one device's slice of the batch (the rest is the ReLU,
+the loss and the update). The counts are per device (the SPMD-partitioned program), as in
+:mod:`loopkit.tools.aot`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from loopkit import conv_layout, metrics as metrics_lib
-from loopkit.core import flops as flops_lib
 from loopkit._internal.checks import (
   MIN_SLOTS,
   RecompileWarning,
@@ -84,6 +84,7 @@ from loopkit._internal.checks import (
 )
 from loopkit._internal.compat import lowering_count
 from loopkit._internal.mesh import batch_sharding, is_cpu_mesh, pinned_state_shardings
+from loopkit.core import flops as flops_lib
 
 StepStyle = Literal["global", "per_device"]
 
