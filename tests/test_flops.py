@@ -170,6 +170,14 @@ def test_scan_cond_and_while_nesting():
   assert jaxpr_flops(cheap) == dot
 
 
+def test_a_shard_map_body_counts_for_every_device_it_maps_over():
+  mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  x, w = jnp.zeros((B, IN)), jnp.zeros((IN, OUT))
+  mapped = jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P("data"), P()),
+                         out_specs=P("data"))
+  assert jaxpr_flops(jax.make_jaxpr(mapped)(x, w)) == 2 * B * IN * OUT
+
+
 @pytest.mark.parametrize("xla, own, once, want", [
     (100.0, 90.0, 90.0, 100.0),  # no inner loop: XLA's
     (650.0, 600.0, 100.0, 650.0),  # XLA unrolled the loop: its count covers the jaxpr's

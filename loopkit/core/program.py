@@ -426,7 +426,10 @@ class MultiStepProgram:
       raise ValueError(problem)
     # a global step's jaxpr has global shapes: one device's share (a per-device step's are its own)
     share = self.mesh.size if self.style == "global" else 1
-    counts = [flops_lib.jaxpr_flops(closed, loops_once=once) for once in (False, True)]
+    try:
+      counts = [flops_lib.jaxpr_flops(closed, loops_once=once) for once in (False, True)]
+    except (KeyError, AttributeError, TypeError, ValueError):  # a primitive's params unlike
+      counts = [None, None]  # those counted: XLA's count alone (the step must run regardless)
     self.step_jaxpr_flops, self.step_jaxpr_flops_once = (
         None if c is None else c / share for c in counts)
     run_step = (conv_layout.canonicalize_convs(closed) if self.canonical_convs
