@@ -28,7 +28,7 @@ import jax.extend.core as jex
 
 __all__ = ["jaxpr_flops", "step_flops"]
 
-# Primitives whose sub-jaxprs run once per call (recursed and summed).
+# the param of `cond` (and `switch`) holding its branches: one of them runs
 _BRANCHES = "branches"
 
 
