@@ -85,6 +85,12 @@ from loopkit._internal.mesh import batch_sharding, is_cpu_mesh, pinned_state_sha
 
 StepStyle = Literal["global", "per_device"]
 
+try:  # public, experimental (jax 0.10.2 and 0.12 have it); set_xla_metadata(x, **attrs) tags
+  # the op that produces x
+  from jax.experimental.xla_metadata import set_xla_metadata as _set_xla_metadata
+except ImportError:  # pragma: no cover
+  _set_xla_metadata = None
+
 
 
 def pad_slots(chunk: Any) -> Any:
@@ -134,7 +140,37 @@ def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
     return body(i, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
                                 chunk), carry)
 
-  return jax.lax.fori_loop(0, num_steps, step, init)
+  return no_hoisting(jax.lax.fori_loop(0, num_steps, step, init))
+
+
+# XLA's frontend attribute that turns off its while-loop invariant code motion for one loop
+# (xla/service/while_loop_invariant_code_motion.cc reads it from the while instruction).
+NO_HOISTING_ATTRIBUTE = "_xla_disable_loop_instr_hoisting"
+
+
+def no_hoisting(loop_outputs: Any) -> Any:
+  """The outputs of a ``lax.fori_loop``, its XLA while loop marked to keep its body whole.
+
+  XLA's while-loop invariant code motion moves what does not change between iterations
+  (constants, masks built from ``iota``, the partition-index arithmetic of sharded code, the
+  broadcast cotangent of a mean) out of the loop body into the loop's carry. The body then reads
+  those values as opaque loop inputs where a per-step ``jit`` of the same step sees constants,
+  and XLA simplifies and fuses it differently, which changes float32 results in the last bits
+  (see the module docstring, "The step compiles as a per-step jit does"). Tagging the while
+  instruction with :data:`NO_HOISTING_ATTRIBUTE` (``jax.experimental.xla_metadata``, attached
+  to the op that produces the outputs: the loop) turns the pass off for this loop only; the
+  loops inside the user's step keep it.
+
+  Args:
+    loop_outputs: the pytree ``lax.fori_loop`` returned (traced).
+
+  Returns:
+    The same values (an identity), or ``loop_outputs`` itself where this JAX has no
+    ``set_xla_metadata``.
+  """
+  if _set_xla_metadata is None:
+    return loop_outputs
+  return _set_xla_metadata(loop_outputs, **{NO_HOISTING_ATTRIBUTE: True})
 
 
 def build_program(loop: Callable, *, mesh: Mesh, data_axis: str | tuple[str, ...],
