@@ -14,10 +14,10 @@ without it, on:
   parallel over all devices.
 
 Both programs are compiled first; then rounds of ``--calls`` calls of each alternate (which goes
-first alternates too: the same machine load for both), each call waited for. Chunks are placed before timing, so a call's time
-is dispatch + device. Printed: the process's CPU time per step (all XLA threads), steps/s of the
-fastest call and of the median call, and XLA's
-cost analysis of both programs (:meth:`MultiStepProgram.cost_analysis`: the loop body counted
+first alternates too: the same machine load for both), each call waited for. Chunks are placed
+before timing, so a call's time is dispatch + device. Printed: the process's CPU time per step
+(all XLA threads), steps/s of the fastest call and of the median call, and XLA's cost analysis
+of both programs (:meth:`MultiStepProgram.cost_analysis`: the loop body counted
 once, so what no longer leaves the loop shows as its cost per step).
 
 Usage (from the repository root, 8 fake CPU devices)::
@@ -155,7 +155,7 @@ def main() -> None:
   parser.add_argument("--workloads", default="lm,mlp,cnn")
   args = parser.parse_args()
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
-        f"K = {args.k}, {args.calls} calls, best of {args.repeats}", flush=True)
+        f"K = {args.k}, {args.repeats} rounds of {args.calls} calls each", flush=True)
   for name in args.workloads.split(","):
     built = {tagged: list(build(name, tagged, args.k, args.calls)) for tagged in (False, True)}
     secs: dict[bool, list[float]] = {False: [], True: []}

@@ -102,6 +102,7 @@ from loopkit._internal.mesh import batch_sharding, is_cpu_mesh, pinned_state_sha
 
 StepStyle = Literal["global", "per_device"]
 
+_set_xla_metadata: Callable[..., Any] | None
 try:  # public, experimental (jax 0.10.2 and 0.12 have it); set_xla_metadata(x, **attrs) tags
   # the op that produces x
   from jax.experimental.xla_metadata import set_xla_metadata as _set_xla_metadata
