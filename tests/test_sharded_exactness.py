@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
@@ -166,18 +167,21 @@ def test_the_step_loop_is_tagged_to_keep_its_body_whole():
   assert f'{program_lib.NO_HOISTING_ATTRIBUTE}="true"' in whiles[0], whiles[0][:200]
 
 
-def test_loops_inside_the_step_keep_xlas_hoisting():
-  """Only loopkit's own loop is tagged: a ``lax.scan`` in the user's step is compiled as in a
-  per-step ``jit`` (its while instruction carries no tag)."""
+@pytest.mark.parametrize("style", ["global", "per_device"])
+def test_loops_inside_the_step_keep_xlas_hoisting(style):
+  """Only loopkit's own loop is tagged, in both step styles: a ``lax.scan`` in the user's step is
+  compiled as in a per-step ``jit`` (its while instructions carry no tag)."""
   def step(state, batch):
     def layer(h, w):
       return jnp.tanh(h @ w), None
     loss, grad = jax.value_and_grad(lambda w: jnp.mean(
         jax.lax.scan(layer, batch["x"], w)[0] ** 2))(state["w"])
+    if style == "per_device":
+      loss, grad = jax.lax.pmean((loss, grad), "data")
     return {"w": state["w"] - 0.1 * grad, "step": state["step"] + 1}, {"loss": loss}
 
-  mesh = loopkit.data_parallel_mesh()
-  program = loopkit.core.MultiStepProgram(step, iterations_per_loop=2, mesh=mesh)
+  program = loopkit.core.MultiStepProgram(step, iterations_per_loop=2, style=style,
+                                          mesh=loopkit.data_parallel_mesh())
   state = {"w": jnp.ones((3, 4, 4)) * 0.1, "step": jnp.zeros((), jnp.int32)}
   chunk = {"x": jax.ShapeDtypeStruct((2, 8, 4), jnp.float32, sharding=program.batch_sharding)}
   text = program.lower(program.place_state(state), chunk).compile().as_text()

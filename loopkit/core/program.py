@@ -48,16 +48,16 @@ sharded code, an ``iota`` mask, the broadcast cotangent of a mean loss. The body
 as loop inputs where a per-step ``jit`` of the same step sees constants, and is simplified and
 fused differently: a small sharded Transformer LM on a (2, 2, 2) mesh, batch on
 ``("data", "fsdp")``, ended 5 float32 steps with 17 of its 20 state leaves up to 1.34e-7 (jax
-0.10.2) or 8.94e-8 (jax 0.12) from a per-step ``jit`` with the same shardings, every K alike;
-a 1-block LM at (8, 1, 1) too (``tests/test_sharded_exactness.py``). The loop's while instruction
-is therefore tagged to keep its body whole (:func:`no_hoisting`, through
-``jax.experimental.xla_metadata``); loops inside the step are not affected. The step then gives
-the per-step ``jit``'s bits for every K. Its cost is what the pass saved: recomputing those
-values each step, as the per-step ``jit`` does (4,096 FLOPs and no more bytes per step of a
-195 MFLOP sharded LM step; ``python -m benchmarks.loop_hoisting_cost``). Tried and not kept:
-``with_sharding_constraint`` on the carry at the top and bottom of the body, an
-``optimization_barrier`` around the step, ``jax.experimental.layout.with_layout_constraint`` of
-the carry to the default layouts: each left the same leaves off the per-step ``jit``.
+0.10.2) or 8.94e-8 (jax 0.12) from a per-step ``jit`` with the same shardings, every K alike
+(``tests/test_sharded_exactness.py``; more models and meshes in docs/concepts.md, "Exactness on
+sharded meshes"). The step loop's while instruction is therefore tagged to keep its body whole
+(:func:`no_hoisting`, through ``jax.experimental.xla_metadata``); loops inside the step keep
+the pass. Every K then gives the per-step ``jit``'s bits. The cost is recomputing those values
+each step, as the per-step ``jit`` does: 4,096 FLOPs more and 14.5 KB fewer bytes per step of a
+195 MFLOP sharded LM step, no time this CPU could resolve (``benchmarks/loop_hoisting_cost.py``).
+Tried and not kept: ``with_sharding_constraint`` on the carry at the top and bottom of the body,
+an ``optimization_barrier`` around the step, ``with_layout_constraint`` of the carry to the
+default layouts: alone or together they left 53 or 54 of a 2-block LM's 56 leaves off.
 
 The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.
@@ -139,7 +139,8 @@ def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
 
   A ``lax.fori_loop`` with a traced trip count over a chunk's slots (so every call length
   reuses one executable), the chunk padded to ``MIN_SLOTS`` slots first (:func:`pad_slots`) so
-  that K = 1 compiles the body of K = 2. The training program and the
+  that K = 1 compiles the body of K = 2, the loop tagged so that XLA keeps its body whole
+  (:func:`no_hoisting`: the body compiles as a per-step ``jit``). The training program and the
   :class:`~loopkit.evaluation.Evaluator` both run their step through it.
 
   Args:
