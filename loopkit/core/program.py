@@ -42,6 +42,23 @@ XLA:CPU expands barriers before fusion, so the slot slice still fused differentl
 K = 1, and it cost a dispatch-bound step about 30% at K = 100
 (``benchmarks/k1_slot_cost.py`` has the padding's cost).
 
+The step compiles as a per-step ``jit`` does. XLA's while-loop invariant code motion moves what
+does not change between iterations out of a loop body: the partition-index arithmetic of
+sharded code, an ``iota`` mask, the broadcast cotangent of a mean loss. The body then reads them
+as loop inputs where a per-step ``jit`` of the same step sees constants, and is simplified and
+fused differently: a small sharded Transformer LM on a (2, 2, 2) mesh, batch on
+``("data", "fsdp")``, ended 5 float32 steps with 17 of its 20 state leaves up to 1.34e-7 (jax
+0.10.2) or 8.94e-8 (jax 0.12) from a per-step ``jit`` with the same shardings, every K alike
+(``tests/test_sharded_exactness.py``; more models and meshes in docs/concepts.md, "Exactness on
+sharded meshes"). The step loop's while instruction is therefore tagged to keep its body whole
+(:func:`no_hoisting`, through ``jax.experimental.xla_metadata``); loops inside the step keep
+the pass. Every K then gives the per-step ``jit``'s bits. The cost is recomputing those values
+each step, as the per-step ``jit`` does: 4,096 FLOPs more and 14.5 KB fewer bytes per step of a
+195 MFLOP sharded LM step, no time this CPU could resolve (``benchmarks/loop_hoisting_cost.py``).
+Tried and not kept: ``with_sharding_constraint`` on the carry at the top and bottom of the body,
+an ``optimization_barrier`` around the step, ``with_layout_constraint`` of the carry to the
+default layouts: alone or together they left 53 or 54 of a 2-block LM's 56 leaves off.
+
 The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.
 
@@ -88,6 +105,13 @@ from loopkit.core import flops as flops_lib
 
 StepStyle = Literal["global", "per_device"]
 
+_set_xla_metadata: Callable[..., Any] | None
+try:  # public, experimental (jax 0.10.2 and 0.12 have it); set_xla_metadata(x, **attrs) tags
+  # the op that produces x
+  from jax.experimental.xla_metadata import set_xla_metadata as _set_xla_metadata
+except ImportError:  # pragma: no cover
+  _set_xla_metadata = None
+
 
 
 def pad_slots(chunk: Any) -> Any:
@@ -118,7 +142,8 @@ def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
 
   A ``lax.fori_loop`` with a traced trip count over a chunk's slots (so every call length
   reuses one executable), the chunk padded to ``MIN_SLOTS`` slots first (:func:`pad_slots`) so
-  that K = 1 compiles the body of K = 2. The training program and the
+  that K = 1 compiles the body of K = 2, the loop tagged so that XLA keeps its body whole
+  (:func:`no_hoisting`: the body compiles as a per-step ``jit``). The training program and the
   :class:`~loopkit.evaluation.Evaluator` both run their step through it.
 
   Args:
@@ -137,7 +162,37 @@ def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
     return body(i, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
                                 chunk), carry)
 
-  return jax.lax.fori_loop(0, num_steps, step, init)
+  return no_hoisting(jax.lax.fori_loop(0, num_steps, step, init))
+
+
+# XLA's frontend attribute that turns off its while-loop invariant code motion for one loop
+# (xla/service/while_loop_invariant_code_motion.cc reads it from the while instruction).
+NO_HOISTING_ATTRIBUTE = "_xla_disable_loop_instr_hoisting"
+
+
+def no_hoisting(loop_outputs: Any) -> Any:
+  """The outputs of a ``lax.fori_loop``, its XLA while loop marked to keep its body whole.
+
+  XLA's while-loop invariant code motion moves what does not change between iterations
+  (constants, masks built from ``iota``, the partition-index arithmetic of sharded code, the
+  broadcast cotangent of a mean) out of the loop body into the loop's carry. The body then reads
+  those values as opaque loop inputs where a per-step ``jit`` of the same step sees constants,
+  and XLA simplifies and fuses it differently, which changes float32 results in the last bits
+  (see the module docstring, "The step compiles as a per-step jit does"). Tagging the while
+  instruction with :data:`NO_HOISTING_ATTRIBUTE` (``jax.experimental.xla_metadata``, attached
+  to the op that produces the outputs: the loop) turns the pass off for this loop only; the
+  loops inside the user's step keep it.
+
+  Args:
+    loop_outputs: the pytree ``lax.fori_loop`` returned (traced).
+
+  Returns:
+    The same values (an identity), or ``loop_outputs`` itself where this JAX has no
+    ``set_xla_metadata``.
+  """
+  if _set_xla_metadata is None:
+    return loop_outputs
+  return _set_xla_metadata(loop_outputs, **{NO_HOISTING_ATTRIBUTE: True})
 
 
 def build_program(loop: Callable, *, mesh: Mesh, data_axis: str | tuple[str, ...],
