@@ -468,7 +468,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def flops_lines(config: ml_collections.ConfigDict, report: Any) -> list[str]:
-  """The train program's FLOPs from XLA beside the model's, counted by hand, per device.
+  """The train program's FLOPs as loopkit counts them beside the model's, by hand, per device.
 
   Args:
     config: the example's configuration.
@@ -476,7 +476,8 @@ def flops_lines(config: ml_collections.ConfigDict, report: Any) -> list[str]:
 
   Returns:
     Report lines: the hand count (:func:`models.train_flops_per_step`, with and without
-    ``remat``'s extra forward pass) per device, XLA's count and their ratio, and the compute
+    ``remat``'s extra forward pass) per device, loopkit's count (``flops_per_step``: XLA's,
+    with scanned layers' matrix FLOPs counted for every layer) and their ratio, and the compute
     bound of the hand count at the chip's peak.
   """
   cfg = model_config(config)
@@ -485,8 +486,9 @@ def flops_lines(config: ml_collections.ConfigDict, report: Any) -> list[str]:
   model = models.train_flops_per_step(dataclasses.replace(cfg, remat=False),
                                       config.global_batch_size, config.seq_len) / devices
   xla = report.train.flops_per_step
-  lines = [f"train FLOPs per step per device: XLA {xla:.4g}; by hand {hand:.4g} (ratio XLA / "
-           f"hand {xla / hand:.3f}), of which model FLOPs (6 N T + attention, no remat) "
+  # loopkit's count: XLA's, plus the matrix FLOPs of scanned layers XLA counts once
+  lines = [f"train FLOPs per step per device: loopkit {xla:.4g}; by hand {hand:.4g} (ratio "
+           f"loopkit / hand {xla / hand:.3f}), of which model FLOPs (6 N T + attention, no remat) "
            f"{model:.4g}"]
   if report.chip is not None:
     peak = report.chip.peak_bf16_flops
