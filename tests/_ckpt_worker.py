@@ -42,6 +42,10 @@ def parse_args(argv=None):
   p.add_argument("--prefetch", type=int, default=2)
   p.add_argument("--kill-after-save-step", type=int, default=-1,
                  help="SIGKILL this process right after the save of this step started")
+  p.add_argument("--kill-at-rmdir", type=int, default=-1,
+                 help="SIGKILL this process when a directory named this step is about to be "
+                      "removed (its contents are gone: a retention delete cut there)")
+  p.add_argument("--keep-every-steps", type=int, default=None)
   p.add_argument("--step", type=int, default=None)
   return p.parse_args(argv)
 
@@ -157,6 +161,20 @@ class KillingCheckpointHook(loopkit.CheckpointHook):
       os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_at_rmdir(step):
+  """SIGKILLs the process when ``os.rmdir`` is called on a directory named ``step``: the moment
+  a recursive delete of that step directory has removed everything inside it."""
+  rmdir = os.rmdir
+
+  def patched(path, *args, **kwargs):
+    if os.path.basename(os.fsdecode(path)) == str(step):
+      print(f"KILLED AT RMDIR {os.fsdecode(path)}", flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
+    return rmdir(path, *args, **kwargs)
+
+  os.rmdir = patched
+
+
 def write(out, state, info):
   np.savez(out + ".tmp.npz", *[np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))])
   os.replace(out + ".tmp.npz", out + ".npz")
@@ -184,8 +202,12 @@ def main(args):
   digests: dict[int, str] = {}
   if args.mode == "train":
     ckpt = KillingCheckpointHook(args.dir, every_steps=args.every_steps,
-                                 max_to_keep=args.max_to_keep)
+                                 max_to_keep=args.max_to_keep,
+                                 **({} if args.keep_every_steps is None
+                                    else {"keep_every_steps": args.keep_every_steps}))
     ckpt.kill_step = args.kill_after_save_step
+    if args.kill_at_rmdir >= 0:
+      kill_at_rmdir(args.kill_at_rmdir)
     hooks.append(ckpt)
   else:
     hooks.append(loopkit.CallbackHook(

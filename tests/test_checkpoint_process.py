@@ -215,3 +215,27 @@ def test_restore_onto_8_then_4_then_1_devices(tmp_path):
   assert third["step"] == 24 and third["finite"] and third["all_steps"] == [20, 24]
   final = np.load(str(tmp_path / "d1") + ".npz")
   assert int(final["arr_" + str(len(final.files) - 1)]) == 24  # the step counter leaf
+
+
+def test_kill_while_retention_deletes_a_step_leaves_no_step_directory(tmp_path, reference):
+  """The fault test's flake, made exact: max_to_keep=1, the save of 4 commits and retention
+  deletes 2; SIGKILL when the delete has emptied 2's directory and is about to remove it. No
+  directory named 2 (empty or partial) may be left; the restart resumes from 4 and ends
+  bitwise equal to the uninterrupted run."""
+  d = tmp_path / "ckpt"
+  args = ("--dir", str(d), "--k", "3", "--every-steps", "2", "--max-to-keep", "1",
+          "--num-steps", "8")
+  w = Worker(tmp_path / "a", *args, "--kill-at-rmdir", "2")
+  assert ready(w.wait_for("READY"))[0] == -1
+  w.wait_for("KILLED AT RMDIR")
+  assert w.proc.wait(timeout=60) == -signal.SIGKILL
+  w.err.close()
+  steps = sorted(p.name for p in d.iterdir() if p.name.isdigit())
+  assert steps == ["4"] and unfinished_dirs(d) == [], sorted(p.name for p in d.iterdir())
+  w2 = Worker(tmp_path / "b", *args)
+  step, digest = ready(w2.wait_for("READY"))
+  assert step == 4 and digest == reference[4]
+  info = w2.finish()
+  assert info["status"] == "completed" and info["all_steps"] == [8]
+  assert info["final_digest"] == reference[8]
+  assert sorted(p.name for p in d.iterdir()) == ["8"]  # nothing else: no trash, no lock

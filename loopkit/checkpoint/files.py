@@ -4,6 +4,20 @@ A step directory counts only if Orbax finalized it (``commit_success.txt``).
 :func:`_tidy` removes only this hook's own unfinished writes and names, in
 warnings, what it leaves alone. Used by
 :mod:`loopkit.checkpoint`; not thread-safe.
+
+**Deleting out of the step namespace first.** A recursive delete removes a
+directory's contents before the directory, so a kill part-way through leaves a
+``<step>`` directory that is partial or empty: neither a checkpoint nor
+evidently loopkit's (an empty ``4`` looks like a user's folder, which is kept).
+On a local disk every delete therefore first renames the directory into
+``<directory>/.loopkit-trash/`` (one atomic ``rename``) and only then removes
+it there: Orbax's retention deletes through its ``todelete_subdir`` option
+(:func:`_todelete_subdir`), loopkit's own removals through :func:`_discard`.
+A kill leaves either the whole step or nothing under its name, plus a partial
+trash that :func:`_tidy` or :func:`_empty_trash` removes. On ``gs://`` and
+other remote paths (where a rename copies, and there are no empty
+directories) deletes are direct, as Orbax's are; a partial step there holds
+only loopkit's items and is removed by :func:`_tidy`.
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ log = logging.getLogger("loopkit")
 _COMMIT_FILE = "commit_success.txt"
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (written when a save starts)
 _TMP_MARK = ".orbax-checkpoint-tmp"
+_TRASH = ".loopkit-trash"  # where step directories go to be deleted (local disks)
 _ITEMS = ("state", "ledger", "data", "hooks", "leaves")
 # A name that looks like someone else's checkpoint: flax.training.checkpoints'
 # "checkpoint_50", TensorFlow's "ckpt-100.index", an Orbax manager with a step prefix.
@@ -60,6 +75,47 @@ def _rmtree(p: epath.Path, attempts: int = 20) -> None:
       time.sleep(0.05 * (i + 1))
 
 
+def _is_local(directory: epath.Path) -> bool:
+  return "://" not in str(directory)
+
+
+def _todelete_subdir(directory: epath.Path) -> str | None:
+  """Orbax's ``todelete_subdir`` for ``directory``: the trash on a local disk, else None
+  (Orbax ignores the option on GCS; a rename elsewhere may copy)."""
+  return _TRASH if _is_local(directory) else None
+
+
+def _discard(directory: epath.Path, p: epath.Path) -> None:
+  """Deletes ``p`` (an entry of ``directory``) so that a kill leaves nothing under its name:
+  on a local disk renamed into the trash first, then the trash is removed (no save is in
+  flight when loopkit deletes: nothing else is in it)."""
+  if not _is_local(directory):
+    _rmtree(p)
+    return
+  trash = directory / _TRASH
+  _rmtree(trash / p.name)  # a leftover of the same name
+  trash.mkdir(exist_ok=True)
+  try:
+    p.rename(trash / p.name)
+  except FileNotFoundError:  # gone meanwhile
+    pass
+  finally:
+    _rmtree(trash)
+
+
+def _empty_trash(directory: epath.Path) -> None:
+  """Removes ``directory``'s trash (Orbax's renamed retention deletes, or what a kill left
+  of a delete), on process 0; a failure is logged (Orbax's next delete would then fail on a
+  name left in the trash, and report it)."""
+  trash = directory / _TRASH
+  if jax.process_index() != 0 or not _is_local(directory) or not trash.exists():
+    return
+  try:
+    _rmtree(trash)
+  except OSError as e:
+    log.warning("could not empty %s: %s", trash, e)
+
+
 def _step_of_name(name: str) -> int | None:
   """The step of a name loopkit's Orbax manager writes (``12`` or ``12.orbax-checkpoint-tmp-*``)."""
   base = name.split(_TMP_MARK, 1)[0]
@@ -89,20 +145,22 @@ def _tidy(directory: epath.Path, remove: bool = True) -> list[str]:
   """Removes this hook's unfinished saves; returns warnings about what loopkit does not read.
 
   Runs on process 0, then syncs the processes. Only :func:`_unfinished_write`
-  entries are deleted, and only if ``remove`` (process 0's decision: not while
-  another live run holds the directory); digit-named folders that are not
-  complete checkpoints and other programs' checkpoints are left in place, each
-  kind named in one message.
+  entries and the trash (deletes a kill cut short) are deleted, and only if
+  ``remove`` (process 0's decision: not while another live run holds the
+  directory); digit-named folders that are not complete checkpoints and other
+  programs' checkpoints are left in place, each kind named in one message.
   """
   messages = []
   if jax.process_index() == 0 and directory.exists():
     kept, foreign = [], []
+    if remove:
+      _empty_trash(directory)
     for p in sorted(directory.iterdir(), key=lambda q: q.name):
       name = p.name
       if _unfinished_write(p):
         if remove:
           log.warning("removing unfinished checkpoint directory %s", p)
-          _rmtree(p)
+          _discard(directory, p)
       elif name.isdigit() and not (p / _COMMIT_FILE).exists():
         kept.append(name)
       elif _step_of_name(name) is None and _FOREIGN_CHECKPOINT.search(name):
@@ -163,4 +221,4 @@ def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
   for p in directory.iterdir():
     if _step_of_name(p.name) == step and _unfinished_write(p):
       log.warning("removing unfinished checkpoint directory %s", p)
-      _rmtree(p)
+      _discard(directory, p)

@@ -74,7 +74,12 @@ see :func:`loopkit.data.sources.open_source`. States must be JSON-serialisable o
 
 **Retention.** ``max_to_keep`` keeps the newest N; ``keep_best`` additionally
 keeps the best N by ``best_metric``. The newest checkpoint is always kept
-(Orbax's own ``best_fn`` + ``max_to_keep`` may delete it).
+(Orbax's own ``best_fn`` + ``max_to_keep`` may delete it). Two tiers
+(:mod:`loopkit.checkpoint.tiers`): ``keep_every_steps`` / ``keep_steps`` add
+permanent checkpoints, saved at those steps and never deleted, beside the
+temporary ones of the cadence (the newest ``max_to_keep``, default 1 then).
+A retention delete first renames the step out of the step namespace
+(:mod:`loopkit.checkpoint.files`), so a kill during it leaves no partial step.
 
 Multi-host: every process runs the hook (Orbax coordinates the writes); the
 directory must be shared. Not thread-safe.
@@ -96,7 +101,6 @@ from loopkit._internal.extras import missing
 try:
   import orbax.checkpoint as ocp
   from etils import epath
-  from orbax.checkpoint import checkpoint_managers as ocp_managers
 except ImportError as e:
   raise missing(e, "loopkit.checkpoint") from e
 
@@ -104,8 +108,10 @@ from loopkit.checkpoint.files import (
   _COMMIT_FILE,
   _ITEMS,
   _drain_writers,
+  _empty_trash,
   _remove_failed_save,
   _tidy,
+  _todelete_subdir,
 )
 from loopkit.checkpoint.items import (
   _abstract,
@@ -120,6 +126,7 @@ from loopkit.checkpoint.items import (
   _tree_difference,
 )
 from loopkit.checkpoint.lock import DirectoryLock, claim, describe, holder_of, stale_reason
+from loopkit.checkpoint.tiers import check_permanent, preservation_policy, with_permanent_marks
 from loopkit.core.context import Restore, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket, Ledger
@@ -175,8 +182,15 @@ class CheckpointHook(Hook):
     every_steps, every_epochs, at_steps, every_secs: when to save (see
       :class:`loopkit.core.triggers.Trigger`); the planner cuts device calls so step
       marks land exactly. The final step of a run, an early stop and a
-      preemption are always saved; with none set, only those are.
-    max_to_keep: keep the newest N checkpoints (None: keep all).
+      preemption are always saved; with none set, only those are. With a
+      permanent tier these saves are the temporary tier.
+    max_to_keep: keep the newest N checkpoints (None: keep all; 1 when
+      ``keep_best``, ``keep_every_steps`` or ``keep_steps`` is set). Counted
+      over both tiers, as Orbax's ``max_to_keep`` with ``keep_period``.
+    keep_every_steps: permanent tier: also save at every multiple of this
+      many steps (int > 0) and never delete those checkpoints.
+    keep_steps: permanent tier: also save at these steps (ints > 0) and
+      never delete those checkpoints.
     best_metric: name of a metric in ``LoopInfo.metrics`` (the values of the
       call that ends at the saved step) used to rank checkpoints.
     best_mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"``.
@@ -187,7 +201,9 @@ class CheckpointHook(Hook):
 
   Raises:
     ValueError: ``max_to_keep`` or ``keep_best`` < 1, ``keep_best`` without
-      ``best_metric``, or ``best_mode`` not in ``("min", "max")``.
+      ``best_metric``, ``best_mode`` not in ``("min", "max")``, or a
+      ``keep_every_steps`` or ``keep_steps`` entry that is not a whole number
+      of steps > 0 (naming the value).
 
   At ``run`` start (:meth:`on_run_start`), before any step, the hook raises
   :class:`CheckpointError` naming the directory if it is not writable (and
@@ -198,6 +214,8 @@ class CheckpointHook(Hook):
     directory: the absolute checkpoint directory (an ``epath.Path``).
     restored_step: step restored by the last ``on_run_start`` (None if none).
     saved_steps: steps this hook saved, in order (this process's view).
+    keep_every_steps, keep_steps: the permanent tier (None and ``()`` if none;
+      ``keep_steps`` sorted).
   """
 
   needs_state = True
@@ -207,11 +225,14 @@ class CheckpointHook(Hook):
                every_epochs: float | None = None, at_steps: Sequence[int] | None = None,
                every_secs: float | None = None, max_to_keep: int | None = None,
                best_metric: str | None = None, best_mode: str = "min",
-               keep_best: int | None = None, async_save: bool = True, restore: bool = True):
+               keep_best: int | None = None, async_save: bool = True, restore: bool = True,
+               keep_every_steps: int | None = None, keep_steps: Sequence[int] | None = None):
     if every_steps is None and every_epochs is None and every_secs is None and at_steps is None:
       at_steps = ()  # no cadence: save only at the end of a run (and at a preemption)
     super().__init__(every_steps=every_steps, every_epochs=every_epochs, at_steps=at_steps,
                      every_secs=every_secs, at_end=True)
+    self.keep_every_steps, self.keep_steps = check_permanent(keep_every_steps, keep_steps)
+    self.trigger = with_permanent_marks(self.trigger, self.keep_every_steps, self.keep_steps)
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     if keep_best is not None:
@@ -242,13 +263,11 @@ class CheckpointHook(Hook):
   # -- manager ---------------------------------------------------------------
 
   def _options(self) -> ocp.CheckpointManagerOptions:
-    latest = ocp_managers.LatestN(
-        n=self.max_to_keep if self.max_to_keep or not self.keep_best else 1)
-    policies: list[Any] = [latest]
-    if self.keep_best:
-      policies.append(ocp_managers.BestN(
-          get_metric_fn=self._metric_of, reverse=self.best_mode == "min", n=self.keep_best,
-          keep_checkpoints_without_metrics=True))
+    ranked_or_tiered = self.keep_best or self.keep_every_steps or self.keep_steps
+    policy = preservation_policy(
+        max_to_keep=self.max_to_keep or (1 if ranked_or_tiered else None),
+        keep_every_steps=self.keep_every_steps, keep_steps=self.keep_steps,
+        keep_best=self.keep_best, best_metric_fn=self._metric_of, best_mode=self.best_mode)
     # A step is one Orbax committed: a digit-named directory holding commit_success.txt
     # (written last in both of Orbax's atomicity modes). By default Orbax takes *any*
     # digit-named directory on a local disk as a step (and would restore or delete a
@@ -259,7 +278,10 @@ class CheckpointHook(Hook):
         temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath)
     return ocp.CheckpointManagerOptions(
         enable_async_checkpointing=self.async_save,
-        preservation_policy=ocp_managers.AnyPreservationPolicy(policies),
+        preservation_policy=policy,
+        # Retention renames a step into the trash before deleting it (a kill leaves no
+        # partial step); loopkit empties the trash once the save is done (files.py).
+        todelete_subdir=_todelete_subdir(self.directory),
         best_fn=self._metric_of if self.best_metric else None,
         best_mode=self.best_mode, step_name_format=name_format,
         cleanup_tmp_directories=False, create=True,
@@ -347,6 +369,7 @@ class CheckpointHook(Hook):
       self._discard(step)
       raise CheckpointError(f"asynchronous save of step {step} to {self.directory} failed: "
                             f"{type(e).__name__}: {e}") from e
+    _empty_trash(self.directory)  # the steps this save's retention deleted
 
   def _discard(self, step: int) -> None:
     """After a failed save: waits for its writers, then removes its unfinished directory."""
@@ -389,6 +412,7 @@ class CheckpointHook(Hook):
       raise ValueError(f"ledger step {ledger.step} != checkpoint step {step}")
     manager = self._open()
     self.wait_until_finished()
+    _empty_trash(self.directory)  # Orbax's renames into it need the names free
     if step in manager.all_steps():
       log.info("checkpoint %d already exists in %s", step, self.directory)
       return False
