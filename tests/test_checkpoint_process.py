@@ -1,4 +1,5 @@
-"""Checkpoints across real processes: SIGKILL at random moments, SIGTERM (C24), 8 -> 4 -> 1 devices.
+"""Checkpoints across real processes: SIGKILL at random moments and during a retention delete
+between two tiers, SIGTERM (C24), 8 -> 4 -> 1 devices.
 
 Every run is tests/_ckpt_worker.py in a fresh Python process on the same
 directory; a restarted worker resumes by itself (CheckpointHook.on_run_start)
@@ -217,25 +218,28 @@ def test_restore_onto_8_then_4_then_1_devices(tmp_path):
   assert int(final["arr_" + str(len(final.files) - 1)]) == 24  # the step counter leaf
 
 
-def test_kill_while_retention_deletes_a_step_leaves_no_step_directory(tmp_path, reference):
-  """The fault test's flake, made exact: max_to_keep=1, the save of 4 commits and retention
-  deletes 2; SIGKILL when the delete has emptied 2's directory and is about to remove it. No
-  directory named 2 (empty or partial) may be left; the restart resumes from 4 and ends
-  bitwise equal to the uninterrupted run."""
+def test_kill_between_tiers_resumes_bitwise(tmp_path, reference):
+  """Two tiers (temporary every 4, 1 kept; permanent every 6): the save of the permanent 6
+  commits and retention deletes the temporary 4; SIGKILL when that delete has emptied 4's
+  directory and is about to remove it (the fault test's flake made exact: it once left an
+  empty ``4``, kept like a user's empty folder (C35); without the rename into the trash this
+  test fails with steps ['4', '6']). No directory named 4 is left; the restart
+  resumes from 6, deletes the temporary 8 at 12, keeps [6, 12, 16] and ends bitwise equal to
+  the uninterrupted run."""
   d = tmp_path / "ckpt"
-  args = ("--dir", str(d), "--k", "3", "--every-steps", "2", "--max-to-keep", "1",
-          "--num-steps", "8")
-  w = Worker(tmp_path / "a", *args, "--kill-at-rmdir", "2")
+  args = ("--dir", str(d), "--k", "3", "--every-steps", "4", "--keep-every-steps", "6",
+          "--max-to-keep", "1", "--num-steps", "16")
+  w = Worker(tmp_path / "a", *args, "--kill-at-rmdir", "4")
   assert ready(w.wait_for("READY"))[0] == -1
   w.wait_for("KILLED AT RMDIR")
   assert w.proc.wait(timeout=60) == -signal.SIGKILL
   w.err.close()
-  steps = sorted(p.name for p in d.iterdir() if p.name.isdigit())
-  assert steps == ["4"] and unfinished_dirs(d) == [], sorted(p.name for p in d.iterdir())
+  assert sorted(p.name for p in d.iterdir() if p.name.isdigit()) == ["6"]
+  assert unfinished_dirs(d) == []
   w2 = Worker(tmp_path / "b", *args)
   step, digest = ready(w2.wait_for("READY"))
-  assert step == 4 and digest == reference[4]
+  assert step == 6 and digest == reference[6]
   info = w2.finish()
-  assert info["status"] == "completed" and info["all_steps"] == [8]
-  assert info["final_digest"] == reference[8]
-  assert sorted(p.name for p in d.iterdir()) == ["8"]  # nothing else: no trash, no lock
+  assert info["status"] == "completed" and info["saved_steps"] == [8, 12, 16]
+  assert info["all_steps"] == [6, 12, 16] and info["final_digest"] == reference[16]
+  assert sorted(p.name for p in d.iterdir()) == ["12", "16", "6"]
