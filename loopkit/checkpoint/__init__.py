@@ -4,7 +4,8 @@
 data position and the hooks' own state as one Orbax checkpoint per step
 (needs ``pip install 'loopkit[checkpoint]'``). ``files`` finds and tidies step
 directories, ``items`` turns run state into Orbax items and back, ``lock``
-checks the directory at run start and keeps two runs out of one directory.
+checks the directory at run start and keeps two runs out of one directory,
+``tiers`` composes the temporary and permanent retention tiers.
 """
 
 from loopkit.checkpoint.hook import (
