@@ -12,7 +12,7 @@ evidently loopkit's (an empty ``4`` looks like a user's folder, which is kept).
 On a local disk every delete therefore first renames the directory into
 ``<directory>/.loopkit-trash/`` (one atomic ``rename``) and only then removes
 it there: Orbax's retention deletes through its ``todelete_subdir`` option
-(:func:`_todelete_subdir`), loopkit's own removals through :func:`_discard`.
+(:func:`_todelete_subdir`), loopkit's own removals through :func:`_delete_via_trash`.
 A kill leaves either the whole step or nothing under its name, plus a partial
 trash that :func:`_tidy` or :func:`_empty_trash` removes. On ``gs://`` and
 other remote paths (where a rename copies, and there are no empty
@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import logging
 import re
+import threading
 import time
 
 import jax
@@ -85,7 +86,7 @@ def _todelete_subdir(directory: epath.Path) -> str | None:
   return _TRASH if _is_local(directory) else None
 
 
-def _discard(directory: epath.Path, p: epath.Path) -> None:
+def _delete_via_trash(directory: epath.Path, p: epath.Path) -> None:
   """Deletes ``p`` (an entry of ``directory``) so that a kill leaves nothing under its name:
   on a local disk renamed into the trash first, then the trash is removed (no save is in
   flight when loopkit deletes: nothing else is in it)."""
@@ -114,6 +115,29 @@ def _empty_trash(directory: epath.Path) -> None:
     _rmtree(trash)
   except OSError as e:
     log.warning("could not empty %s: %s", trash, e)
+
+
+class _TrashEmptier:
+  """Empties a directory's trash in a background thread (deleting a large checkpoint may take
+  a while; Orbax's own deletes run in its background thread too). :meth:`join` before Orbax
+  may rename into the trash again (the next save) and when the hook closes."""
+
+  def __init__(self, directory: epath.Path):
+    self.directory = directory
+    self._thread: threading.Thread | None = None
+
+  def start(self) -> None:
+    self.join()
+    if jax.process_index() != 0 or not (self.directory / _TRASH).exists():
+      return
+    self._thread = threading.Thread(target=_empty_trash, args=(self.directory,),
+                                    name="loopkit-empty-trash", daemon=True)
+    self._thread.start()
+
+  def join(self) -> None:
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
 
 
 def _step_of_name(name: str) -> int | None:
@@ -160,7 +184,7 @@ def _tidy(directory: epath.Path, remove: bool = True) -> list[str]:
       if _unfinished_write(p):
         if remove:
           log.warning("removing unfinished checkpoint directory %s", p)
-          _discard(directory, p)
+          _delete_via_trash(directory, p)
       elif name.isdigit() and not (p / _COMMIT_FILE).exists():
         kept.append(name)
       elif _step_of_name(name) is None and _FOREIGN_CHECKPOINT.search(name):
@@ -221,4 +245,4 @@ def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
   for p in directory.iterdir():
     if _step_of_name(p.name) == step and _unfinished_write(p):
       log.warning("removing unfinished checkpoint directory %s", p)
-      _discard(directory, p)
+      _delete_via_trash(directory, p)

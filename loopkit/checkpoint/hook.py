@@ -108,6 +108,7 @@ from loopkit.checkpoint.files import (
   _COMMIT_FILE,
   _ITEMS,
   _drain_writers,
+  _TrashEmptier,
   _empty_trash,
   _remove_failed_save,
   _tidy,
@@ -247,6 +248,7 @@ class CheckpointHook(Hook):
       path = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
     self.directory = path
     self._lock = DirectoryLock(self.directory)
+    self._trash = _TrashEmptier(self.directory)
     self.max_to_keep = max_to_keep
     self.best_metric = best_metric
     self.best_mode = best_mode
@@ -326,6 +328,7 @@ class CheckpointHook(Hook):
     try:
       self.wait_until_finished()
     finally:
+      self._trash.join()
       manager, self._manager = self._manager, None
       try:
         manager.close()
@@ -369,7 +372,7 @@ class CheckpointHook(Hook):
       self._discard(step)
       raise CheckpointError(f"asynchronous save of step {step} to {self.directory} failed: "
                             f"{type(e).__name__}: {e}") from e
-    _empty_trash(self.directory)  # the steps this save's retention deleted
+    self._trash.start()  # removes the steps this save's retention deleted
 
   def _discard(self, step: int) -> None:
     """After a failed save: waits for its writers, then removes its unfinished directory."""
@@ -412,7 +415,8 @@ class CheckpointHook(Hook):
       raise ValueError(f"ledger step {ledger.step} != checkpoint step {step}")
     manager = self._open()
     self.wait_until_finished()
-    _empty_trash(self.directory)  # Orbax's renames into it need the names free
+    self._trash.join()
+    _empty_trash(self.directory)  # Orbax's renames into the trash need the names free
     if step in manager.all_steps():
       log.info("checkpoint %d already exists in %s", step, self.directory)
       return False
