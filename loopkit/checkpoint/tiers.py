@@ -8,9 +8,9 @@ is every multiple of ``keep_every_steps`` and every step in ``keep_steps``:
 the hook also saves there (the planner cuts device calls so those steps land
 exactly) and never deletes them.
 
-A checkpoint's tier follows from its step alone, as in Orbax's
-``keep_period``, MaxText's and Levanter's, so nothing extra is stored and a
-resume picks the newest checkpoint of either tier. The retention decision is
+A checkpoint's tier follows from its step alone, as with Orbax's
+``keep_period`` and Levanter's permanent checkpoints, so nothing extra is
+stored and a resume picks the newest checkpoint of either tier. The retention decision is
 Orbax's own preservation policies, composed: ``AnyPreservationPolicy`` of
 ``LatestN(max_to_keep)`` (counted over both tiers, as Orbax's ``max_to_keep``
 with ``keep_period`` counts), ``EveryNSteps(keep_every_steps)``,
@@ -35,6 +35,8 @@ try:
   from orbax.checkpoint import checkpoint_managers as ocp_managers
 except ImportError as e:
   raise missing(e, "loopkit.checkpoint") from e
+
+__all__ = ["PermanentMarks", "check_permanent", "preservation_policy", "with_permanent_marks"]
 
 
 def check_permanent(keep_every_steps: Any, keep_steps: Any) -> tuple[int | None, tuple[int, ...]]:
