@@ -5,6 +5,8 @@ data position and the hooks' own state as one Orbax checkpoint per step
 (needs ``pip install 'loopkit[checkpoint]'``). ``files`` finds and tidies step
 directories, ``items`` turns run state into Orbax items and back, ``lock``
 checks the directory at run start and keeps two runs out of one directory.
+:class:`LossSpikeHook` rewinds a run to its last checkpoint at a loss spike and skips the
+data around it (``spike``).
 """
 
 from loopkit.checkpoint.hook import (
@@ -13,5 +15,7 @@ from loopkit.checkpoint.hook import (
     CheckpointWarning,
     RestoredCheckpoint,
 )
+from loopkit.checkpoint.spike import LossSpikeError, LossSpikeHook
 
-__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]
+__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "LossSpikeError",
+           "LossSpikeHook", "RestoredCheckpoint"]
