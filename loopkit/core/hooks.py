@@ -164,7 +164,9 @@ class Hook:
   (``hook_name``, default the class name, ``#2``... for repeats; see
   :func:`loopkit.core.hook_state.hook_names`), and the loop hands it back on a restore.
   A hook with ``flush()`` is flushed by the loop before a checkpoint is saved and,
-  when ``run`` raises, before its ``on_run_error``.
+  when ``run`` raises, before its ``on_run_error``. A hook with ``rewind_request(info)`` and
+  ``rewind(ctx, request, like)`` may rewind the run to an earlier checkpoint and skip data
+  (:mod:`loopkit.core.skips`, :class:`loopkit.checkpoint.LossSpikeHook`).
 
   Attributes:
     needs_state: the hook reads the state in ``on_trigger`` (the loop then

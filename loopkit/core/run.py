@@ -647,7 +647,7 @@ class Run:
     """
     local: tuple[int, RewindRequest] | None = None
     for i in self.rewinders:
-      request = self.call_hook(i, self.hooks[i].rewind_request, info)
+      request = self.call_hook(i, getattr(self.hooks[i], "rewind_request"), info)
       if request is None:
         continue
       if not isinstance(request, RewindRequest):
@@ -686,7 +686,8 @@ class Run:
     """
     name = self.names[i]
     before = self.ledger.copy()
-    restore = self.call_hook(i, self.hooks[i].rewind, self.contexts[i], request, self.state)
+    restore = self.call_hook(i, getattr(self.hooks[i], "rewind"), self.contexts[i], request,
+                             self.state)
     if not isinstance(restore, Restore):
       raise TypeError(f"{name}.rewind returned {restore!r}, not a loopkit.core.Restore")
     if not isinstance(restore.ledger, Ledger) or restore.ledger.step >= request.before_step:
