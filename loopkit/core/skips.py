@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from loopkit.data.feeding import skip_count
+
 __all__ = ["RewindRequest", "check_reopenable", "check_skip_steps", "cut_steps", "merge_ranges",
            "skip_count"]
 
@@ -130,27 +132,6 @@ def merge_ranges(*lists: Iterable[Sequence[int]]) -> SkipRanges:
 def covered(ranges: SkipRanges, first: int, last: int) -> bool:
   """Whether data steps ``first..last`` all lie in ``ranges`` (merged, :func:`merge_ranges`)."""
   return any(a <= first and last <= b for a, b in ranges)
-
-
-def skip_count(ranges: SkipRanges, data_step: int) -> int:
-  """Batches to pass over after ``data_step`` before the next batch trained on.
-
-  Args:
-    ranges: merged skip ranges.
-    data_step: data steps consumed so far.
-
-  Returns:
-    ``last - data_step`` when data step ``data_step + 1`` lies in a range ``(first, last)``,
-    else 0.
-
-  Example:
-    >>> skip_count(((31, 40),), 30), skip_count(((31, 40),), 29)
-    (10, 0)
-  """
-  for first, last in ranges:
-    if first <= data_step + 1 <= last:
-      return last - data_step
-  return 0
 
 
 def cut_steps(ranges: SkipRanges, step: int, data_step: int) -> list[int]:

@@ -113,6 +113,27 @@ def _join_stranded_at_exit() -> None:
 atexit.register(_join_stranded_at_exit)
 
 
+def skip_count(ranges: tuple[tuple[int, int], ...], data_step: int) -> int:
+  """Batches to pass over after ``data_step`` before the next batch trained on.
+
+  Args:
+    ranges: merged skip ranges (:func:`loopkit.core.skips.merge_ranges`).
+    data_step: data steps consumed so far.
+
+  Returns:
+    ``last - data_step`` when data step ``data_step + 1`` lies in a range ``(first, last)``,
+    else 0.
+
+  Example:
+    >>> skip_count(((31, 40),), 30), skip_count(((31, 40),), 29)
+    (10, 0)
+  """
+  for first, last in ranges:
+    if first <= data_step + 1 <= last:
+      return last - data_step
+  return 0
+
+
 @dataclasses.dataclass
 class Chunk:
   """One call's input.
@@ -424,7 +445,6 @@ class ChunkFeeder:
     """
     skipped = 0
     if self._skips:
-      from loopkit.core.skips import skip_count  # pylint: disable=g-import-not-at-top
       to_skip = skip_count(self._skips, self._data_step)
       if to_skip:
         passed = self._pass_over(to_skip)
