@@ -15,6 +15,11 @@ contexts), and goes through three named steps:
 * :meth:`Run.stop`: the status, the ``at_end`` hooks that did not fire on the
   last call, ``on_run_end``.
 
+A hook with ``rewind_request`` may ask, at a call's boundary, to go back to an earlier
+checkpoint and skip data (:mod:`loopkit.core.skips`); agreed across processes, the run
+applies the hook's restore (:meth:`Run.rewind`), drops the call dispatched meanwhile and
+opens the source again at the restored position.
+
 Hooks read a :class:`~loopkit.core.context.RunContext` and return what they change
 (:mod:`loopkit.core.context`); only this module applies it. Not thread-safe.
 """
@@ -189,6 +194,10 @@ class Run:
     names: the hooks' stable names (:func:`loopkit.core.hook_state.hook_names`).
     started: how many hooks' ``on_run_start`` were called (they get
       ``on_run_error``).
+    feeder: the current :class:`~loopkit.data.feeding.ChunkFeeder` (a new one after a
+      rewind).
+    rewound: a rewind was applied and the feeder is to be opened again (while
+      :meth:`call_until_done` handles it).
   """
 
   def __init__(self, config: RunConfig, hooks: list[Hook], *, steps_per_epoch: int | None,
