@@ -52,6 +52,19 @@ class Listed:
       yield b
 
 
+class Calls(loopkit.Hook):
+  """Records every call's (start_step, end_step, skipped_steps, data_step)."""
+
+  needs_state = False
+
+  def __init__(self):
+    super().__init__()
+    self.calls = []
+
+  def after_each_call(self, info):
+    self.calls.append((info.start_step, info.end_step, info.skipped_steps, info.data_step))
+
+
 class Rows:
   """A writer that keeps each row's (step, loss)."""
 
@@ -69,23 +82,24 @@ class Rows:
 
 
 def train(directory, *, spike=False, k=4, skip_steps=None, num_steps=50, source=None,
-          every_steps=10):
+          every_steps=10, max_rewinds=10):
   """One run; ``directory`` None: no checkpoints."""
   writer = Rows()
-  hooks = [loopkit.LoggingHook(writer, every_steps=5, throughput=False)]
+  calls = Calls()
+  hooks = [calls, loopkit.LoggingHook(writer, every_steps=5, throughput=False)]
   ckpt = None
   if directory is not None:
     ckpt = CheckpointHook(directory, every_steps=every_steps, async_save=False)
     hooks.append(ckpt)
   watch = None
   if spike:
-    watch = LossSpikeHook(ckpt, factor=10, window=5, margin=3)
+    watch = LossSpikeHook(ckpt, factor=10, window=5, margin=3, max_rewinds=max_rewinds)
     hooks.append(watch)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=hooks)
   source = Steps() if source is None else source
   state = loop.run(toy.init_state(), source, num_steps=num_steps, skip_steps=skip_steps)
   return {"loop": loop, "state": state, "rows": writer.rows, "watch": watch, "ckpt": ckpt,
-          "source": source}
+          "source": source, "calls": calls.calls}
 
 
 def same_ledger(a, b):
@@ -151,6 +165,9 @@ def test_a_spike_rewinds_to_the_last_checkpoint_and_ends_as_a_run_given_the_skip
   # run B never read the batches of data steps 31..40 (a step-indexed source steps over them)
   assert sorted(set(b["source"].read)) == list(range(30)) + list(range(40, 60))
   assert a["loop"].status == b["loop"].status == "completed"
+  # hooks see the skip: the call after step 30 starts at data step 41
+  assert (29, 30, 0, 30) in b["calls"] and (30, 34, 10, 44) in b["calls"]
+  assert a["calls"][-6:] == b["calls"][-6:]
 
 
 def test_the_skip_range_is_saved_with_the_checkpoints_after_the_rewind(runs):
@@ -218,11 +235,34 @@ def test_a_one_shot_iterator_cannot_be_rewound(tmp_path):
   assert loop.ledger.step == 0 and ckpt.all_steps() == []
 
 
-def test_a_spike_before_any_checkpoint_raises_naming_it(tmp_path):
-  with pytest.raises(LossSpikeError, match=r"loss [0-9.e+]+ at step 7 \(data step 7\) > 10 x the "
-                     r"median [0-9.e+-]+ of the last 5 steps, and .* holds no checkpoint before "
-                     r"step 7 to rewind to"):
-    train(tmp_path / "n", spike=True, source=Steps(spike_at=7), every_steps=50)
+class NanAt(Steps):
+  def batch_at(self, i):
+    b = super().batch_at(i)
+    return {"x": b["x"] * np.float32("nan"), "y": b["y"]} if i + 1 == 3 else b
+
+
+@pytest.mark.parametrize("source, says", [
+    (Steps(spike_at=7), r"loss [0-9.e+]+ at step 7 \(data step 7\) > 10 x the median "
+     r"[0-9.e+-]+ of the last 5 steps"),
+    (NanAt(spike_at=None), r"loss nan at step 3 \(data step 3\) is not finite"),
+])
+@pytest.mark.filterwarnings("ignore::loopkit.NonFiniteWarning")  # the NaN case warns too
+def test_a_spike_before_any_checkpoint_raises_naming_it(tmp_path, source, says):
+  with pytest.raises(LossSpikeError, match=says + r", and .* holds no checkpoint before step "
+                     r"\d+ to rewind to"):
+    train(tmp_path / "n", spike=True, source=source, every_steps=50)
+
+
+def test_a_run_that_keeps_spiking_stops_after_max_rewinds(tmp_path):
+  class Twice(Steps):
+    def batch_at(self, i):
+      b = super().batch_at(i)
+      return {k: v * 100 for k, v in b.items()} if i + 1 == 22 else b
+
+  with pytest.raises(LossSpikeError, match=r"loss [0-9.e+]+ at step 17 \(data step 22\) > 10 "
+                     r"x the median .*, after 1 rewinds in this run \(max_rewinds=1\)"):
+    train(tmp_path / "m", spike=True, source=Twice(spike_at=12), every_steps=5, max_rewinds=1,
+          num_steps=30)
 
 
 def test_two_processes_rewind_together_when_one_sees_the_spike(tmp_path):
