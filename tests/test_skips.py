@@ -170,6 +170,17 @@ def test_a_spike_rewinds_to_the_last_checkpoint_and_ends_as_a_run_given_the_skip
   assert a["calls"][-6:] == b["calls"][-6:]
 
 
+def test_a_spike_in_the_last_call_rewinds_and_trains_on_to_the_target(tmp_path):
+  """num_steps=37, K=7: the spike's call (35, 37] is the run's last; its boundary rewinds and
+  the run goes on, as one with the range from the start (K=1, no checkpoints)."""
+  a = train(tmp_path / "last", spike=True, k=7, num_steps=37)
+  b = train(None, k=1, skip_steps=[(31, 40)], num_steps=37)
+  toy.assert_bitwise(a["state"], b["state"])
+  assert (a["calls"][-1], b["calls"][-1]) == ((35, 37, 10, 47), (36, 37, 10, 47))
+  assert (a["loop"].ledger.lost_steps, a["loop"].status) == (7, "completed")
+  assert a["ckpt"].all_steps() == [10, 20, 30, 37]
+
+
 def test_the_skip_range_is_saved_with_the_checkpoints_after_the_rewind(runs):
   a, _ = runs
   ckpt = a["ckpt"]
