@@ -235,6 +235,18 @@ def test_a_plain_iterable_reads_and_drops_the_skipped_batches_and_rewinds(runs, 
   assert [r["restored_step"] for r in a["watch"].rewinds] == [30]
 
 
+def test_a_grain_iterator_drops_the_skipped_batches_and_is_set_back_at_a_rewind(runs, tmp_path):
+  """A Grain dataset iterator (get_state / set_state): the rewind sets it back to checkpoint
+  30's state, the ten batches are drawn and dropped, and the run ends as run B."""
+  grain = pytest.importorskip("grain")
+  _, b = runs
+  dataset = grain.MapDataset.range(80).map(lambda i: batch(int(i))).to_iter_dataset()
+  a = train(tmp_path / "grain", spike=True, source=iter(dataset))
+  toy.assert_bitwise(a["state"], b["state"])
+  assert a["loop"].data_position == {"next_index": 60}
+  assert [r["restored_step"] for r in a["watch"].rewinds] == [30]
+
+
 def test_a_one_shot_iterator_cannot_be_rewound(tmp_path):
   ckpt = CheckpointHook(tmp_path / "g")
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
