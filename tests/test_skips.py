@@ -181,6 +181,28 @@ def test_a_spike_in_the_last_call_rewinds_and_trains_on_to_the_target(tmp_path):
   assert a["ckpt"].all_steps() == [10, 20, 30, 37]
 
 
+class PreemptedAtTheRewind(LossSpikeHook):
+  """Preempts the run as it rewinds: it stops before the next checkpoint holds the range."""
+
+  def rewind(self, ctx, request, like):
+    ctx.preemption.request()
+    return super().rewind(ctx, request, like)
+
+
+def test_a_run_stopped_right_after_a_rewind_meets_the_spike_again_when_resumed(runs, tmp_path):
+  _, b = runs
+  ckpt = CheckpointHook(tmp_path / "p", every_steps=10, async_save=False)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[
+      ckpt, PreemptedAtTheRewind(ckpt, factor=10, window=5, margin=3)])
+  loop.run(toy.init_state(), Steps(), num_steps=50)
+  assert (loop.status, loop.ledger.step, loop.ledger.skip_steps) == ("preempted", 30, ((31, 40),))
+  assert ckpt.all_steps() == [10, 20, 30]  # 30 was there: the range is in no checkpoint
+  resumed = train(tmp_path / "p", spike=True)
+  assert [(r["step"], r["restored_step"]) for r in resumed["watch"].rewinds] == [(37, 30)]
+  toy.assert_bitwise(resumed["state"], b["state"])
+  assert resumed["loop"].ledger.skip_steps == ((31, 40),)
+
+
 def test_the_skip_range_is_saved_with_the_checkpoints_after_the_rewind(runs):
   a, _ = runs
   ckpt = a["ckpt"]
