@@ -6,6 +6,8 @@ data position and the hooks' own state as one Orbax checkpoint per step
 directories, ``items`` turns run state into Orbax items and back, ``lock``
 checks the directory at run start and keeps two runs out of one directory,
 ``tiers`` composes the temporary and permanent retention tiers.
+:class:`LossSpikeHook` rewinds a run to its last checkpoint at a loss spike and skips the
+data around it (``spike``).
 """
 
 from loopkit.checkpoint.hook import (
@@ -14,5 +16,7 @@ from loopkit.checkpoint.hook import (
     CheckpointWarning,
     RestoredCheckpoint,
 )
+from loopkit.checkpoint.spike import LossSpikeError, LossSpikeHook
 
-__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]
+__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "LossSpikeError",
+           "LossSpikeHook", "RestoredCheckpoint"]

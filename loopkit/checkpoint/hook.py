@@ -559,7 +559,8 @@ class CheckpointHook(Hook):
     if ledger is None or ledger.step != info.end_step:
       ledger = Ledger(step=info.end_step, examples_seen=info.examples_seen,
                       loop_index=info.loop_index + 1,
-                      steps_per_epoch=ctx.steps_per_epoch if ctx is not None else None)
+                      steps_per_epoch=ctx.steps_per_epoch if ctx is not None else None,
+                      skipped_steps=info.skipped_steps)
     self.save(info.end_step, state, ledger=ledger, data_position=info.data_position,
               metrics=info.metrics, hook_states=ctx.hook_states if ctx is not None else None)
     return None

@@ -29,6 +29,7 @@ from loopkit.core.preemption import PreemptionWatcher
 from loopkit.core.program import MultiStepProgram
 from loopkit.core.rng import step_key
 from loopkit.core.run import StepCounterError
+from loopkit.core.skips import RewindRequest
 from loopkit.core.triggers import Trigger
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "PreemptionWatcher",
     "RecompileWarning",
     "Restore",
+    "RewindRequest",
     "RunContext",
     "StepCounterError",
     "TimeBasedK",

@@ -93,6 +93,9 @@ class CallRecord:
     is_last: the last call of this ``run``.
     data_position: the source position after this call's last batch (what a
       checkpoint must store to resume with the next unconsumed batch).
+    skipped_steps: data steps passed over without an update so far, this call's
+      included (the ledger's after the call, :mod:`loopkit.core.skips`): the call's
+      batches are data steps ``start_step + skipped_steps + 1 .. data_step``.
   """
 
   start_step: int
@@ -103,10 +106,17 @@ class CallRecord:
   examples_seen: int
   is_last: bool = False
   data_position: Any = None
+  skipped_steps: int = 0
 
   @property
   def num_steps(self) -> int:
     return self.end_step - self.start_step
+
+  @property
+  def data_step(self) -> int:
+    """The data step of the call's last batch (batches given so far): ``end_step +
+    skipped_steps``."""
+    return self.end_step + self.skipped_steps
 
 
 def record_fields(record: CallRecord) -> dict[str, Any]:
@@ -154,7 +164,9 @@ class Hook:
   (``hook_name``, default the class name, ``#2``... for repeats; see
   :func:`loopkit.core.hook_state.hook_names`), and the loop hands it back on a restore.
   A hook with ``flush()`` is flushed by the loop before a checkpoint is saved and,
-  when ``run`` raises, before its ``on_run_error``.
+  when ``run`` raises, before its ``on_run_error``. A hook with ``rewind_request(info)`` and
+  ``rewind(ctx, request, like)`` may rewind the run to an earlier checkpoint and skip data
+  (:mod:`loopkit.core.skips`, :class:`loopkit.checkpoint.LossSpikeHook`).
 
   Attributes:
     needs_state: the hook reads the state in ``on_trigger`` (the loop then
@@ -245,9 +257,11 @@ class Hook:
     """
 
 
-# Every method the loop calls on a hook (the last three only if the hook has them).
+# Every method the loop calls on a hook (the last five only if the hook has them; the
+# rewind pair: loopkit.core.skips).
 HOOK_METHODS = ("on_run_start", "adjust_ledger", "after_each_call", "on_trigger", "on_run_end",
-                "on_run_error", "flush", "checkpoint_state", "restore_checkpoint_state")
+                "on_run_error", "flush", "checkpoint_state", "restore_checkpoint_state",
+                "rewind_request", "rewind")
 # loopkit 0.1's hook methods, by the name the loop calls now.
 RENAMED_HOOK_METHODS = {"observe": "after_each_call", "after_call": "on_trigger"}
 _SIGNATURES = {"after_each_call": "after_each_call(info)",

@@ -85,7 +85,13 @@ class Ledger:
       to ``setup``, ``data_wait``, ``checkpoint``, ``eval`` and ``total``),
       and ``lost`` (time of work redone after restarts, see :mod:`loopkit.observe.goodput`).
     lost_steps: steps redone after restarts (trained past the last
-      checkpoint, then lost).
+      checkpoint, then lost), or after rewinds (:mod:`loopkit.core.skips`).
+    skipped_steps: data steps passed over without an update (:mod:`loopkit.core.skips`):
+      after every call the source has given :attr:`data_step` = ``step + skipped_steps``
+      batches.
+    skip_steps: the skip ranges in force, ``((first, last), ...)`` in data steps
+      (inclusive, disjoint, ascending): those given to ``run``, those saved in the
+      checkpoint it resumed from, and those a rewind added.
   """
 
   step: int = 0
@@ -94,6 +100,13 @@ class Ledger:
   steps_per_epoch: int | None = None
   seconds: dict[str, float] = dataclasses.field(default_factory=dict)
   lost_steps: int = 0
+  skipped_steps: int = 0
+  skip_steps: tuple[tuple[int, int], ...] = ()
+
+  @property
+  def data_step(self) -> int:
+    """Batches the source has given so far: ``step + skipped_steps``."""
+    return self.step + self.skipped_steps
 
   @property
   def epoch(self) -> int:
@@ -124,14 +137,17 @@ class Ledger:
     return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch,
             "examples_seen": self.examples_seen, "loop_index": self.loop_index,
             "steps_per_epoch": self.steps_per_epoch, "seconds": dict(self.seconds),
-            "lost_steps": self.lost_steps}
+            "lost_steps": self.lost_steps, "skipped_steps": self.skipped_steps,
+            "skip_steps": [list(r) for r in self.skip_steps]}
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> Ledger:
     return cls(step=int(d["step"]), examples_seen=int(d["examples_seen"]),
                loop_index=int(d["loop_index"]), steps_per_epoch=d.get("steps_per_epoch"),
                seconds={k: float(v) for k, v in d.get("seconds", {}).items()},
-               lost_steps=int(d.get("lost_steps", 0)))
+               lost_steps=int(d.get("lost_steps", 0)),
+               skipped_steps=int(d.get("skipped_steps", 0)),
+               skip_steps=tuple((int(a), int(b)) for a, b in d.get("skip_steps", ())))
 
 
 class LedgerView:
@@ -153,6 +169,9 @@ class LedgerView:
   loop_index = property(lambda self: self._ledger.loop_index)
   steps_per_epoch = property(lambda self: self._ledger.steps_per_epoch)
   lost_steps = property(lambda self: self._ledger.lost_steps)
+  skipped_steps = property(lambda self: self._ledger.skipped_steps)
+  skip_steps = property(lambda self: self._ledger.skip_steps)
+  data_step = property(lambda self: self._ledger.data_step)
   epoch = property(lambda self: self._ledger.epoch)
   step_in_epoch = property(lambda self: self._ledger.step_in_epoch)
 

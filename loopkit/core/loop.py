@@ -31,6 +31,7 @@ from loopkit.core.planner import TimeBasedK, parse_duration
 from loopkit.core.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.core.program import MultiStepProgram, StepStyle
 from loopkit.core.run import DataExhaustedWarning, Run, RunConfig, check_epoch_marks
+from loopkit.core.skips import check_skip_steps
 from loopkit.data.sources import check_epoch_length, steps_per_epoch_of
 
 __all__ = ["DataExhaustedWarning", "TrainLoop"]
@@ -222,7 +223,8 @@ class TrainLoop:
       self._run.request_stop(reason)
 
   def run(self, state: Any, batches: Iterable, *, num_steps: int | None = None,
-          num_epochs: int | None = None) -> Any:
+          num_epochs: int | None = None, skip_steps: Sequence[tuple[int, int]] | None = None
+          ) -> Any:
     """Trains until global step ``num_steps`` (or ``num_epochs * steps_per_epoch``).
 
     Args:
@@ -233,6 +235,11 @@ class TrainLoop:
         ``max_steps``: a state restored at step 10 asked for 15 runs 5 steps).
       num_epochs: alternatively, the epoch count to stop at (needs
         ``steps_per_epoch``).
+      skip_steps: data steps to pass over, ``[(first, last), ...]`` (1-based batch
+        indices in the source's order, inclusive; :mod:`loopkit.core.skips`): their batches
+        are drawn and dropped (or stepped over, for a ``batch_at`` source) and no update is
+        applied for them; ``num_steps`` still counts updates. Joined with the ranges the
+        restored checkpoint's ledger holds (``ledger.skip_steps``), which a resume keeps.
 
     Returns:
       The final state, whose step equals ``self.ledger.step``.
@@ -241,7 +248,10 @@ class TrainLoop:
       TypeError: a state that is (or holds) a Flax NNX object (``nnx.Module``,
         ``nnx.Optimizer``...), before it is donated: the message names
         :class:`loopkit.nnx.NnxTrainLoop`.
-      ValueError: bad arguments; a source whose own epoch is not
+      ValueError: bad arguments (a ``skip_steps`` entry that is not a pair of ints
+        ``1 <= first <= last``, or out of order or overlapping, naming it; after a restore,
+        one that starts at or before the data step the run is at); a source whose own
+        epoch is not
         ``steps_per_epoch`` steps (naming both); a state leaf sharded on another
         mesh than the loop's, which would lose its sharding (naming the leaf, both
         meshes and ``mesh=``); a sharding (the leaf's own, or from ``state_shardings``) that
@@ -262,6 +272,7 @@ class TrainLoop:
       self.steps_per_epoch = steps_per_epoch_of(batches)
     check_epoch_length(batches, self.steps_per_epoch)
     target = self._target(num_steps, num_epochs)
+    skips = check_skip_steps(skip_steps)
     self.target_step = target
     config = self._config
     if config.time_based_k is not None:
@@ -272,7 +283,7 @@ class TrainLoop:
       self._preemption = PreemptionWatcher(self.preemption_signals)
     prior = self.ledger
     run = Run(config, self.hooks, steps_per_epoch=self.steps_per_epoch, target=target,
-              num_epochs=num_epochs, preemption=self._preemption)
+              num_epochs=num_epochs, preemption=self._preemption, skip_steps=skips)
     state = run.admit(state, None)
     step0 = _initial_step(config.step_of(state), config.data_parallel_size)
     fresh = prior is None or last is None or prior.step != step0

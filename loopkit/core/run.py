@@ -15,6 +15,11 @@ contexts), and goes through three named steps:
 * :meth:`Run.stop`: the status, the ``at_end`` hooks that did not fire on the
   last call, ``on_run_end``.
 
+A hook with ``rewind_request`` may ask, at a call's boundary, to go back to an earlier
+checkpoint and skip data (:mod:`loopkit.core.skips`); agreed across processes, the run
+applies the hook's restore (:meth:`Run.rewind`), drops the call dispatched meanwhile and
+opens the source again at the restored position.
+
 Hooks read a :class:`~loopkit.core.context.RunContext` and return what they change
 (:mod:`loopkit.core.context`); only this module applies it. Not thread-safe.
 """
@@ -22,6 +27,7 @@ Hooks read a :class:`~loopkit.core.context.RunContext` and return what they chan
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 import warnings
@@ -49,6 +55,15 @@ from loopkit.core.ledger import Bucket, Ledger, LedgerView, epoch_of
 from loopkit.core.planner import TimeBasedK, plan_calls
 from loopkit.core.preemption import PreemptionWatcher
 from loopkit.core.program import MultiStepProgram
+from loopkit.core.skips import (
+  RewindRequest,
+  SkipRanges,
+  check_reopenable,
+  covered,
+  cut_steps,
+  merge_ranges,
+)
+from loopkit.core.triggers import Trigger
 from loopkit.data.feeding import Chunk, ChunkFeeder
 from loopkit.data.sources import open_source
 
@@ -159,6 +174,9 @@ class Run:
     num_epochs: the ``num_epochs`` asked for (for messages), or None.
     preemption: the :class:`~loopkit.core.preemption.PreemptionWatcher` this
       run installs (see :attr:`preemption_spent`).
+    skip_steps: skip ranges given to ``run`` (checked,
+      :func:`loopkit.core.skips.check_skip_steps`), joined at the start with the
+      restored ledger's.
 
   Attributes:
     ledger: the run's :class:`~loopkit.core.ledger.Ledger` (written only here;
@@ -176,10 +194,15 @@ class Run:
     names: the hooks' stable names (:func:`loopkit.core.hook_state.hook_names`).
     started: how many hooks' ``on_run_start`` were called (they get
       ``on_run_error``).
+    feeder: the current :class:`~loopkit.data.feeding.ChunkFeeder` (a new one after a
+      rewind).
+    rewound: a rewind was applied and the feeder is to be opened again (while
+      :meth:`call_until_done` handles it).
   """
 
   def __init__(self, config: RunConfig, hooks: list[Hook], *, steps_per_epoch: int | None,
-               target: int, num_epochs: int | None, preemption: PreemptionWatcher):
+               target: int, num_epochs: int | None, preemption: PreemptionWatcher,
+               skip_steps: SkipRanges = ()):
     self.config = config
     self.program = config.program
     self.hooks = hooks
@@ -213,6 +236,13 @@ class Run:
     self.nonfinite_step: int | None = None  # the run's first step with a NaN/Inf metric
     self.timed = [i for i, h in enumerate(hooks) if h.trigger.every_secs is not None]
     self.single_process = jax.process_count() == 1
+    self.skip_steps = skip_steps
+    # Hooks that may rewind the run (loopkit.core.skips): asked at every boundary.
+    self.rewinders = [i for i, h in enumerate(hooks)
+                      if callable(getattr(h, "rewind_request", None))]
+    self.rewound = False  # set by rewind(); call_until_done then re-opens the feeder
+    self.batches: Any = None
+    self.feeder: ChunkFeeder | None = None
     self.t_mark = time.perf_counter()
     # "start" until the first dispatch, "calls" until the last call's hooks ran, then "end".
     # Outside "calls" the wall time goes to its buckets and the rest to Bucket.SETUP, so a
@@ -296,6 +326,9 @@ class Run:
       ``(state, feeder)``.
     """
     state = self.start_hooks(state)
+    self.settle_skips()
+    for i in self.rewinders:
+      check_reopenable(batches, self.names[i])
     step0 = self.ledger.step  # a restore's step, else the state's
     if step0 > self.target:  # after restores: a checkpoint past the target too
       log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
@@ -337,16 +370,44 @@ class Run:
           change.apply_to(self.ledger)
     return state
 
+  def settle_skips(self) -> None:
+    """The skip ranges in force: the restored ledger's and those given to ``run``.
+
+    Raises:
+      ValueError: a given range that is not in the ledger's and starts at or before the
+        data step the run is at (its first batches were trained on already).
+    """
+    ledger = self.ledger
+    data_step = ledger.data_step
+    for first, last in self.skip_steps:
+      if first <= data_step and not covered(ledger.skip_steps, first, last):
+        raise ValueError(
+            f"skip_steps entry ({first}, {last}) starts at or before data step {data_step}, "
+            f"where the run is (step {ledger.step} + {ledger.skipped_steps} skipped): "
+            f"the batches of data steps {first}..{min(last, data_step)} were trained on "
+            f"already. A skip range must start after data step {data_step} (rewind to an "
+            "earlier checkpoint to skip those)")
+    ledger.skip_steps = merge_ranges(ledger.skip_steps, self.skip_steps)
+
   def open_feeder(self, batches: Iterable, step0: int) -> ChunkFeeder:
-    """Opens the source at the run's data position and plans the calls from ``step0``."""
+    """Opens the source at the run's data position and plans the calls from ``step0``.
+
+    With skip ranges the source opens at the ledger's data step, and the plan also ends
+    calls where a range starts (:func:`loopkit.core.skips.cut_steps`).
+    """
     config = self.config
-    source, start_position = open_source(batches, self.data_position, step0)
+    ledger = self.ledger
+    source, start_position = open_source(batches, self.data_position, ledger.data_step)
     if self.data_position is None:  # the position of a boundary before any call
       get_state = getattr(source, "get_state", None)
       self.data_position = get_state() if callable(get_state) else start_position
+    triggers = [h.trigger for h in self.hooks]
+    cuts = cut_steps(ledger.skip_steps, step0, ledger.data_step)
+    if cuts:
+      triggers.append(Trigger(at_steps=cuts, at_end=False))
     plan = plan_calls(step0, iterations_per_loop=config.time_based_k or config.iterations_per_loop,
                       num_steps=self.target, steps_per_epoch=self.steps_per_epoch,
-                      triggers=[h.trigger for h in self.hooks])
+                      triggers=triggers)
     # A preemption abandons the chunk being formed (feeding.py): the loop then
     # stops at this boundary after the same agreement as any other.
     return ChunkFeeder(source, plan, iterations_per_loop=config.iterations_per_loop,
@@ -356,7 +417,8 @@ class Run:
                        start_position=start_position, first_step=step0,
                        interrupt=self.preemption.event,
                        global_batch_size=config.global_batch_size,
-                       call_places=True)  # the program pins batch_sharding
+                       call_places=True,  # the program pins batch_sharding
+                       skips=ledger.skip_steps, first_data_step=ledger.data_step)
 
   def apply_restore(self, r: Restore, i: int) -> Any:
     """Takes a hook's :class:`~loopkit.core.context.Restore`: state, ledger, position, hook
@@ -393,8 +455,9 @@ class Run:
     ``on_run_start`` was called get ``on_run_error`` (:meth:`fail`).
     """
     self.state = state
+    self.batches = batches
     try:
-      state, feeder = self.start(state, batches)
+      state, self.feeder = self.start(state, batches)
     except BaseException as error:
       self.tick_total()
       self.fail(error)
@@ -403,7 +466,7 @@ class Run:
     returning = False  # False while an exception propagates: close without waiting
     try:
       self.preemption.install()
-      state = self.call_until_done(state, feeder)
+      state = self.call_until_done(state)
       self.tick_total()  # the calls' time up to their last hook
       self.phase = "end"
       state = self.stop(state)
@@ -415,16 +478,33 @@ class Run:
     finally:
       self.preemption.uninstall()
       self.preemption_spent = True  # kept for reading (signal_received); the next run renews it
-      feeder.close(wait_secs=None if returning else 0.0)
+      assert self.feeder is not None
+      self.feeder.close(wait_secs=None if returning else 0.0)
       self.tick_total()
     return state
 
-  def call_until_done(self, state: Any, feeder: ChunkFeeder) -> Any:
+  def call_until_done(self, state: Any) -> Any:
     """Dispatches device calls until the target, a stop or the end of data; finishes each.
+
+    After a rewind (:meth:`rewind`) the feeder is closed and opened again at the restored
+    position, and the calls go on from the restored step.
 
     Returns:
       The state after the last call's hooks.
     """
+    while True:
+      state = self.calls(state)
+      if not self.rewound:
+        return state
+      self.rewound = False
+      assert self.feeder is not None
+      self.feeder.close()
+      self.feeder = self.open_feeder(self.batches, self.ledger.step)
+
+  def calls(self, state: Any) -> Any:
+    """:meth:`call_until_done` up to the end, or up to a rewind (then :attr:`rewound`)."""
+    feeder = self.feeder
+    assert feeder is not None
     pending: Boundary | None = None  # the last dispatched call, not yet finished
     while True:
       if self.stop_reason is not None and jax.process_count() == 1:
@@ -440,12 +520,16 @@ class Run:
         raise RuntimeError("loopkit: a chunk was abandoned without a preemption")
       state, b = self.dispatch(state, chunk, time_due)
       if pending is not None:  # one call late: the next call is already dispatched
-        self.finish_call(pending, None)
+        restored = self.finish_call(pending, None)
+        if self.rewound:  # call b ran on from the state the rewind threw away
+          return restored
       pending = b
       if b.firing and any(self.hooks[i].needs_state for i in b.firing):  # before the next
         # call donates it
         state = self.finish_call(b, state)
         pending = None
+        if self.rewound:
+          return state
       if chunk.exhausted:
         self.warn_exhausted(stacklevel=5)
         break
@@ -491,6 +575,7 @@ class Run:
     self.state, self.state_position = state, chunk.position  # its input was donated
     ledger.add_time(Bucket.COMPILE if first_call else Bucket.DISPATCH, time.perf_counter() - t0)
     ledger.advance(chunk.length, chunk.global_batch_size)
+    ledger.skipped_steps += chunk.skipped
     end = ledger.step
     if first_call:
       self.check_replicas(state, f"after the first device call (steps {start + 1}..{end})")
@@ -499,7 +584,8 @@ class Run:
     return state, Boundary(start_step=start, end_step=end, loop_index=ledger.loop_index - 1,
                            epoch=epoch, step_in_epoch=in_epoch,
                            examples_seen=ledger.examples_seen, is_last=is_last,
-                           data_position=chunk.position, out=out,
+                           data_position=chunk.position, skipped_steps=ledger.skipped_steps,
+                           out=out,
                            firing=self.firing(start, end, is_last, time_due))
 
   def finish_call(self, b: Boundary, state: Any) -> Any:
@@ -548,9 +634,95 @@ class Run:
       finally:
         ledger.add_time(buckets[i], time.perf_counter() - t0)
     self.warn_nonfinite(b, nonfinite)  # after after_each_call: a NanCheckHook raises first
+    if self.rewinders:  # before any hook fires here: a checkpoint must not save this state
+      request = self.agreed_rewind(info)
+      if request is not None:
+        return self.rewind(*request)
     state = self.fire(b.firing, info, state)
     if time_based_k is not None:
       time_based_k.record(b.end_step)
+    return state
+
+  def agreed_rewind(self, info: LoopInfo) -> tuple[int, RewindRequest] | None:
+    """Asks every hook that may rewind (``rewind_request(info)``); the first request, agreed.
+
+    On several processes the request goes through one agreement
+    (:func:`loopkit.core.agreement.agree_with_reason`, the request as its reason), so every
+    process rewinds at the same boundary in the same way: the lowest-index process's
+    request, if any process made one.
+
+    Returns:
+      ``(hook index, request)`` or None.
+    """
+    local: tuple[int, RewindRequest] | None = None
+    for i in self.rewinders:
+      request = self.call_hook(i, getattr(self.hooks[i], "rewind_request"), info)
+      if request is None:
+        continue
+      if not isinstance(request, RewindRequest):
+        raise TypeError(f"{self.names[i]}.rewind_request returned {request!r}, not a "
+                        "loopkit.core.skips.RewindRequest or None")
+      if local is None:
+        local = (i, request)
+    if self.single_process:
+      return local
+    text = None if local is None else json.dumps([local[0], dataclasses.asdict(local[1])])
+    _, text = agree_with_reason([local is not None], text)
+    if text is None:
+      return None
+    index, fields = json.loads(text)
+    return int(index), RewindRequest(**fields)
+
+  def rewind(self, i: int, request: RewindRequest) -> Any:
+    """Applies an agreed rewind: hook ``i``'s restore, a new skip range, the accounting.
+
+    The hook's ``rewind(ctx, request, like)`` returns a
+    :class:`~loopkit.core.context.Restore` at a step below ``request.before_step``; it is
+    applied as a restore at the start (state, ledger, data position, the other hooks'
+    states), then the skip range from the restored data step + 1 through
+    ``request.skip_through`` joins the ranges in force (with those of the ledger before
+    the rewind). Wall time does not rewind (the ledger keeps its ``seconds``); the steps
+    thrown away add to ``lost_steps``. No hook fires at this boundary, and the call
+    dispatched after it is dropped with the state it produces.
+
+    Returns:
+      The restored state (:attr:`rewound` is then True).
+
+    Raises:
+      TypeError: the hook returned no Restore.
+      ValueError: a Restore at or after ``request.before_step``, or a ``skip_through``
+        before the restored data step.
+    """
+    name = self.names[i]
+    before = self.ledger.copy()
+    restore = self.call_hook(i, getattr(self.hooks[i], "rewind"), self.contexts[i], request,
+                             self.state)
+    if not isinstance(restore, Restore):
+      raise TypeError(f"{name}.rewind returned {restore!r}, not a loopkit.core.Restore")
+    if not isinstance(restore.ledger, Ledger) or restore.ledger.step >= request.before_step:
+      got = restore.ledger.step if isinstance(restore.ledger, Ledger) else restore.ledger
+      raise ValueError(f"{name}.rewind restored step {got}, not a step before "
+                       f"{request.before_step} (the request's before_step)")
+    state = self.apply_restore(restore, i)
+    ledger = self.ledger
+    first = ledger.data_step + 1
+    if request.skip_through < first:
+      raise ValueError(f"{name} asked to skip through data step {request.skip_through}, "
+                       f"before data step {first}, the first after the restored step "
+                       f"{ledger.step}")
+    ledger.skip_steps = merge_ranges(ledger.skip_steps, before.skip_steps,
+                                     [(first, request.skip_through)])
+    ledger.seconds = before.seconds
+    ledger.lost_steps = before.lost_steps + max(before.step - ledger.step, 0)
+    log.warning("%s: %s; rewound from step %d to step %d and skipping data steps %d..%d "
+                "(skip_steps now %s)", name, request.reason, before.step, ledger.step, first,
+                request.skip_through, list(ledger.skip_steps))
+    self.state_position = self.data_position
+    self.last = self.last_info = None
+    self.status = None  # a data_exhausted warned on the thrown-away calls no longer holds
+    if self.config.time_based_k is not None:
+      self.config.time_based_k.start()
+    self.rewound = True
     return state
 
   def loop_info(self, b: Boundary, out: Any) -> LoopInfo:
@@ -731,7 +903,8 @@ class Run:
       info = LoopInfo(start_step=step, end_step=step, loop_index=self.ledger.loop_index - 1,
                       epoch=epoch, step_in_epoch=in_epoch,
                       examples_seen=self.ledger.examples_seen, metrics={}, metric_values={},
-                      traces={}, is_last=True, data_position=self.data_position)
+                      traces={}, is_last=True, data_position=self.data_position,
+                      skipped_steps=self.ledger.skipped_steps)
     elif last.is_last:
       return state
     else:

@@ -17,8 +17,14 @@ stacked, in one call: no Python object per batch, one copy into the chunk.
 
 Each chunk records the source position *after* its last batch; the loop saves
 the position of the last consumed chunk, never the prefetched one.
-A count position is derived from steps, ``start_position + steps formed``, so it
-always equals the batches of the chunks formed so far.
+A count position is derived from steps, ``start_position + steps formed + steps skipped``,
+so it always equals the batches of the chunks formed so far and of the skip ranges passed.
+
+Skipping (:mod:`loopkit.core.skips`). Given skip ranges in data steps, the feeder passes
+over a range that starts at its next batch just before it forms a chunk: a step-indexed
+source steps over it without reading, any other source's batches are drawn and dropped.
+The chunk records how many (``Chunk.skipped``). The planner ends calls where ranges start,
+so a chunk's batches are consecutive data steps.
 
 Stopping. Given an ``interrupt`` event (the loop passes its preemption flag),
 the feeder abandons the chunk it is forming once the event is set: it pulls no
@@ -107,6 +113,27 @@ def _join_stranded_at_exit() -> None:
 atexit.register(_join_stranded_at_exit)
 
 
+def skip_count(ranges: tuple[tuple[int, int], ...], data_step: int) -> int:
+  """Batches to pass over after ``data_step`` before the next batch trained on.
+
+  Args:
+    ranges: merged skip ranges (:func:`loopkit.core.skips.merge_ranges`).
+    data_step: data steps consumed so far.
+
+  Returns:
+    ``last - data_step`` when data step ``data_step + 1`` lies in a range ``(first, last)``,
+    else 0.
+
+  Example:
+    >>> skip_count(((31, 40),), 30), skip_count(((31, 40),), 29)
+    (10, 0)
+  """
+  for first, last in ranges:
+    if first <= data_step + 1 <= last:
+      return last - data_step
+  return 0
+
+
 @dataclasses.dataclass
 class Chunk:
   """One call's input.
@@ -122,6 +149,7 @@ class Chunk:
     exhausted: the source ran out while forming this chunk (``length`` may then
       be less than planned, or 0).
     global_batch_size: B.
+    skipped: data steps passed over just before the chunk's first batch (skip ranges).
     interrupted: the chunk was abandoned because the feeder's ``interrupt``
       event was set; ``batches``, ``num_steps`` and ``position`` are None,
       ``length`` is 0, and it must not be dispatched.
@@ -134,6 +162,7 @@ class Chunk:
   exhausted: bool
   global_batch_size: int
   interrupted: bool = False
+  skipped: int = 0
 
 
 class ChunkFeeder:
@@ -171,6 +200,11 @@ class ChunkFeeder:
       ``in_shardings``: where :func:`loopkit.data.placement.call_places_numpy` says
       so (read here, on the constructing thread), chunks are handed over as numpy
       and the call transfers them.
+    skips: skip ranges ``((first, last), ...)`` in data steps, merged
+      (:func:`loopkit.core.skips.merge_ranges`); the plan must end calls where they start
+      (:func:`loopkit.core.skips.cut_steps`).
+    first_data_step: data steps the source has given before its first batch here
+      (default ``first_step``).
 
   Thread-safety: ``next``/``close`` from one consumer thread only.
   Raises (from ``next``): ValueError for a batch whose structure, shapes or
@@ -185,7 +219,8 @@ class ChunkFeeder:
                data_parallel_size: int | None = None, prefetch: int = 2, start_position: int = 0,
                first_step: int = 0, close_timeout_secs: float | None = None,
                interrupt: threading.Event | None = None,
-               global_batch_size: int | None = None, call_places: bool = False):
+               global_batch_size: int | None = None, call_places: bool = False,
+               skips: tuple[tuple[int, int], ...] = (), first_data_step: int | None = None):
     self._close_timeout_secs = (CLOSE_TIMEOUT_SECS if close_timeout_secs is None
                                 else close_timeout_secs)
     self._interrupt = interrupt
@@ -204,6 +239,9 @@ class ChunkFeeder:
     self._start_position = start_position
     self._first_step = first_step
     self._step = first_step
+    self._skips = tuple(skips)
+    self._data_step = first_step if first_data_step is None else first_data_step
+    self._skipped = 0  # data steps passed over by this feeder (count positions)
     self._spec = None
     self._spec_def: Any = None  # the first batch's structure (set by _check)
     self._nums: dict[int, jax.Array] = {}
@@ -231,7 +269,8 @@ class ChunkFeeder:
     get_state = self._get_state
     if get_state is not None:
       return get_state()
-    return self._start_position + (self._step - self._first_step)  # batches formed
+    # batches formed and skipped
+    return self._start_position + (self._step - self._first_step) + self._skipped
 
   def _interrupted_chunk(self) -> Chunk:
     return Chunk(None, None, 0, None, False, getattr(self, "global_batch_size", 0),
@@ -359,25 +398,66 @@ class ChunkFeeder:
     pulled = self._pull(n)
     if pulled is None:
       return None
-    cols, count, fresh, exhausted = pulled
+    cols, count, fresh, exhausted, skipped = pulled
     self._step += count
+    self._skipped += skipped
+    self._data_step += skipped + count
     position = self._position()
     if not count:
-      return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0))
+      return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0),
+                   skipped=skipped)
     arrays = [self._stack(xs, spec, count, fresh) for xs, spec in zip(cols, self._leaf_specs)]
     return Chunk(self._place_chunk(arrays), self._num_steps(count), count, position, exhausted,
-                 self.global_batch_size)
+                 self.global_batch_size, skipped=skipped)
 
-  def _pull(self, n: int) -> tuple[list, int, bool, bool] | None:
-    """Takes up to ``n`` batches from the source, checked; None when halted.
+  def _pass_over(self, n: int) -> tuple[int, bool] | None:
+    """Passes over the next ``n`` batches (a skip range); None when halted.
 
     Returns:
-      ``(cols, count, fresh, exhausted)``: per leaf, the batches taken (a list,
+      ``(passed, exhausted)``: batches passed over, and whether the source ran out first.
+    """
+    it = self._it
+    skip = getattr(it, "skip_batches", None)
+    if callable(skip):  # a step-indexed source: nothing to read
+      skip(n)
+      return n, False
+    stopped = self._stop.is_set
+    interrupted = self._interrupt.is_set if self._interrupt is not None else bool
+    for i in range(n):
+      if stopped() or interrupted():
+        return None
+      try:
+        next(it)
+      except StopIteration:
+        return i, True
+    return n, False
+
+  def _pull(self, n: int) -> tuple[list, int, bool, bool, int] | None:
+    """Passes over a skip range that starts at the next batch, then takes up to ``n``
+    batches from the source, checked; None when halted.
+
+    Returns:
+      ``(cols, count, fresh, exhausted, skipped)``: per leaf, the batches taken (a list,
       one stacked array ``[count, B, ...]`` from ``chunk_at``, or the chunk leaf
       ``[slots, B, ...]`` whose first ``count`` rows ``take_into`` wrote); how many;
       whether that stacked array is new (the source keeps no reference); whether
-      the source ran out.
+      the source ran out; the batches passed over first.
     """
+    skipped = 0
+    if self._skips:
+      to_skip = skip_count(self._skips, self._data_step)
+      if to_skip:
+        passed = self._pass_over(to_skip)
+        if passed is None:
+          return None
+        skipped, ran_out = passed
+        if ran_out:
+          return [], 0, False, True, skipped
+    pulled = self._pull_batches(n)
+    return None if pulled is None else (*pulled, skipped)
+
+  def _pull_batches(self, n: int) -> tuple[list, int, bool, bool] | None:
+    """:meth:`_pull` without the skipping."""
     # Halted (closing or interrupted): the chunk being formed is dropped. Per batch only
     # the source and that check (its two lookups bound once; bool() is False: no
     # interrupt event); the batches are checked together once pulled (_check_chunk).

@@ -621,6 +621,11 @@ class _StepIndexed:
     position_at = getattr(self._source, "position_at", None)
     return position_at(self._step) if callable(position_at) else self._step
 
+  def skip_batches(self, n: int) -> None:
+    """Steps over the next ``n`` batches without reading them (skipped data steps,
+    :mod:`loopkit.core.skips`)."""
+    self._step += n
+
   @property
   def takes_chunks(self) -> bool:
     """Whether :meth:`take` is available (the source has ``chunk_at(step, n)``)."""
