@@ -29,6 +29,7 @@ from loopkit.core.preemption import PreemptionWatcher
 from loopkit.core.program import MultiStepProgram
 from loopkit.core.rng import step_key
 from loopkit.core.run import StepCounterError
+from loopkit.core.time_limit import TimeLimit
 from loopkit.core.triggers import Trigger
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "RunContext",
     "StepCounterError",
     "TimeBasedK",
+    "TimeLimit",
     "TrainLoop",
     "Trigger",
     "accumulate",

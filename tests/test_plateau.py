@@ -1,0 +1,141 @@
+"""The trainer kit's plateau hooks: EarlyStopping and ReduceLROnPlateau (issue 39 item 3).
+
+The eval metric is a table indexed by the state's step (``TABLE[step // 4]``), so the steps
+the hooks act at are known exactly; the train step is tests/toy.py's linear model.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import loopkit
+from loopkit.plateau import EarlyStopping, ReduceLROnPlateau
+from tests import toy
+
+EVERY = 4
+# Evaluations at steps 4, 8, 12, ...: 5.0 (best), 4.0 (best), 4.5, 3.9, 4.2, 4.1, 3.0, ...
+# min_delta=0.2: 3.9 does not beat 4.0 by 0.2, so steps 12, 16, 20 do not improve.
+TABLE = np.array([9.0, 5.0, 4.0, 4.5, 3.9, 4.2, 4.1, 3.0, 2.0, 1.0, 0.5, 0.4, 0.3], np.float32)
+DATA = toy.batches(48)
+EVAL_BATCHES = [{"x": np.zeros((2, 4), np.float32)}]
+
+
+def table_eval(state, batch):
+  value = jnp.asarray(TABLE)[state["step"] // EVERY]
+  return {"score": jnp.broadcast_to(value, batch["x"].shape[:1])}
+
+
+def hooks(patience=3, min_delta=0.2, **kw):
+  evals = loopkit.EvalHook(loopkit.Evaluator(table_eval), EVAL_BATCHES, every_steps=EVERY)
+  stop = EarlyStopping(evals, "score", patience=patience, min_delta=min_delta, **kw)
+  return evals, stop
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_stops_at_the_patience_th_evaluation_without_improvement(k):
+  evals, stop = hooks(restore_best=True)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=[evals, stop])
+  out = loop.run(toy.init_state(), DATA, num_steps=40)
+  assert loop.status == "early stopped"
+  assert loop.ledger.step == 20 and stop.stopped_step == 20
+  assert [s for s, _ in evals.results] == [4, 8, 12, 16, 20]  # no evaluation after the stop
+  assert stop.history == [(4, 5.0, True), (8, 4.0, True), (12, 4.5, False),
+                          (16, pytest.approx(3.9), False), (20, pytest.approx(4.2), False)]
+  assert (stop.best, stop.best_step, stop.wait) == (4.0, 8, 3)
+  # restore_best: run returns the state of the best evaluation (step 8), bitwise
+  straight = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4).run(
+      toy.init_state(), DATA, num_steps=8)
+  toy.assert_bitwise(out, straight)
+  assert int(loop.last_state["step"]) == 8 and loop.program.compile_count() == 1
+
+
+def test_min_delta_zero_counts_small_improvements_and_the_target_completes():
+  evals, stop = hooks(min_delta=0.0)  # 3.9 < 4.0 improves: waits 12, then 16 resets
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[evals, stop])
+  loop.run(toy.init_state(), DATA, num_steps=24)
+  # waits: 12 -> 1, 16 -> 0 (3.9), 20 -> 1, 24 -> 2: patience 3 never reached
+  assert loop.status == "completed" and stop.stopped_step is None
+  assert [imp for _, _, imp in stop.history] == [True, True, False, True, False, False]
+  evals, stop = hooks(patience=1, mode="max")  # max: 5.0 then 4.0 does not improve: stop at 8
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[evals, stop])
+  loop.run(toy.init_state(), DATA, num_steps=8)
+  assert loop.status == "completed" and stop.wait == 1  # the last boundary: the run completes
+
+
+def test_resume_keeps_the_counters_and_a_rerun_stays_stopped(tmp_path):
+  def make(preempt_at=None):
+    evals, stop = hooks()
+    ckpt = loopkit.CheckpointHook(tmp_path, every_steps=EVERY)
+    hs = [evals, stop, ckpt]
+    loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=hs)
+    if preempt_at is not None:
+      hs.append(loopkit.CallbackHook(lambda info, s: loop.preemption.request(),
+                                     needs_state=False, at_steps=[preempt_at]))
+      loop.hooks = hs
+    return loop, stop
+  loop, stop = make(preempt_at=12)
+  loop.run(toy.init_state(), DATA, num_steps=40)
+  assert loop.status == "preempted" and stop.wait == 1
+  loop, stop = make()  # a new process: the counters come from the checkpoint at 12 or 16
+  loop.run(toy.init_state(), DATA, num_steps=40)
+  assert loop.status == "early stopped" and loop.ledger.step == 20
+  assert stop.stopped_step == 20 and (stop.best, stop.best_step) == (4.0, 8)
+  loop, stop = make()  # the early-stopped run again: it trains no further
+  loop.run(toy.init_state(), DATA, num_steps=40)
+  assert loop.status == "early stopped" and loop.ledger.step == 20
+
+
+def test_refuses_bad_arguments_and_a_hook_before_its_eval_hook():
+  evals, _ = hooks()
+  with pytest.raises(ValueError, match=r"patience must be an int >= 1.*got 0"):
+    EarlyStopping(evals, "score", patience=0)
+  with pytest.raises(ValueError, match=r"mode must be 'min' or 'max', got 'auto'"):
+    EarlyStopping(evals, "score", mode="auto")
+  with pytest.raises(TypeError, match=r"pass the loopkit.EvalHook"):
+    EarlyStopping(loopkit.LoggingHook(every_steps=4), "score")
+  evals, stop = hooks()
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[stop, evals])
+  with pytest.raises(RuntimeError, match=r"fired at step 4 .* put the EvalHook in the loop's "
+                     r"hooks before the EarlyStopping"):
+    loop.run(toy.init_state(), DATA, num_steps=8)
+  evals = loopkit.EvalHook(loopkit.Evaluator(table_eval), EVAL_BATCHES, every_steps=EVERY)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4,
+                           hooks=[evals, EarlyStopping(evals, "loss")])
+  with pytest.raises(KeyError, match=r"no metric 'loss' \(it has \['score'\]\)"):
+    loop.run(toy.init_state(), DATA, num_steps=8)
+
+
+INJECT = optax.inject_hyperparams(optax.adam)(learning_rate=0.05)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_reduce_on_plateau_lowers_the_rate_in_the_state_without_recompiling(k):
+  evals = loopkit.EvalHook(loopkit.Evaluator(table_eval), EVAL_BATCHES, every_steps=EVERY)
+  lower = ReduceLROnPlateau(evals, "score", factor=0.5, patience=2, min_delta=0.2, cooldown=2)
+  loop = loopkit.TrainLoop(toy.make_global_step(INJECT), iterations_per_loop=k,
+                           hooks=[evals, lower])
+  out = loop.run(toy.init_state(tx=INJECT), DATA, num_steps=28)
+  # 12: wait 1; 16: wait 2 -> 0.025, cooldown 2; 20: cooldown 1 left (not counted); 24: the
+  # cooldown ends (Keras: the evaluation that ends it counts), wait 1; 28: 3.0 improves
+  assert lower.reductions == [(16, pytest.approx(0.05), pytest.approx(0.025))]
+  lr = out["opt"].hyperparams["learning_rate"]
+  assert lr.dtype == jnp.float32 and float(lr) == np.float32(0.05) * np.float32(0.5)
+  assert loop.program.compile_count() == 1
+  # the same as a run that lowers the rate by hand at step 16
+  state = loopkit.TrainLoop(toy.make_global_step(INJECT), iterations_per_loop=4).run(
+      toy.init_state(tx=INJECT), DATA, num_steps=16)
+  state["opt"].hyperparams["learning_rate"] = jnp.float32(0.025)
+  state = loopkit.TrainLoop(toy.make_global_step(INJECT), iterations_per_loop=4).run(
+      state, DATA[16:], num_steps=28)
+  toy.assert_bitwise(out, state)
+
+
+def test_reduce_on_plateau_needs_the_rate_in_the_state():
+  evals = loopkit.EvalHook(loopkit.Evaluator(table_eval), EVAL_BATCHES, every_steps=EVERY)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4,
+                           hooks=[evals, ReduceLROnPlateau(evals, "score")])
+  with pytest.raises(ValueError, match=r"exactly one optax.inject_hyperparams optimizer state "
+                     r"with hyperparams\['learning_rate'\].*the state has 0"):
+    loop.run(toy.init_state(), DATA, num_steps=8)
