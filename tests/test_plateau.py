@@ -4,7 +4,6 @@ The eval metric is a table indexed by the state's step (``TABLE[step // 4]``), s
 the hooks act at are known exactly; the train step is tests/toy.py's linear model.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -12,19 +11,12 @@ import pytest
 
 import loopkit
 from loopkit.plateau import EarlyStopping, ReduceLROnPlateau
+from loopkit.tools import testing
 from tests import toy
+from tests._kit_worker import EVERY, TABLE, kit_decisions, table_eval
 
-EVERY = 4
-# Evaluations at steps 4, 8, 12, ...: 5.0 (best), 4.0 (best), 4.5, 3.9, 4.2, 4.1, 3.0, ...
-# min_delta=0.2: 3.9 does not beat 4.0 by 0.2, so steps 12, 16, 20 do not improve.
-TABLE = np.array([9.0, 5.0, 4.0, 4.5, 3.9, 4.2, 4.1, 3.0, 2.0, 1.0, 0.5, 0.4, 0.3], np.float32)
 DATA = toy.batches(48)
 EVAL_BATCHES = [{"x": np.zeros((2, 4), np.float32)}]
-
-
-def table_eval(state, batch):
-  value = jnp.asarray(TABLE)[state["step"] // EVERY]
-  return {"score": jnp.broadcast_to(value, batch["x"].shape[:1])}
 
 
 def hooks(patience=3, min_delta=0.2, **kw):
@@ -139,3 +131,16 @@ def test_reduce_on_plateau_needs_the_rate_in_the_state():
   with pytest.raises(ValueError, match=r"exactly one optax.inject_hyperparams optimizer state "
                      r"with hyperparams\['learning_rate'\].*the state has 0"):
     loop.run(toy.init_state(), DATA, num_steps=8)
+
+
+@pytest.mark.slow(
+    held_by=("tests/test_multihost.py::"
+             "test_a_stop_reason_requested_on_one_process_reads_the_same_on_every_process"),
+    reason="two processes (17 s); the agreement that carries these stops is held by that test")
+def test_two_processes_stop_together_at_a_time_limit_and_an_early_stop():
+  """The budget runs out on process 1 only (its clock): both stop at step 6 (K = 2, the fourth
+  boundary); the early stop is taken at step 20 on both (the evaluations sum over both)."""
+  want = {"time_limit": ("time limit", 6), "early_stop": ("early stopped", 20, 8)}
+  assert testing.run_processes(kit_decisions, num_processes=2, devices_per_process=2,
+                               timeout_s=240) == [want, want]
+  assert kit_decisions() == want  # one process: the same
