@@ -731,8 +731,9 @@ class Run:
     still evaluates once). After a preemption or a ``max_time`` stop
     (:data:`RESUMABLE_STOPS`) only the hooks whose ``fires_at_preemption`` is
     true (default) fire: such a stop is not the end of training, and a row
-    written there would be one the uninterrupted run does not have (:class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook`
-    do not fire; their windows continue after the resume).
+    written there would be one the uninterrupted run does not have
+    (:class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook` do not fire;
+    their windows continue after the resume).
     """
     last = self.last
     preempted = self.status in RESUMABLE_STOPS
