@@ -203,9 +203,20 @@ class EarlyStopping(Hook):
     self._best_state_step: int | None = None
     self._ctx: RunContext | None = None
 
-  best = property(lambda self: self._watch.best)
-  best_step = property(lambda self: self._watch.best_step)
-  wait = property(lambda self: self._watch.wait)
+  @property
+  def best(self) -> float | None:
+    """The best value so far (None before any finite one)."""
+    return self._watch.best
+
+  @property
+  def best_step(self) -> int | None:
+    """The step of the best evaluation (None before it)."""
+    return self._watch.best_step
+
+  @property
+  def wait(self) -> int:
+    """Evaluations judged since the best one."""
+    return self._watch.wait
 
   def on_run_start(self, ctx: RunContext, state: Any) -> None:
     self._ctx = ctx

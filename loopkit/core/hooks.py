@@ -162,7 +162,8 @@ class Hook:
     time_bucket: the ledger bucket its time goes to (:class:`~loopkit.core.ledger.Bucket`;
       the default ``hooks`` becomes ``setup`` before a run's first call and after its last).
     hook_name: stable name for its saved state (None: the class name).
-    fires_at_preemption: whether ``at_end`` also fires at a preemption's boundary
+    fires_at_preemption: whether ``at_end`` also fires at a preemption's boundary,
+      and at a ``max_time`` stop's (``"time limit"``: also resumed later)
       (True: e.g. a checkpoint, which must land there). False for a hook whose
       firings are rows at its marks: the run resumes from the preemption and
       the hook fires at its next mark, as without the preemption.

@@ -47,8 +47,8 @@ class TimeLimit:
     if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
         or not float(seconds) > 0):
       raise ValueError(f"max_time must be a number of seconds > 0, got {seconds!r}")
-    self.seconds = float(seconds)
-    self.clock = clock
+    self.seconds: float = float(seconds)
+    self.clock: Callable[[], float] = clock
     self._start: float | None = None
 
   def start(self) -> None:
