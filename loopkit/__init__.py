@@ -13,9 +13,8 @@ need. Everything else lives in its namespace:
 * :mod:`loopkit.observe`: metric writers, logging, goodput, progress, profiling;
 * :mod:`loopkit.evaluation`, :mod:`loopkit.metrics`, :mod:`loopkit.nnx`
   (needs ``loopkit[nnx]``), :mod:`loopkit.conv_layout`;
-* the trainer kit: :mod:`loopkit.plateau` (early stopping, a lower rate on a plateau),
-  :mod:`loopkit.ema` (an average of the parameters for evaluation), :mod:`loopkit.norms`
-  (gradient / update / parameter norms as step metrics);
+* :mod:`loopkit.training`: the trainer kit (early stopping, a lower rate on a plateau, an
+  average of the parameters for evaluation, gradient / update / parameter norms);
 * :mod:`loopkit.tools`: ahead-of-time compilation for a topology, the K tuner,
   testing helpers (fake devices, real multi-process runs).
 
@@ -24,7 +23,7 @@ A name loopkit 0.1 exported here and 0.2 moved (``loopkit.JsonlWriter``,
 ImportError for ``from loopkit import ...``) that names where it lives now.
 """
 
-from loopkit import conv_layout, core, data, ema, evaluation, metrics, norms, observe, plateau
+from loopkit import conv_layout, core, data, evaluation, metrics, observe, training
 from loopkit._internal.mesh import data_parallel_mesh
 from loopkit.core.context import RunContext
 from loopkit.core.hooks import (
@@ -42,7 +41,6 @@ from loopkit.data.sources import ArraySource, TfDataSource
 from loopkit.evaluation import EvalHook, EvalResult, Evaluator
 from loopkit.observe.logging_hook import LoggingHook
 from loopkit.observe.progress import ProgressHook
-from loopkit.plateau import EarlyStopping
 
 __version__ = "0.2.0"
 
@@ -73,7 +71,6 @@ __all__ = [
     "CallbackHook",
     "CheckpointHook",
     "DataExhaustedWarning",
-    "EarlyStopping",
     "EvalHook",
     "EvalResult",
     "Evaluator",
@@ -93,13 +90,11 @@ __all__ = [
     "core",
     "data",
     "data_parallel_mesh",
-    "ema",
     "evaluation",
     "metrics",
     "nnx",
-    "norms",
     "observe",
-    "plateau",
     "step_key",
     "tools",
+    "training",
 ]

@@ -50,7 +50,7 @@ def kit_decisions() -> dict:
   evals = loopkit.EvalHook(loopkit.Evaluator(table_eval, global_batch_size=8),
                            [{"x": np.zeros((local, 4), np.float32)}], num_batches=1,
                            every_steps=EVERY)
-  stop = loopkit.EarlyStopping(evals, "score", patience=3, min_delta=0.2)
+  stop = loopkit.training.EarlyStopping(evals, "score", patience=3, min_delta=0.2)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[evals, stop])
   loop.run(toy.init_state(), sources.ArraySource(dataset(), GLOBAL_BATCH), num_steps=40)
   out["early_stop"] = (loop.status, loop.ledger.step, stop.best_step)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import loopkit
-from loopkit.plateau import EarlyStopping, ReduceLROnPlateau
+from loopkit.training.plateau import EarlyStopping, ReduceLROnPlateau
 from loopkit.tools import testing
 from tests import toy
 from tests._kit_worker import EVERY, TABLE, kit_decisions, table_eval

@@ -338,8 +338,9 @@ class TrainLoop:
   def status(self) -> str | None:
     """The last run's status: ``"completed"``, ``"data_exhausted"``, ``"preempted"``,
     ``"time limit"`` (``max_time``), ``"stopped"`` or the reason given to
-    :meth:`request_stop` (``"early stopped"``: :class:`~loopkit.plateau.EarlyStopping`);
-    None before any run and while a run runs."""
+    :meth:`request_stop` (``"early stopped"``:
+    :class:`~loopkit.training.plateau.EarlyStopping`); None before any run and while a
+    run runs."""
     return self._run.status if self._run is not None else None
 
   @property

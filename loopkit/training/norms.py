@@ -11,7 +11,7 @@ Two ways in:
 
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
     updates, opt = tx.update(grads, state["opt"], state["params"])
-    metrics = {"loss": loss, **loopkit.norms.norms(grads=grads, updates=updates)}
+    metrics = {"loss": loss, **loopkit.training.norms.norms(grads=grads, updates=updates)}
 
 * :func:`with_norms` around an existing step, for what can be read from its states: the norm
   of the parameters after the step and of the change the step made to them.
@@ -88,7 +88,7 @@ def with_norms(train_step: Callable, *, params: str | Callable[[Any], Any] = "pa
   """Wraps ``train_step`` so that its metrics also hold parameter and update norms.
 
   Example:
-    >>> loop = loopkit.TrainLoop(loopkit.norms.with_norms(train_step),  # doctest: +SKIP
+    >>> loop = loopkit.TrainLoop(loopkit.training.norms.with_norms(train_step),  # doctest: +SKIP
     ...                          iterations_per_loop=100)
 
   Args:

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import loopkit
-from loopkit import ema, norms
+from loopkit.training import ema, norms
 from tests import toy
 
 DATA = toy.batches(12)

@@ -8,10 +8,10 @@ resumes::
     def train_step(state, batch):
       ...
       params = optax.apply_updates(state["params"], updates)
-      ema = loopkit.ema.update(state["ema"], params, decay=0.999)
+      ema = loopkit.training.ema.update(state["ema"], params, decay=0.999)
       return {**state, "params": params, "ema": ema, ...}, metrics
 
-    state = {"params": params, "ema": loopkit.ema.init(params), ...}
+    state = {"params": params, "ema": loopkit.training.ema.init(params), ...}
 
 For evaluation, :func:`swapped` maps the train state to one whose parameters are the average
 (Keras's ``SwapEMAWeights``, Levanter's model averaging), as an :class:`~loopkit.EvalHook`'s
@@ -61,7 +61,7 @@ def swapped(params: str = "params", ema: str = "ema") -> Any:
 
   Example:
     >>> hook = loopkit.EvalHook(evaluator, batches, every_steps=100,   # doctest: +SKIP
-    ...                         prefix="eval_ema", state_fn=loopkit.ema.swapped())
+    ...                         prefix="eval_ema", state_fn=loopkit.training.ema.swapped())
 
   Args:
     params: the key (dict states) or attribute (``TrainState``, NamedTuples) of the
@@ -86,14 +86,14 @@ def swapped(params: str = "params", ema: str = "ema") -> Any:
       average = getattr(state, ema)
       getattr(state, params)
     except (KeyError, AttributeError) as e:
-      raise TypeError(f"loopkit.ema.swapped: the state has no {params!r} and {ema!r} "
+      raise TypeError(f"loopkit.training.ema.swapped: the state has no {params!r} and {ema!r} "
                       f"({type(e).__name__}: {e}); give the names of the parameters and of "
                       "their average in the state") from None
     for method in ("replace", "_replace"):
       fn = getattr(state, method, None)
       if callable(fn):
         return fn(**{params: average})
-    raise TypeError(f"loopkit.ema.swapped: cannot replace {params!r} in a "
+    raise TypeError(f"loopkit.training.ema.swapped: cannot replace {params!r} in a "
                     f"{type(state).__name__} (a dict, a Flax struct dataclass or a NamedTuple "
                     "is needed)")
   return state_fn
