@@ -25,7 +25,7 @@ def hooks(patience=3, min_delta=0.2, **kw):
   return evals, stop
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [3])  # 3 does not divide the evaluation period; compared to K = 4
 def test_stops_at_the_patience_th_evaluation_without_improvement(k):
   evals, stop = hooks(restore_best=True)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=[evals, stop])
@@ -102,7 +102,7 @@ def test_refuses_bad_arguments_and_a_hook_before_its_eval_hook():
 INJECT = optax.inject_hyperparams(optax.adam)(learning_rate=0.05)
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [3])  # compared to K = 4 below
 def test_reduce_on_plateau_lowers_the_rate_in_the_state_without_recompiling(k):
   evals = loopkit.EvalHook(loopkit.Evaluator(table_eval), EVAL_BATCHES, every_steps=EVERY)
   lower = ReduceLROnPlateau(evals, "score", factor=0.5, patience=2, min_delta=0.2, cooldown=2)
