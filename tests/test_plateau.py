@@ -77,6 +77,9 @@ def test_resume_keeps_the_counters_and_a_rerun_stays_stopped(tmp_path):
   loop, stop = make()  # the early-stopped run again: it trains no further
   loop.run(toy.init_state(), DATA, num_steps=40)
   assert loop.status == "early stopped" and loop.ledger.step == 20
+  loop.hooks = [h for h in loop.hooks if not isinstance(h, loopkit.CheckpointHook)]
+  loop.run(toy.init_state(), DATA, num_steps=40)  # a fresh state, no checkpoint: counts anew
+  assert loop.status == "early stopped" and loop.ledger.step == 20 and stop.history[-1][0] == 20
 
 
 def test_refuses_bad_arguments_and_a_hook_before_its_eval_hook():

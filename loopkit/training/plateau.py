@@ -113,6 +113,14 @@ class _Watch:
     self.wait += 1
     return False
 
+  def rewound(self, step: int) -> bool:
+    """Forgets every judgement when a run starts before the last evaluation judged (a fresh
+    state, or a checkpoint that holds no state of this hook); True if it did."""
+    if step >= self.last_step:
+      return False
+    self.best, self.best_step, self.wait, self.last_step = None, None, 0, -1
+    return True
+
   def to_dict(self) -> dict[str, Any]:
     best = self.best
     return {"best": best, "best_step": self.best_step, "wait": self.wait,
@@ -177,7 +185,8 @@ class EarlyStopping(Hook):
     stopped_step: the step at which it stopped the run, or None. It is saved with each
       checkpoint: a run resumed from the checkpoint of an early-stopped run stops again at
       its first boundary (training ended there); use a new hook with another ``hook_name``
-      to train on.
+      to train on. A run that starts before the last evaluation this hook judged (a fresh
+      state, with no saved counters of this hook) counts afresh.
     history: ``[(step, value, improved)]`` of the evaluations judged by this object.
 
   Not thread-safe. Multi-host: every process judges the same values (module docstring).
@@ -223,7 +232,11 @@ class EarlyStopping(Hook):
     return None
 
   def adjust_ledger(self, ctx: RunContext) -> None:
-    """A run that continues an early-stopped one (its state restored) stops at once."""
+    """A run that continues an early-stopped one (its state restored) stops at once; a run
+    that starts before the last evaluation judged (a fresh state, no saved counters of this
+    hook) starts counting afresh."""
+    if self._watch.rewound(ctx.ledger.step):
+      self.stopped_step, self._best_state, self._best_state_step = None, None, None
     if self.stopped_step is not None and ctx.ledger.step >= self.stopped_step:
       log.info("early stopping: this run continues from step %d, where training stopped "
                "early (at step %d): it stops there", ctx.ledger.step, self.stopped_step)
@@ -359,6 +372,13 @@ class ReduceLROnPlateau(Hook):
           f"optax.inject_hyperparams optimizer state with hyperparams[{self.hyperparam!r}] "
           f"(tx = optax.inject_hyperparams(optax.adam)(learning_rate=...)); the state has "
           f"{len(nodes)}")
+    return None
+
+  def adjust_ledger(self, ctx: RunContext) -> None:
+    """A run that starts before the last evaluation judged (a fresh state, no saved counters
+    of this hook) starts counting afresh."""
+    if self._watch.rewound(ctx.ledger.step):
+      self.cooldown_left = 0
     return None
 
   def on_trigger(self, info: LoopInfo, state: Any) -> Any:
