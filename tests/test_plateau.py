@@ -58,8 +58,10 @@ def test_min_delta_zero_counts_small_improvements_and_the_target_completes():
 
 def test_resume_keeps_the_counters_and_a_rerun_stays_stopped(tmp_path):
   def make(preempt_at=None):
-    evals, stop = hooks()
+    evals = loopkit.EvalHook(loopkit.Evaluator(table_eval), EVAL_BATCHES, every_steps=EVERY)
     ckpt = loopkit.CheckpointHook(tmp_path, every_steps=EVERY)
+    stop = EarlyStopping(evals, "score", patience=3, min_delta=0.2, restore_best=True,
+                         checkpoint=ckpt)
     hs = [evals, stop, ckpt]
     loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=hs)
     if preempt_at is not None:
@@ -67,19 +69,23 @@ def test_resume_keeps_the_counters_and_a_rerun_stays_stopped(tmp_path):
                                      needs_state=False, at_steps=[preempt_at]))
       loop.hooks = hs
     return loop, stop
+  best = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4).run(
+      toy.init_state(), DATA, num_steps=8)
   loop, stop = make(preempt_at=12)
-  loop.run(toy.init_state(), DATA, num_steps=40)
-  assert loop.status == "preempted" and stop.wait == 1
-  loop, stop = make()  # a new process: the counters come from the checkpoint at 12 or 16
-  loop.run(toy.init_state(), DATA, num_steps=40)
+  out = loop.run(toy.init_state(), DATA, num_steps=40)
+  assert loop.status == "preempted" and stop.wait == 1 and int(out["step"]) == 12  # not ended
+  loop, stop = make()  # a new process: the counters come from the checkpoint at 12
+  out = loop.run(toy.init_state(), DATA, num_steps=40)
   assert loop.status == "early stopped" and loop.ledger.step == 20
   assert stop.stopped_step == 20 and (stop.best, stop.best_step) == (4.0, 8)
+  toy.assert_bitwise(out, best)  # the best state, read from the checkpoint of step 8
   loop, stop = make()  # the early-stopped run again: it trains no further
   loop.run(toy.init_state(), DATA, num_steps=40)
   assert loop.status == "early stopped" and loop.ledger.step == 20
   loop.hooks = [h for h in loop.hooks if not isinstance(h, loopkit.CheckpointHook)]
-  loop.run(toy.init_state(), DATA, num_steps=40)  # a fresh state, no checkpoint: counts anew
+  out = loop.run(toy.init_state(), DATA, num_steps=40)  # a fresh state, no checkpoint: anew
   assert loop.status == "early stopped" and loop.ledger.step == 20 and stop.history[-1][0] == 20
+  toy.assert_bitwise(out, best)  # the copy kept at step 8
 
 
 def test_refuses_bad_arguments_and_a_hook_before_its_eval_hook():
