@@ -88,6 +88,19 @@ def test_resume_keeps_the_counters_and_a_rerun_stays_stopped(tmp_path):
   toy.assert_bitwise(out, best)  # the copy kept at step 8
 
 
+def test_a_wall_clock_eval_hook_and_its_early_stopping_fire_together():
+  """They share one Trigger: its clock is read once per boundary for both (a clock that moves
+  at every read would otherwise let the EarlyStopping fire without an evaluation)."""
+  from tests._kit_worker import CountingClock
+  evals = loopkit.EvalHook(loopkit.Evaluator(table_eval), EVAL_BATCHES, every_secs=2.5,
+                           at_end=False)
+  evals.trigger.clock = CountingClock()
+  stop = EarlyStopping(evals, "score", patience=3, min_delta=0.2)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[evals, stop])
+  loop.run(toy.init_state(), DATA, num_steps=24)
+  assert [s for s, _ in evals.results] == [s for s, _, _ in stop.history] == [12, 24]
+
+
 def test_refuses_bad_arguments_and_a_hook_before_its_eval_hook():
   evals, _ = hooks()
   with pytest.raises(ValueError, match=r"patience must be an int >= 1.*got 0"):

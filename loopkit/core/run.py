@@ -219,7 +219,14 @@ class Run:
     self.checked_layout = False  # the first chunk's layout (next_chunk)
     self.copy_async = not is_cpu_mesh(config.mesh)  # see _fetch
     self.nonfinite_step: int | None = None  # the run's first step with a NaN/Inf metric
-    self.timed = [i for i, h in enumerate(hooks) if h.trigger.every_secs is not None]
+    # The hooks with every_secs, by trigger: hooks that share one Trigger object (an
+    # EarlyStopping fires on its EvalHook's) read its clock once per boundary, so they fire
+    # together.
+    timed = [i for i, h in enumerate(hooks) if h.trigger.every_secs is not None]
+    self.timed = [i for i in timed if not any(hooks[j].trigger is hooks[i].trigger
+                                              for j in timed if j < i)]
+    self.timed_same = {i: next(j for j in self.timed if hooks[j].trigger is hooks[i].trigger)
+                       for i in timed}  # each timed hook -> the first hook with its trigger
     self.single_process = jax.process_count() == 1
     self.t_mark = time.perf_counter()
     # "start" until the first dispatch, "calls" until the last call's hooks ran, then "end".
@@ -698,17 +705,23 @@ class Run:
     over = self.time_limit is not None and self.time_limit.expired()
     if self.single_process:  # agree_with_reason's answer on one process: the local one
       preempted = self.preemption.requested
-      time_due = {i: bool(self.hooks[i].trigger.time_due()) for i in timed} if timed else {}
+      time_due = self.each_timed_hook(
+          {i: bool(self.hooks[i].trigger.time_due()) for i in timed}) if timed else {}
       if self.stop_reason is not None:
         return self.stop_reason, time_due
       return ("preempted" if preempted else TIME_LIMIT if over else None), time_due
     agreed, reason = agree_with_reason(
         [self.preemption.requested, over] + [self.hooks[i].trigger.time_due() for i in timed],
         self.stop_reason)
-    time_due = dict(zip(timed, agreed[2:]))
+    time_due = self.each_timed_hook(dict(zip(timed, agreed[2:])))
     if reason is not None:
       return reason, time_due
     return ("preempted" if agreed[0] else TIME_LIMIT if agreed[1] else None), time_due
+
+  def each_timed_hook(self, due: dict[int, bool]) -> dict[int, bool]:
+    """``{hook index: due}`` for every hook with ``every_secs``, from the answers ``due`` of
+    the first hook of each trigger object."""
+    return {i: due[j] for i, j in self.timed_same.items()}
 
   def firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[int]:
     """The hooks that fire after the call ``(start, end]``; records their firing."""
