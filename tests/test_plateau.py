@@ -166,3 +166,36 @@ def test_two_processes_stop_together_at_a_time_limit_and_an_early_stop():
   assert testing.run_processes(kit_decisions, num_processes=2, devices_per_process=2,
                                timeout_s=240) == [want, want]
   assert kit_decisions() == want  # one process: the same
+
+
+def test_nnx_loop_lowers_the_rate_in_its_optimizer_and_hands_back_the_best_objects():
+  """An NnxTrainLoop (Conv, BatchNorm, Dropout, Rngs; an nnx.Optimizer over an
+  inject_hyperparams SGD): the rate is found in the optimizer's pure state and lowered at 12,
+  16 and 20; the early stop at 20 gives the objects the state of step 8 back."""
+  from flax import nnx
+
+  from tests import nnx_models
+  model = nnx_models.CNN(rngs=nnx.Rngs(0))
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+  evals = loopkit.EvalHook(loopkit.Evaluator(table_eval), EVAL_BATCHES, every_steps=EVERY,
+                           state_fn=lambda s: {"step": s["optimizer"]["step"]})
+  lower = ReduceLROnPlateau(evals, "score", factor=0.5, patience=1, min_delta=0.2)
+  stop = EarlyStopping(evals, "score", patience=3, min_delta=0.2, restore_best=True)
+
+  @nnx.jit
+  def train_step(model, optimizer, metrics, batch, rngs):
+    (loss, _), grads = nnx.value_and_grad(nnx_models.loss_fn, has_aux=True)(model, batch, rngs)
+    metrics.update(loss=loss)
+    optimizer.update(model, grads)
+
+  loop = loopkit.nnx.NnxTrainLoop(train_step, model, optimizer, metrics, extra=(nnx.Rngs(1),),
+                                  iterations_per_loop=4, hooks=[evals, lower, stop])
+  loop.run(nnx_models.batches(24), num_steps=24)
+  assert loop.status == "early stopped" and loop.ledger.step == 20
+  assert [s for s, _, _ in lower.reductions] == [12, 16, 20]
+  held = nnx.to_pure_dict(nnx.state(optimizer))
+  assert int(held["step"]) == 8  # the objects hold the best evaluation's state
+  assert float(held["opt_state"]["hyperparams"]["learning_rate"]) == np.float32(0.1)
+  assert loop.program.compile_count() == 1

@@ -294,17 +294,29 @@ class EarlyStopping(Hook):
     self._best_state_step = None
 
 
+def _hyperparams(x: Any) -> dict[str, Any] | None:
+  """The ``hyperparams`` of an ``optax.inject_hyperparams`` state, or None for any other node:
+  the state itself (a NamedTuple with a ``hyperparams`` dict), or its pure-dict form (an
+  ``NnxTrainLoop`` state: ``{"count", "hyperparams", ...}``; an ``inner_state`` without
+  arrays, as plain SGD's, is left out of it)."""
+  if isinstance(x, tuple) and hasattr(x, "_replace"):
+    found = getattr(x, "hyperparams", None)
+    return found if isinstance(found, dict) else None
+  if isinstance(x, dict) and "count" in x and isinstance(x.get("hyperparams"), dict):
+    return x["hyperparams"]
+  return None
+
+
 def _is_inject_state(x: Any) -> bool:
-  """An ``optax.inject_hyperparams`` state: a NamedTuple with a ``hyperparams`` dict."""
-  return isinstance(x, tuple) and hasattr(x, "_replace") and isinstance(
-      getattr(x, "hyperparams", None), dict)
+  return _hyperparams(x) is not None
 
 
 class ReduceLROnPlateau(Hook):
   """Lowers a learning rate held in the state when an evaluation metric stops improving.
 
   The rate lives in the state, in an ``optax.inject_hyperparams`` optimizer state
-  (``tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``): it is a float32 leaf
+  (``tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``; also inside an
+  ``nnx.Optimizer`` of an :class:`~loopkit.nnx.NnxTrainLoop`): it is a float32 leaf
   ``opt_state.hyperparams["learning_rate"]`` that the compiled step reads, is saved with the
   state in every checkpoint, and is the same after a resume. After the ``patience``-th
   evaluation in a row that does not improve, this hook returns the state with that leaf
@@ -358,10 +370,10 @@ class ReduceLROnPlateau(Hook):
     self.cooldown_left = 0
     self.reductions: list[tuple[int, float, float]] = []
 
-  def _lr_nodes(self, state: Any) -> list[Any]:
-    found = [x for x in jax.tree.leaves(state, is_leaf=_is_inject_state)
-             if _is_inject_state(x)]
-    return [x for x in found if self.hyperparam in x.hyperparams]
+  def _lr_nodes(self, state: Any) -> list[dict[str, Any]]:
+    """The ``hyperparams`` dicts in ``state`` that hold :attr:`hyperparam`."""
+    found = [_hyperparams(x) for x in jax.tree.leaves(state, is_leaf=_is_inject_state)]
+    return [h for h in found if h is not None and self.hyperparam in h]
 
   def on_run_start(self, ctx: RunContext, state: Any) -> None:
     """Checks that the state holds the rate (one ``inject_hyperparams`` state with it)."""
@@ -397,7 +409,7 @@ class ReduceLROnPlateau(Hook):
     w.wait += 1
     if w.wait < w.patience:
       return None
-    leaf = self._lr_nodes(state)[0].hyperparams[self.hyperparam]
+    leaf = self._lr_nodes(state)[0][self.hyperparam]
     old = np.asarray(jax.device_get(leaf))
     new = np.maximum(old * np.asarray(self.factor, old.dtype),
                      np.asarray(self.min_lr, old.dtype)).astype(old.dtype)
@@ -412,9 +424,12 @@ class ReduceLROnPlateau(Hook):
     name = self.hyperparam
 
     def lowered(x: Any) -> Any:
-      if _is_inject_state(x) and name in x.hyperparams:
-        return x._replace(hyperparams={**x.hyperparams, name: new})
-      return x
+      hyperparams = _hyperparams(x)
+      if hyperparams is None or name not in hyperparams:
+        return x
+      if isinstance(x, dict):
+        return {**x, "hyperparams": {**hyperparams, name: new}}
+      return x._replace(hyperparams={**hyperparams, name: new})
     return jax.tree.map(lowered, state, is_leaf=_is_inject_state)
 
   def checkpoint_state(self) -> dict[str, Any]:
