@@ -138,7 +138,7 @@ class EarlyStopping(Hook):
 
   Example:
     >>> evals = loopkit.EvalHook(evaluator, eval_batches, every_steps=100)  # doctest: +SKIP
-    >>> stop = loopkit.training.EarlyStopping(evals, "loss", patience=3)             # doctest: +SKIP
+    >>> stop = loopkit.training.EarlyStopping(evals, "loss", patience=3)    # doctest: +SKIP
     >>> loop = loopkit.TrainLoop(step, iterations_per_loop=50,              # doctest: +SKIP
     ...                          hooks=[evals, stop, ckpt])
 
