@@ -13,6 +13,8 @@ need. Everything else lives in its namespace:
 * :mod:`loopkit.observe`: metric writers, logging, goodput, progress, profiling;
 * :mod:`loopkit.evaluation`, :mod:`loopkit.metrics`, :mod:`loopkit.nnx`
   (needs ``loopkit[nnx]``), :mod:`loopkit.conv_layout`;
+* :mod:`loopkit.training`: the trainer kit (early stopping, a lower rate on a plateau, an
+  average of the parameters for evaluation, gradient / update / parameter norms);
 * :mod:`loopkit.tools`: ahead-of-time compilation for a topology, the K tuner,
   testing helpers (fake devices, real multi-process runs).
 
@@ -21,7 +23,7 @@ A name loopkit 0.1 exported here and 0.2 moved (``loopkit.JsonlWriter``,
 ImportError for ``from loopkit import ...``) that names where it lives now.
 """
 
-from loopkit import conv_layout, core, data, evaluation, metrics, observe
+from loopkit import conv_layout, core, data, evaluation, metrics, observe, training
 from loopkit._internal.mesh import data_parallel_mesh
 from loopkit.core.context import RunContext
 from loopkit.core.hooks import (
@@ -94,4 +96,5 @@ __all__ = [
     "observe",
     "step_key",
     "tools",
+    "training",
 ]

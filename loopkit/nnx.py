@@ -304,13 +304,16 @@ class NnxTrainLoop:
   # -- host ------------------------------------------------------------------
 
   def run(self, batches: Iterable, *, num_steps: int | None = None,
-          num_epochs: int | None = None) -> dict[str, Any]:
+          num_epochs: int | None = None, skip_steps: Any = None,
+          max_time: Any = None) -> dict[str, Any]:
     """Trains the objects to ``num_steps`` (or ``num_epochs``); updates them in place.
 
     Args:
       batches: as for :meth:`loopkit.TrainLoop.run`.
       num_steps: the global step (optimizer updates) to stop at.
       num_epochs: alternatively, the epoch count (needs ``steps_per_epoch``).
+      skip_steps: data steps to pass over, as for :meth:`loopkit.TrainLoop.run`.
+      max_time: a wall-clock budget for this run, as for :meth:`loopkit.TrainLoop.run`.
 
     Returns:
       The final state (``{"model", "optimizer", "metrics", "extra"}``), whose
@@ -329,7 +332,8 @@ class NnxTrainLoop:
     state = _copy(self.state())
     before = self.loop.last_state
     try:
-      state = self.loop.run(state, batches, num_steps=num_steps, num_epochs=num_epochs)
+      state = self.loop.run(state, batches, num_steps=num_steps, num_epochs=num_epochs,
+                            skip_steps=skip_steps, max_time=max_time)
     except StepCounterError as e:
       self._keep_work(before)
       if not self._default_step_of:

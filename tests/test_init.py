@@ -11,12 +11,13 @@ import pytest
 import loopkit
 
 ROOT = pathlib.Path(loopkit.__file__).parent
-NAMESPACES = ["loopkit", "loopkit.core", "loopkit.data", "loopkit.observe", "loopkit.checkpoint"]
+NAMESPACES = ["loopkit", "loopkit.core", "loopkit.data", "loopkit.observe", "loopkit.checkpoint",
+              "loopkit.training"]
 # Lower layers never import higher ones; the same rank may import each other only inside one
 # package (observe and checkpoint are both rank 4 and import neither each other nor anything
 # above core).
 RANKS = {"_internal": 0, "metrics": 1, "conv_layout": 1, "data": 2, "core": 3, "observe": 4,
-         "checkpoint": 4, "evaluation": 5, "nnx": 6, "tools": 7}
+         "checkpoint": 4, "evaluation": 5, "training": 5, "nnx": 6, "tools": 7}
 
 
 def _part(module: str) -> str:

@@ -30,6 +30,7 @@ from loopkit.core.program import MultiStepProgram
 from loopkit.core.rng import step_key
 from loopkit.core.run import StepCounterError
 from loopkit.core.skips import RewindRequest
+from loopkit.core.time_limit import TimeLimit
 from loopkit.core.triggers import Trigger
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "RunContext",
     "StepCounterError",
     "TimeBasedK",
+    "TimeLimit",
     "TrainLoop",
     "Trigger",
     "accumulate",

@@ -20,8 +20,10 @@ dispatching the next call; hooks whose trigger has ``at_end`` and that did not
 fire on the last call then fire with that boundary's state and
 ``info.is_last=True`` (this is how a checkpoint lands off its cadence at a
 preemption), then ``on_run_end`` runs and ``loop.status`` is the reason
-(``"preempted"``). A preemption is not the end of training (the run resumes
-there): at a preemption only the ``at_end`` hooks whose ``fires_at_preemption``
+(``"preempted"``). A ``run(..., max_time=...)`` budget that runs out stops the
+run the same way, with ``"time limit"`` (:mod:`loopkit.core.time_limit`). A
+preemption is not the end of training (the run resumes there), nor is a time
+limit: there only the ``at_end`` hooks whose ``fires_at_preemption``
 is true fire (the default, and :class:`~loopkit.checkpoint.CheckpointHook`);
 hooks that write rows at their marks (:class:`~loopkit.LoggingHook`,
 :class:`~loopkit.EvalHook`) set it False, so a preempted and resumed run writes
@@ -174,7 +176,8 @@ class Hook:
     time_bucket: the ledger bucket its time goes to (:class:`~loopkit.core.ledger.Bucket`;
       the default ``hooks`` becomes ``setup`` before a run's first call and after its last).
     hook_name: stable name for its saved state (None: the class name).
-    fires_at_preemption: whether ``at_end`` also fires at a preemption's boundary
+    fires_at_preemption: whether ``at_end`` also fires at a preemption's boundary,
+      and at a ``max_time`` stop's (``"time limit"``: also resumed later)
       (True: e.g. a checkpoint, which must land there). False for a hook whose
       firings are rows at its marks: the run resumes from the preemption and
       the hook fires at its next mark, as without the preemption.

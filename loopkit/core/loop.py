@@ -11,6 +11,7 @@ metrics and ``[K]`` traces with one ``jax.device_get``. Hooks get a read-only
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import warnings
@@ -32,6 +33,7 @@ from loopkit.core.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from loopkit.core.program import MultiStepProgram, StepStyle
 from loopkit.core.run import DataExhaustedWarning, Run, RunConfig, check_epoch_marks
 from loopkit.core.skips import check_skip_steps
+from loopkit.core.time_limit import TimeLimit, as_time_limit
 from loopkit.data.sources import check_epoch_length, steps_per_epoch_of
 
 __all__ = ["DataExhaustedWarning", "TrainLoop"]
@@ -223,8 +225,8 @@ class TrainLoop:
       self._run.request_stop(reason)
 
   def run(self, state: Any, batches: Iterable, *, num_steps: int | None = None,
-          num_epochs: int | None = None, skip_steps: Sequence[tuple[int, int]] | None = None
-          ) -> Any:
+          num_epochs: int | None = None, skip_steps: Sequence[tuple[int, int]] | None = None,
+          max_time: float | str | datetime.timedelta | TimeLimit | None = None) -> Any:
     """Trains until global step ``num_steps`` (or ``num_epochs * steps_per_epoch``).
 
     Args:
@@ -240,6 +242,12 @@ class TrainLoop:
         are drawn and dropped (or stepped over, for a ``batch_at`` source) and no update is
         applied for them; ``num_steps`` still counts updates. Joined with the ranges the
         restored checkpoint's ledger holds (``ledger.skip_steps``), which a resume keeps.
+      max_time: a wall-clock budget for this ``run`` (seconds, ``"4h"``, a
+        ``datetime.timedelta`` or a :class:`~loopkit.core.time_limit.TimeLimit`),
+        counted from now: the run stops at the first boundary at or past it,
+        agreed across processes, as at a preemption (a
+        :class:`~loopkit.checkpoint.CheckpointHook` saves there), with
+        ``status == "time limit"`` (:mod:`loopkit.core.time_limit`). None: no budget.
 
     Returns:
       The final state, whose step equals ``self.ledger.step``.
@@ -268,6 +276,9 @@ class TrainLoop:
       DataExhaustedWarning: ``batches`` ran out; the run stops after the last
       full step, hooks see only steps that ran, ``status == "data_exhausted"``.
     """
+    time_limit = as_time_limit(max_time)
+    if time_limit is not None:
+      time_limit.start()
     if self._auto_steps_per_epoch:
       self.steps_per_epoch = steps_per_epoch_of(batches)
     check_epoch_length(batches, self.steps_per_epoch)
@@ -283,7 +294,8 @@ class TrainLoop:
       self._preemption = PreemptionWatcher(self.preemption_signals)
     prior = self.ledger
     run = Run(config, self.hooks, steps_per_epoch=self.steps_per_epoch, target=target,
-              num_epochs=num_epochs, preemption=self._preemption, skip_steps=skips)
+              num_epochs=num_epochs, preemption=self._preemption, skip_steps=skips,
+              time_limit=time_limit)
     state = run.admit(state, None)
     step0 = _initial_step(config.step_of(state), config.data_parallel_size)
     fresh = prior is None or last is None or prior.step != step0
@@ -336,8 +348,10 @@ class TrainLoop:
   @property
   def status(self) -> str | None:
     """The last run's status: ``"completed"``, ``"data_exhausted"``, ``"preempted"``,
-    ``"stopped"`` or the reason given to :meth:`request_stop`; None before any run and
-    while a run runs."""
+    ``"time limit"`` (``max_time``), ``"stopped"`` or the reason given to
+    :meth:`request_stop` (``"early stopped"``:
+    :class:`~loopkit.training.plateau.EarlyStopping`); None before any run and while a
+    run runs."""
     return self._run.status if self._run is not None else None
 
   @property

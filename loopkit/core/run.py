@@ -63,11 +63,16 @@ from loopkit.core.skips import (
   cut_steps,
   merge_ranges,
 )
+from loopkit.core.time_limit import TIME_LIMIT, TimeLimit
 from loopkit.core.triggers import Trigger
 from loopkit.data.feeding import Chunk, ChunkFeeder
 from loopkit.data.sources import open_source
 
 log = logging.getLogger("loopkit")
+
+RESUMABLE_STOPS = ("preempted", TIME_LIMIT)
+"""Statuses of a run stopped to be resumed (a preemption, a ``max_time`` budget): at its
+stop only the ``at_end`` hooks whose ``fires_at_preemption`` is true fire."""
 
 
 class DataExhaustedWarning(UserWarning):
@@ -177,6 +182,7 @@ class Run:
     skip_steps: skip ranges given to ``run`` (checked,
       :func:`loopkit.core.skips.check_skip_steps`), joined at the start with the
       restored ledger's.
+    time_limit: the run's started :class:`~loopkit.core.time_limit.TimeLimit`, or None.
 
   Attributes:
     ledger: the run's :class:`~loopkit.core.ledger.Ledger` (written only here;
@@ -202,8 +208,9 @@ class Run:
 
   def __init__(self, config: RunConfig, hooks: list[Hook], *, steps_per_epoch: int | None,
                target: int, num_epochs: int | None, preemption: PreemptionWatcher,
-               skip_steps: SkipRanges = ()):
+               skip_steps: SkipRanges = (), time_limit: TimeLimit | None = None):
     self.config = config
+    self.time_limit = time_limit
     self.program = config.program
     self.hooks = hooks
     self.steps_per_epoch = steps_per_epoch
@@ -234,7 +241,14 @@ class Run:
     self.checked_layout = False  # the first chunk's layout (next_chunk)
     self.copy_async = not is_cpu_mesh(config.mesh)  # see _fetch
     self.nonfinite_step: int | None = None  # the run's first step with a NaN/Inf metric
-    self.timed = [i for i, h in enumerate(hooks) if h.trigger.every_secs is not None]
+    # The hooks with every_secs, by trigger: hooks that share one Trigger object (an
+    # EarlyStopping fires on its EvalHook's) read its clock once per boundary, so they fire
+    # together.
+    timed = [i for i, h in enumerate(hooks) if h.trigger.every_secs is not None]
+    self.timed = [i for i in timed if not any(hooks[j].trigger is hooks[i].trigger
+                                              for j in timed if j < i)]
+    self.timed_same = {i: next(j for j in self.timed if hooks[j].trigger is hooks[i].trigger)
+                       for i in timed}  # each timed hook -> the first hook with its trigger
     self.single_process = jax.process_count() == 1
     self.skip_steps = skip_steps
     # Hooks that may rewind the run (loopkit.core.skips): asked at every boundary.
@@ -755,6 +769,10 @@ class Run:
     """Sets the status, fires the ``at_end`` hooks still due, then ``on_run_end``."""
     if self.stop_reason is not None:
       self.status = self.stop_reason
+      if self.status == TIME_LIMIT and self.time_limit is not None:
+        log.info("max_time of %g s reached at step %d (%.1f s since run started): stopping "
+                 "there to be resumed", self.time_limit.seconds, self.ledger.step,
+                 self.time_limit.elapsed())
     elif self.status is None:
       if self.ledger.step < self.target:  # invariant: "completed" means the target was reached
         raise RuntimeError(
@@ -841,31 +859,40 @@ class Run:
   def agree(self) -> tuple[str | None, dict[int, bool]]:
     """Takes every host-local decision of one boundary, agreed across processes.
 
-    Once before each dispatch: this process's preemption flag, a requested stop
-    (its reason) and each ``every_secs`` clock go into one
+    Once before each dispatch: this process's preemption flag, its ``max_time``
+    budget (:class:`~loopkit.core.time_limit.TimeLimit`), a requested stop (its
+    reason) and each ``every_secs`` clock go into one
     :func:`loopkit.core.agreement.agree_with_reason`. A time mark read here counts for
     the call about to be dispatched.
 
     Returns:
       ``(stop, time_due)``: the stop reason, the same on every process (a
       requested one: the lowest-index requesting process's reason,
-      :func:`loopkit.core.agreement.agree_with_reason`; else ``"preempted"``) or
-      None to go on; and ``{hook index: bool}`` for the hooks with ``every_secs``.
+      :func:`loopkit.core.agreement.agree_with_reason`; else ``"preempted"``, else
+      ``"time limit"``) or None to go on; and ``{hook index: bool}`` for the hooks
+      with ``every_secs``.
     """
     timed = self.timed
+    over = self.time_limit is not None and self.time_limit.expired()
     if self.single_process:  # agree_with_reason's answer on one process: the local one
       preempted = self.preemption.requested
-      time_due = {i: bool(self.hooks[i].trigger.time_due()) for i in timed} if timed else {}
+      time_due = self.each_timed_hook(
+          {i: bool(self.hooks[i].trigger.time_due()) for i in timed}) if timed else {}
       if self.stop_reason is not None:
         return self.stop_reason, time_due
-      return ("preempted" if preempted else None), time_due
+      return ("preempted" if preempted else TIME_LIMIT if over else None), time_due
     agreed, reason = agree_with_reason(
-        [self.preemption.requested] + [self.hooks[i].trigger.time_due() for i in timed],
+        [self.preemption.requested, over] + [self.hooks[i].trigger.time_due() for i in timed],
         self.stop_reason)
-    time_due = dict(zip(timed, agreed[1:]))
+    time_due = self.each_timed_hook(dict(zip(timed, agreed[2:])))
     if reason is not None:
       return reason, time_due
-    return ("preempted" if agreed[0] else None), time_due
+    return ("preempted" if agreed[0] else TIME_LIMIT if agreed[1] else None), time_due
+
+  def each_timed_hook(self, due: dict[int, bool]) -> dict[int, bool]:
+    """``{hook index: due}`` for every hook with ``every_secs``, from the answers ``due`` of
+    the first hook of each trigger object."""
+    return {i: due[j] for i, j in self.timed_same.items()}
 
   def firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[int]:
     """The hooks that fire after the call ``(start, end]``; records their firing."""
@@ -885,14 +912,15 @@ class Run:
     After an early stop, with the last call's info (``is_last=True``); after no
     call at all, once with an empty :class:`LoopInfo` at the current step (see
     :mod:`loopkit.core.hooks`: a preempted run still saves, a finished run re-run
-    still evaluates once). After a preemption only the hooks whose
-    ``fires_at_preemption`` is true (default) fire: a preemption is not the end
-    of training, and a row written there would be one the uninterrupted run
-    does not have (:class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook`
-    do not fire; their windows continue after the resume).
+    still evaluates once). After a preemption or a ``max_time`` stop
+    (:data:`RESUMABLE_STOPS`) only the hooks whose ``fires_at_preemption`` is
+    true (default) fire: such a stop is not the end of training, and a row
+    written there would be one the uninterrupted run does not have
+    (:class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook` do not fire;
+    their windows continue after the resume).
     """
     last = self.last
-    preempted = self.status == "preempted"
+    preempted = self.status in RESUMABLE_STOPS
     due = [i for i, h in enumerate(self.hooks) if h.trigger.at_end and not h.trigger.every_call
            and (not preempted or getattr(h, "fires_at_preemption", True))]
     if last is None or self.last_info is None:

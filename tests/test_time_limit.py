@@ -1,0 +1,77 @@
+"""run(max_time=): a wall-clock budget, agreed at boundaries, status "time limit" (issue 39)."""
+
+import datetime
+
+import jax
+import pytest
+
+import loopkit
+from loopkit.core.time_limit import TimeLimit, as_time_limit
+from tests import toy
+
+DATA = toy.batches(40)
+
+
+class CountingClock:
+  """Each read is one second later than the last: the run reads it once at its start and once
+  per boundary, so the budget runs out at a known boundary."""
+
+  def __init__(self):
+    self.reads = 0
+
+  def __call__(self):
+    self.reads += 1
+    return float(self.reads - 1)
+
+
+def make(tmp_path, k=4):
+  rows = loopkit.LoggingHook(every_steps=8)
+  ckpt = loopkit.CheckpointHook(tmp_path, every_steps=100)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=[rows, ckpt])
+  return loop, rows, ckpt
+
+
+def test_stops_at_the_first_boundary_past_the_budget_saves_and_resumes_bitwise(tmp_path):
+  loop, rows, ckpt = make(tmp_path)
+  clock = CountingClock()
+  loop.run(toy.init_state(), DATA, num_steps=40, max_time=TimeLimit(3.5, clock=clock))
+  # start = 0; boundaries read 1, 2, 3 (< 3.5: calls to 4, 8, 12), then 4: stop at step 12
+  assert loop.status == "time limit" and loop.ledger.step == 12
+  assert ckpt.saved_steps == [12]  # saved there, off its cadence
+  assert [s for s, _ in rows.records] == [8]  # no row at the stop (it is resumed)
+  loop, rows2, ckpt = make(tmp_path)
+  out = loop.run(toy.init_state(), DATA, num_steps=40)
+  assert ckpt.restored_step == 12 and loop.status == "completed"
+  straight_rows = loopkit.LoggingHook(every_steps=8)
+  straight = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4,
+                               hooks=[straight_rows]).run(toy.init_state(), DATA, num_steps=40)
+  toy.assert_bitwise(out, straight)
+  assert rows.records + rows2.records == straight_rows.records
+
+
+def test_a_spent_budget_stops_before_the_first_call_and_other_stops_win(tmp_path):
+  loop, _, ckpt = make(tmp_path)
+  loop.run(toy.init_state(), DATA, num_steps=40, max_time=TimeLimit(1, clock=CountingClock()))
+  assert loop.status == "time limit" and loop.ledger.step == 0 and ckpt.saved_steps == [0]
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
+  loop.preemption.request()
+  loop.run(toy.init_state(), DATA, num_steps=8, max_time=TimeLimit(1, clock=CountingClock()))
+  assert loop.status == "preempted"
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
+  loop.run(toy.init_state(), DATA, num_steps=8, max_time="1h")  # the real clock: not reached
+  assert loop.status == "completed"
+
+
+def test_max_time_forms_and_errors():
+  assert as_time_limit(90).seconds == 90.0
+  assert as_time_limit("5m").seconds == 300.0
+  assert as_time_limit(datetime.timedelta(hours=2)).seconds == 7200.0
+  assert as_time_limit(None) is None
+  for bad in ("soon", 0, -3.0, True):
+    with pytest.raises(ValueError, match="max_time must be"):
+      as_time_limit(bad)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4)
+  state = toy.init_state()
+  with pytest.raises(ValueError, match=r"got 'soon'"):
+    loop.run(state, DATA, num_steps=8, max_time="soon")
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # refused before any work
