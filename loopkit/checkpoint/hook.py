@@ -76,6 +76,11 @@ see :func:`loopkit.data.sources.open_source`. States must be JSON-serialisable o
 keeps the best N by ``best_metric``. The newest checkpoint is always kept
 (Orbax's own ``best_fn`` + ``max_to_keep`` may delete it).
 
+**Completion.** A run that reaches its target (status ``"completed"``) writes
+``TRAIN_COMPLETE`` in the directory once its last save committed; each run's
+start removes it. An evaluation sidecar (:mod:`loopkit.checkpoint.follower`)
+stops there.
+
 Multi-host: every process runs the hook (Orbax coordinates the writes); the
 directory must be shared. Not thread-safe.
 """
@@ -103,9 +108,11 @@ except ImportError as e:
 from loopkit.checkpoint.files import (
   _COMMIT_FILE,
   _ITEMS,
+  _clear_complete_marker,
   _drain_writers,
   _remove_failed_save,
   _tidy,
+  _write_complete_marker,
 )
 from loopkit.checkpoint.items import (
   _abstract,
@@ -499,6 +506,7 @@ class CheckpointHook(Hook):
       raise CheckpointError(problem)
     log.info("checkpoints in %s", self.directory)
     try:
+      _clear_complete_marker(self.directory)  # this run trains on: not complete until it says so
       return self._resume(state)
     except BaseException:
       self._lock.release()
@@ -538,9 +546,17 @@ class CheckpointHook(Hook):
 
   def on_run_end(self, ctx: RunContext, state: Any) -> None:
     """Waits for the last write (raises :class:`CheckpointError` if it failed); releases
-    the directory's lock."""
+    the directory's lock.
+
+    A run that completed (``ctx.status == "completed"``: its target reached) then writes the
+    marker ``TRAIN_COMPLETE`` (``{"step": N, "status": "completed"}``) in the directory,
+    where an evaluation sidecar (:mod:`loopkit.checkpoint.follower`) stops; a preempted,
+    stopped or failed run writes none, and the next run's start removes an old one.
+    """
     try:
       self.close()
+      if ctx.status == "completed":
+        _write_complete_marker(self.directory, ctx.ledger.step)
     finally:
       self._lock.release()
     return None
