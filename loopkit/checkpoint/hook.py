@@ -506,8 +506,9 @@ class CheckpointHook(Hook):
       raise CheckpointError(problem)
     log.info("checkpoints in %s", self.directory)
     try:
+      restore = self._resume(state)
       _clear_complete_marker(self.directory)  # this run trains on: not complete until it says so
-      return self._resume(state)
+      return restore
     except BaseException:
       self._lock.release()
       raise
