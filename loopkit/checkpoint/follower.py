@@ -21,7 +21,8 @@ training run does not wait for it.
   it). The follower reads the marker *before* each listing, so once it has seen the marker the
   listing holds the last checkpoint: it evaluates what is new and stops. A preempted or failed
   run writes no marker (its restart continues); ``timeout_secs`` bounds the wait for the next
-  checkpoint.
+  checkpoint. Start the follower with the training run or after its start: a finished run's
+  marker stays until the next run's restore succeeded.
 * **Its own restarts.** With ``progress_file``, the steps evaluated (and skipped) are kept in
   a small JSON file, written after each row is flushed; a restarted follower continues after
   them, and tells its writer (:func:`~loopkit.observe.writers.keep_rows_through`) so a row
