@@ -179,6 +179,24 @@ def test_follower_refuses_wrong_inputs(reference, tmp_path, monkeypatch):
     f.run()
 
 
+def test_follow_command_writes_eval_hook_rows_and_exits_by_the_marker(reference, tmp_path,
+                                                                      capsys):
+  from loopkit.tools import follow as follow_cli
+  out = tmp_path / "follow"
+  argv = ["tests._follow_worker:target", "--directory", str(reference[0]), "--output_dir",
+          str(out), "--poll_secs", "0.05"]
+  assert follow_cli.main(argv) == 0
+  assert capsys.readouterr().out == (f"complete: evaluated 5 checkpoint(s) {STEPS}; rows in "
+                                     f"{out / 'metrics.jsonl'}\n")
+  assert rows(out / "metrics.jsonl") == reference[1]
+  assert json.loads((out / "follow_progress.json").read_text())["evaluated"] == STEPS
+  unfinished = tmp_path / "unfinished"  # the same checkpoints, no TRAIN_COMPLETE: time-out
+  shutil.copytree(reference[0], unfinished, ignore=shutil.ignore_patterns("TRAIN_COMPLETE"))
+  argv[2], argv[4] = str(unfinished), str(tmp_path / "other")
+  assert follow_cli.main([*argv, "--timeout_secs", "0.2"]) == 1
+  assert capsys.readouterr().out.startswith(f"timed_out: evaluated 5 checkpoint(s) {STEPS}")
+
+
 def test_follow_command_refuses_a_target_of_the_wrong_kind():
   from loopkit.tools import follow as follow_cli
   with pytest.raises(SystemExit, match=r"must return \(like, evaluator, batches\)"):
