@@ -609,12 +609,31 @@ class EvalHook(Hook):
     batches = self.batches() if callable(self.batches) else self.batches
     result = self._evaluate(self.state_fn(state), batches, num_batches=self.num_batches)
     self.results.append((info.end_step, result))
-    if not prints_to_console(self.writer):  # else the writer prints the row: once
-      log.info("step %d eval: %s (%d examples)", info.end_step,
-               ", ".join(f"{k}={v:.6g}" for k, v in result.metrics.items()),
-               result.num_examples)
-    if self.writer is not None:
-      scalars = {f"{self.prefix}/{k}": v for k, v in result.metrics.items()}
-      scalars[f"{self.prefix}/num_examples"] = result.num_examples
-      self.writer.write_scalars(info.end_step, scalars)
+    report(info.end_step, result, writer=self.writer, prefix=self.prefix)
     return None
+
+
+def report(step: int, result: EvalResult, *, writer: Any = None, prefix: str = "eval") -> None:
+  """Logs one evaluation and writes its row, as :class:`EvalHook` does at each firing.
+
+  The row at ``step`` holds ``{prefix}/{metric}`` for each metric and
+  ``{prefix}/num_examples``. The ``loopkit`` logger gets ``step N eval: name=value, ...
+  (M examples)`` unless the writer prints its rows itself
+  (:func:`loopkit.observe.writers.prints_to_console`), so it is printed once. The evaluation
+  sidecar (:mod:`loopkit.tools.follower`) writes its rows through this too, so they are
+  the rows EvalHook writes.
+
+  Args:
+    step: the step of the evaluated state (updates applied).
+    result: the :class:`EvalResult`.
+    writer: a loopkit metric writer (already :func:`~loopkit.observe.writers.as_writer`),
+      or None (log only).
+    prefix: the scalars' name prefix.
+  """
+  if not prints_to_console(writer):  # else the writer prints the row: once
+    log.info("step %d eval: %s (%d examples)", step,
+             ", ".join(f"{k}={v:.6g}" for k, v in result.metrics.items()), result.num_examples)
+  if writer is not None:
+    scalars: dict[str, Any] = {f"{prefix}/{k}": v for k, v in result.metrics.items()}
+    scalars[f"{prefix}/num_examples"] = result.num_examples
+    writer.write_scalars(step, scalars)

@@ -103,7 +103,7 @@ def _c33_repeats(tmp_path, big_reference, n):
       assert r["restored"] == (8 if "8" in r["names_at_raise"] else 4)
       assert r["steps"] == [4, 8, 12]
       assert r["saved"] == ([12] if r["restored"] == 8 else [8, 12])
-      assert r["names_after"] == ["12", "4", "8"]
+      assert r["names_after"] == ["12", "4", "8", "TRAIN_COMPLETE"]
       assert_bitwise(r["final"], big_reference)
       restored.append(r["restored"])
     except AssertionError as e:  # count, then report all
@@ -211,7 +211,7 @@ def test_c35_user_folder_named_like_a_step_is_kept(tmp_path):
     final = make_loop(4, [hook]).run(toy.init_state(), data, num_steps=12)
   assert hook.restored_step is None and hook.saved_steps == [4, 8, 12]
   assert hook.all_steps() == [12]  # retention removed 4 and 8, not 5 or 7
-  assert sorted(os.listdir(tmp_path)) == ["12", "5", "7"]
+  assert sorted(os.listdir(tmp_path)) == ["12", "5", "7", "TRAIN_COMPLETE"]
   assert listing(user) == before
   assert_bitwise(final, make_loop(4).run(toy.init_state(), data, num_steps=12))
   with warnings.catch_warnings():
@@ -302,7 +302,7 @@ def test_c41_flax_checkpoint_in_the_directory_warns_and_can_be_imported(tmp_path
                                             r"checkpoint_50 \(e.g. from flax.training"):
     make_loop(4, [hook]).run(toy.init_state(), data, num_steps=4)
   assert hook.restored_step is None and hook.saved_steps == [4]
-  assert sorted(os.listdir(tmp_path)) == ["4", "checkpoint_50"]
+  assert sorted(os.listdir(tmp_path)) == ["4", "TRAIN_COMPLETE", "checkpoint_50"]
   assert listing(tmp_path / "checkpoint_50") == before
   # The documented import: restore with flax yourself, pass the state to run.
   imported = checkpoints.restore_checkpoint(tmp_path, target=toy.init_state(), prefix="checkpoint_")

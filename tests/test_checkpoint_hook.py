@@ -308,7 +308,7 @@ def test_c21_unfinished_save_is_invisible_and_removed(tmp_path, mode, monkeypatc
   assert hook.restored_step == 8
   assert hook.saved_steps == [12]
   assert hook.all_steps() == [4, 8, 12]
-  assert sorted(os.listdir(tmp_path)) == ["12", "4", "8"]
+  assert sorted(os.listdir(tmp_path)) == ["12", "4", "8", "TRAIN_COMPLETE"]
   assert os.path.exists(tmp_path / "12" / "commit_success.txt")
   assert_bitwise(final, ref)
   assert_bitwise(hook.restore(toy.init_state(), 12).state, ref)

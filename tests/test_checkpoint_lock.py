@@ -59,7 +59,8 @@ def test_c45_relative_directory_is_resolved_at_construction(tmp_path, monkeypatc
   monkeypatch.chdir("/")  # a later chdir does not move it
   with caplog.at_level("INFO", logger="loopkit"):
     make_loop(2, [hook]).run(toy.init_state(), toy.batches(4), num_steps=4)
-  assert hook.saved_steps == [2, 4] and sorted(os.listdir(tmp_path / "runs" / "a")) == ["2", "4"]
+  assert hook.saved_steps == [2, 4] and sorted(os.listdir(tmp_path / "runs" / "a")) == [
+      "2", "4", "TRAIN_COMPLETE"]
   assert f"checkpoints in {tmp_path / 'runs' / 'a'}" in caplog.text
 
 
@@ -208,7 +209,7 @@ def test_c46_a_live_run_blocks_a_second_one_and_a_killed_one_does_not(tmp_path, 
     make_loop(2, [again]).run(toy.init_state(), toy.batches(4), num_steps=4)
   assert again.restored_step == 2 and again.saved_steps == [4]
   assert f"pid {first.pid} is not alive on this host" in caplog.text
-  assert sorted(os.listdir(tmp_path)) == ["2", "4"]  # the dead run's unfinished 6 removed
+  assert sorted(os.listdir(tmp_path)) == ["2", "4", "TRAIN_COMPLETE"]  # unfinished 6 removed
   assert not (tmp_path / LOCK_FILE).exists()  # released at run end
 
 

@@ -242,4 +242,4 @@ def test_kill_between_tiers_resumes_bitwise(tmp_path, reference):
   info = w2.finish()
   assert info["status"] == "completed" and info["saved_steps"] == [8, 12, 16]
   assert info["all_steps"] == [6, 12, 16] and info["final_digest"] == reference[16]
-  assert sorted(p.name for p in d.iterdir()) == ["12", "16", "6"]
+  assert sorted(p.name for p in d.iterdir()) == ["12", "16", "6", "TRAIN_COMPLETE"]

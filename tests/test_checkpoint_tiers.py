@@ -32,7 +32,8 @@ def test_100_steps_keep_every_25_and_the_newest(tmp_path):
   make_loop([hook]).run(toy.init_state(), DATA, num_steps=100)
   assert hook.saved_steps == sorted(EVERY_7 + [25, 50, 75, 100])
   assert hook.all_steps() == [25, 50, 75, 100]
-  assert sorted(os.listdir(tmp_path)) == ["100", "25", "50", "75"]  # no trash left
+  # no trash left; the run completed (tools.follower's marker)
+  assert sorted(os.listdir(tmp_path)) == ["100", "25", "50", "75", "TRAIN_COMPLETE"]
 
 
 def test_keep_steps_and_max_to_keep_2(tmp_path):
@@ -101,4 +102,5 @@ def test_a_delete_cut_short_leaves_only_trash_which_is_removed(tmp_path):
   hook = CheckpointHook(tmp_path, every_steps=2, max_to_keep=1)
   with pytest.warns(CheckpointWarning, match="holds 7"):
     make_loop([hook], k=2).run(toy.init_state(), DATA, num_steps=4)
-  assert hook.all_steps() == [4] and sorted(os.listdir(tmp_path)) == ["4", "7"]
+  assert hook.all_steps() == [4]
+  assert sorted(os.listdir(tmp_path)) == ["4", "7", "TRAIN_COMPLETE"]

@@ -346,7 +346,7 @@ def test_resnet_example_cpu_config_on_two_processes(tmp_path):
   assert (r["step"], r["num_devices"], r["status"], r["compile_count"]) == (4, 8, "completed", 1)
   assert r["eval_count"] == 360  # every test digit exactly once across the 2 processes' splits
   assert r["ledger"]["examples_seen"] == 4 * r["global_batch_size"]
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "TRAIN_COMPLETE"]
   assert len([f for f in os.listdir(workdir) if f.startswith("events.out")]) == 1
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   train_steps = [row["step"] for row in rows if "loss" in row]

@@ -127,6 +127,26 @@ def test_a_run_preempted_at_step_4_resumes_to_the_same_bits(straight, tmp_path):
   assert second["state"].params["query"].sharding.spec == P(None, "fsdp", "tensor", None)
 
 
+def test_eval_only_evaluates_each_checkpoint_as_the_training_run_did(straight):
+  """--config.eval_only=True on the straight run's workdir: checkpoints 4 and 8 evaluated once
+  on the (2, 2, 2) mesh, their rows bitwise the rows EvalHook wrote in the run."""
+  config = tiny.get_config()
+  config.eval_only = True
+  config.follow_poll_secs = 0.1
+  r = train.evaluate_beside(config, straight["workdir"])
+  assert r["status"] == "complete" and r["skipped"] == []
+  assert [s for s, _ in r["evaluated"]] == [4, 8]
+  assert r["evaluated"] == straight["eval_history"]  # the same perplexities, exactly
+
+  def rows(path):
+    with open(path) as f:
+      return [row for row in map(json.loads, f) if "eval/loss" in row]
+
+  ran = rows(os.path.join(straight["workdir"], "metrics.jsonl"))
+  assert [row["step"] for row in ran] == [4, 8]
+  assert rows(r["rows_path"]) == ran  # every key (perplexity, num_examples, ...), same bits
+
+
 def test_held_out_perplexity_starts_at_256_and_drops(straight):
   setup = train.build(tiny.get_config())
   untrained = setup.evaluator.evaluate(setup.state, setup.eval_batches)

@@ -10,7 +10,9 @@ The CPU run uses 8 fake CPU devices (set through ``XLA_FLAGS`` before JAX is imp
 (state, ledger, data position). Override fields with ``--config.<name>=value``, e.g.
 ``--config.iterations_per_loop=1``. ``--compile_only=TOPOLOGY`` compiles the run's programs for
 a TPU topology through libtpu, without a TPU or data, prints the memory/FLOPs report, writes it
-to ``WORKDIR/aot_report.json`` and exits.
+to ``WORKDIR/aot_report.json`` and exits. ``--config.eval_only=True`` with a training run's
+``--workdir`` and config evaluates each of its checkpoints once, beside it, and stops when the
+run completes (README.md).
 """
 
 import os
@@ -68,6 +70,8 @@ def main(argv):
                jax.process_count(), jax.device_count(), jax.local_device_count(),
                jax.devices()[0].platform)
   from examples.lm import train  # noqa: PLC0415 (after the platform is set)
+  if config.eval_only:
+    return _eval_only(train, config, _WORKDIR.value)
   t0 = time.perf_counter()
   r = train.train_and_evaluate(config, _WORKDIR.value)
   wall = time.perf_counter() - t0
@@ -89,6 +93,24 @@ def main(argv):
   print(f"results (JSON):        {r['results_path']}")
   print(f"metrics (JSONL, TB):   {os.path.join(r['workdir'], 'metrics.jsonl')}")
   print(f"checkpoints (Orbax):   {os.path.join(r['workdir'], 'checkpoints')}")
+
+
+def _eval_only(train, config, workdir: str) -> None:
+  """--config.eval_only=True: evaluate the checkpoints of the training run in WORKDIR beside it."""
+  t0 = time.perf_counter()
+  r = train.evaluate_beside(config, workdir)
+  if jax.process_index() != 0:
+    return
+  skipped = (f", skipped {r['skipped']} (deleted by the run's retention before they were read)"
+             if r["skipped"] else "")
+  print(f"eval_only: {len(r['evaluated'])} checkpoint(s) of {workdir} evaluated{skipped}; "
+        f"{'the training run completed' if r['status'] == 'complete' else 'stopped waiting'}; "
+        f"{time.perf_counter() - t0:.1f} s wall")
+  for step, perplexity in r["evaluated"]:
+    print(f"  step {step}: held-out perplexity {perplexity:.3f}")
+  print(f"metrics (JSONL, TB):   {r['rows_path']}")
+  if r["status"] != "complete":
+    raise SystemExit(1)
 
 
 def _compile_only(config, topology: str, workdir: str) -> None:

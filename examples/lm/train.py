@@ -464,6 +464,55 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   return results
 
 
+# -- evaluation beside training ---------------------------------------------------------------
+
+
+def evaluate_beside(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """``config.eval_only``: evaluates each checkpoint of the training run in ``workdir`` once.
+
+  Runs beside ``main.py`` training with the same ``--workdir`` and config: follows
+  ``workdir/checkpoints`` with :class:`loopkit.tools.follower.CheckpointFollower`, restores
+  each new checkpoint onto the mesh with the training state's shardings (from their logical axes,
+  nothing allocated until a restore), evaluates it with the training run's evaluator and
+  held-out windows, and writes the rows (``eval/loss``, ``eval/perplexity``,
+  ``eval/bits_per_byte``, ``eval/accuracy``, ``eval/num_examples`` at the checkpoint's step:
+  the rows EvalHook writes in the training run) to ``workdir/eval_only/metrics.jsonl`` and
+  TensorBoard files there. It stops when the training run completes (``TRAIN_COMPLETE``), or
+  after ``config.follow_timeout_secs`` without a new checkpoint (> 0); a rerun continues where
+  it stopped (``workdir/eval_only/follow_progress.json``).
+
+  Returns:
+    ``{"status": "complete" | "timed_out", "evaluated": [(step, perplexity)],
+    "skipped": [steps deleted before they were read], "rows_path": str}``.
+  """
+  from loopkit.tools.follower import follow  # needs orbax-checkpoint
+
+  workdir = os.path.abspath(workdir)
+  mesh = make_mesh(config)
+  corpus = input_pipeline.load_corpus(config.data_dir or None,
+                                      heldout_every=config.heldout_every)
+  graphdef, like, _ = state_shardings(config, mesh,
+                                      create_optimizer(config, learning_rate_schedule(config)))
+  evaluator = PerplexityEvaluator(loopkit.Evaluator(
+      make_eval_step(graphdef), iterations_per_loop=config.eval_iterations_per_loop, mesh=mesh,
+      data_axis=BATCH_AXES, global_batch_size=config.eval_batch_size))
+  eval_batches = input_pipeline.EvalBatches(
+      corpus, seq_len=config.seq_len, num_windows=config.eval_windows,
+      global_batch_size=config.eval_batch_size)
+  out = os.path.join(workdir, "eval_only")
+  writer = writers.create_default_writer(out)
+  try:
+    follower = follow(
+        os.path.join(workdir, "checkpoints"), like, evaluator, eval_batches, writer=writer,
+        prefix="eval", progress_file=os.path.join(out, "follow_progress.json"),
+        poll_secs=config.follow_poll_secs, timeout_secs=config.follow_timeout_secs or None)
+  finally:
+    writer.close()
+  return {"status": follower.status,
+          "evaluated": [(s, r.metrics["perplexity"]) for s, r in follower.results],
+          "skipped": follower.skipped_steps, "rows_path": os.path.join(out, "metrics.jsonl")}
+
+
 # -- ahead-of-time compilation ---------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ _POSITIVE = ("global_batch_size", "eval_batch_size", "iterations_per_loop",
 _NON_NEGATIVE = ("grain_workers", "prefetch", "checkpoint_every_steps",
                  "max_checkpoints_to_keep", "num_train_examples", "num_eval_examples")
 _NON_NEGATIVE_NUMBERS = ("eval_every_epochs", "checkpoint_every_epochs", "warmup_epochs",
-                         "progress_every_secs")
+                         "progress_every_secs", "follow_timeout_secs")
 
 
 def _is_int(x: Any) -> bool:
@@ -73,6 +73,9 @@ def problems(config: Any) -> list[str]:
     value = config.get(name, 0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
       out.append(f"config.{name} must be a number >= 0, got {value!r}")
+  poll = config.get("follow_poll_secs", 1.0)
+  if isinstance(poll, bool) or not isinstance(poll, (int, float)) or poll <= 0:
+    out.append(f"config.follow_poll_secs must be a number > 0, got {poll!r}")
   steps, epochs = config.get("num_train_steps", -1), config.get("num_epochs", 1)
   if not (_is_int(steps) and steps > 0) and not (
       isinstance(epochs, (int, float)) and not isinstance(epochs, bool) and epochs > 0):

@@ -11,6 +11,8 @@
 
 ``--compile_only=TOPOLOGY`` compiles the run's programs for a TPU topology
 without a TPU or data and prints the memory/FLOPs report (README.md).
+``--config.eval_only=True`` with a training run's ``--workdir`` and config evaluates
+each of its checkpoints once, beside it, and stops when it completes (README.md).
 Rerunning with the same ``--workdir`` resumes from the latest checkpoint
 (state, ledger, data position). Override fields with ``--config.<name>=value``,
 e.g. ``--config.iterations_per_loop=1``. With ``config.distributed`` (set in
@@ -134,6 +136,8 @@ def main(argv):
   import tensorflow as tf  # noqa: PLC0415  (tf.data only: keep TF off accelerators)
   tf.config.set_visible_devices([], "GPU")
   from examples.resnet50 import train  # noqa: PLC0415
+  if config.eval_only:
+    return _eval_only(train, config, _WORKDIR.value)
   t0 = time.perf_counter()
   r = train.train_and_evaluate(config, _WORKDIR.value)
   wall = time.perf_counter() - t0
@@ -158,6 +162,24 @@ def main(argv):
   print(f"metrics (JSONL, TB):   {os.path.join(r['workdir'], 'metrics.jsonl')} "
         f"(tensorboard --logdir {r['workdir']})")
   print(f"checkpoints (Orbax):   {os.path.join(r['workdir'], 'checkpoints')}")
+
+
+def _eval_only(train, config, workdir: str) -> None:
+  """--config.eval_only=True: evaluate the checkpoints of the training run in WORKDIR beside it."""
+  t0 = time.perf_counter()
+  r = train.evaluate_beside(config, workdir)
+  if jax.process_index() != 0:
+    return
+  skipped = (f", skipped {r['skipped']} (deleted by the run's retention before they were read)"
+             if r["skipped"] else "")
+  print(f"eval_only: {len(r['evaluated'])} checkpoint(s) of {workdir} evaluated{skipped}; "
+        f"{'the training run completed' if r['status'] == 'complete' else 'stopped waiting'}; "
+        f"{time.perf_counter() - t0:.1f} s wall")
+  for step, accuracy, loss in r["evaluated"]:
+    print(f"  step {step}: eval accuracy {accuracy:.4f}, loss {loss:.4f}")
+  print(f"metrics (JSONL, TB):   {r['rows_path']}")
+  if r["status"] != "complete":
+    raise SystemExit(1)
 
 
 def _compile_only(config, topology: str, workdir: str) -> None:

@@ -387,6 +387,30 @@ def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
                 if s.isdigit())[-1] == 6
 
 
+@pytest.mark.slow(held_by="examples/lm/lm_test.py::"
+                          "test_eval_only_evaluates_each_checkpoint_as_the_training_run_did",
+                  reason="builds the mock dataset and the ResNet-50 eval program again: 35 s "
+                         "on 2 busy cores; the LM example's twin takes 2 s")
+@pytest.mark.tf  # TFDS (tfds.testing.mock_data)
+def test_eval_only_evaluates_each_checkpoint_as_the_training_run_did(smoke_run):
+  """--config.eval_only=True on a finished run's workdir: every checkpoint evaluated once, the
+  rows of the steps the run evaluated bitwise the run's own; a rerun evaluates nothing again."""
+  workdir, _ = smoke_run
+  config = smoke_config.get_config()
+  config.eval_only = True
+  config.follow_poll_secs = 0.1
+  r = train.evaluate_beside(config, workdir)
+  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")) if s.isdigit())
+  assert r["status"] == "complete" and r["skipped"] == []
+  assert [s for s, _, _ in r["evaluated"]] == steps and steps[:2] == [2, 4]
+  beside = {row["step"]: row for row in _metrics_rows(os.path.join(workdir, "eval_only"))}
+  ran = {row["step"]: row for row in _metrics_rows(workdir) if "eval/accuracy" in row}
+  assert ran and set(ran) <= set(beside)  # the run evaluated at its end (4, or 6 if resumed)
+  assert {s: beside[s] for s in ran} == ran  # every key, the same bits
+  assert beside[4]["eval/num_examples"] == 40
+  assert train.evaluate_beside(config, workdir)["evaluated"] == []
+
+
 def _few_steps(config, data_dir, num_steps, checkpoint_every_steps=0):
   """``config`` cut to ``num_steps`` steps of K = 2 on the digits in ``data_dir``, logging
   every call, checkpointing every ``checkpoint_every_steps`` (0: never)."""

@@ -475,7 +475,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if loop.status != "preempted" and (
       not eval_results or eval_results[-1][0] != loop.ledger.step):  # nothing left to train
     result = evaluator.evaluate(state, eval_batches, num_batches=eval_batches.num_batches)
-    writer.write_scalars(loop.ledger.step, {f"eval/{k}": v for k, v in result.metrics.items()})
+    evaluation.report(loop.ledger.step, result, writer=writer, prefix="eval")  # EvalHook's row
     eval_results.append((loop.ledger.step, result))
   train_seconds = time.perf_counter() - t0
   writer.close()
@@ -512,6 +512,60 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   results["state"] = state
   return results
 
+
+# -- evaluation beside training -------------------------------------------------
+
+
+def evaluate_beside(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """``config.eval_only``: evaluates each checkpoint of the training run in ``workdir`` once.
+
+  Runs beside ``main.py`` training with the same ``--workdir`` and config (another process,
+  another machine with the workdir shared): follows ``workdir/checkpoints`` with
+  :class:`loopkit.tools.follower.CheckpointFollower`, evaluating each new checkpoint with the
+  training run's evaluator and eval batches, and writes the rows (``eval/accuracy``,
+  ``eval/loss``, ``eval/num_examples`` at the checkpoint's step, the rows EvalHook writes in
+  the training run) to ``workdir/eval_only/metrics.jsonl`` and TensorBoard files there. It
+  stops when the training run completes (``TRAIN_COMPLETE``), or after
+  ``config.follow_timeout_secs`` without a new checkpoint (> 0). A rerun continues where it
+  stopped (``workdir/eval_only/follow_progress.json``). The training run may then skip its own
+  evaluations: ``--config.eval_every_epochs=0`` (only at the end).
+
+  Returns:
+    ``{"status": "complete" | "timed_out", "evaluated": [(step, accuracy, loss)],
+    "skipped": [steps deleted before they were read], "rows_path": str}``.
+  """
+  from loopkit.tools.follower import follow  # needs orbax-checkpoint
+
+  with _maybe_mock(config):
+    mesh = make_mesh(jax.devices())
+    axis_name = "data" if config.step_style == "per_device" else None
+    dtype = compute_dtype(config)
+    _, eval_batches = create_datasets(config)
+    # The train state's structure, not its values (the optimizer's state does not depend on
+    # the schedule's constants): nothing is allocated.
+    tx = create_optimizer(config, learning_rate_schedule(config, 1))
+    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(config, axis_name=axis_name)))[0]
+    like = jax.eval_shape(
+        lambda: create_train_state(create_model(config, axis_name=axis_name), tx)[1])
+    evaluator = evaluation.Evaluator(make_eval_step(graphdef, dtype=dtype),
+                                     iterations_per_loop=config.eval_iterations_per_loop,
+                                     mesh=mesh, step_style=config.step_style,
+                                     global_batch_size=config.eval_batch_size)
+    out = os.path.join(os.path.abspath(workdir), "eval_only")
+    writer = writers.create_default_writer(out)
+    try:
+      follower = follow(
+          os.path.join(os.path.abspath(workdir), "checkpoints"), like, evaluator,
+          eval_batches, num_batches=eval_batches.num_batches, writer=writer, prefix="eval",
+          progress_file=os.path.join(out, "follow_progress.json"),
+          poll_secs=config.follow_poll_secs,
+          timeout_secs=config.follow_timeout_secs or None)
+    finally:
+      writer.close()
+  return {"status": follower.status,
+          "evaluated": [(s, r.metrics["accuracy"], r.metrics["loss"])
+                        for s, r in follower.results],
+          "skipped": follower.skipped_steps, "rows_path": os.path.join(out, "metrics.jsonl")}
 
 
 # -- ahead-of-time compilation --------------------------------------------------

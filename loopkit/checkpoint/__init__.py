@@ -1,4 +1,4 @@
-"""Checkpoints through Orbax: the hook, its files, its items and the directory lock.
+"""Checkpoints through Orbax: the hook, its files, its items, the directory lock, the spike hook.
 
 :class:`CheckpointHook` saves and restores the train state, the ledger, the
 data position and the hooks' own state as one Orbax checkpoint per step
@@ -8,6 +8,7 @@ checks the directory at run start and keeps two runs out of one directory,
 ``tiers`` composes the temporary and permanent retention tiers.
 :class:`LossSpikeHook` rewinds a run to its last checkpoint at a loss spike and skips the
 data around it (``spike``).
+An evaluation sidecar that follows the directory is :mod:`loopkit.tools.follower`.
 """
 
 from loopkit.checkpoint.hook import (

@@ -23,10 +23,13 @@ only loopkit's items and is removed by :func:`_tidy`.
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import os
 import re
 import threading
 import time
+from typing import Any
 
 import jax
 
@@ -46,6 +49,9 @@ _STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (written when a
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _TRASH = ".loopkit-trash"  # where step directories go to be deleted (local disks)
 _ITEMS = ("state", "ledger", "data", "hooks", "leaves")
+# Written by a run that completed (status "completed"), after its last save committed; read by
+# loopkit.tools.follower (the evaluation sidecar stops there). Kauldron's name for the same.
+COMPLETE_MARKER = "TRAIN_COMPLETE"
 # A name that looks like someone else's checkpoint: flax.training.checkpoints'
 # "checkpoint_50", TensorFlow's "ckpt-100.index", an Orbax manager with a step prefix.
 _FOREIGN_CHECKPOINT = re.compile(r"(checkpoint|ckpt)\D{0,3}\d+", re.IGNORECASE)
@@ -246,3 +252,36 @@ def _remove_tmp_dirs(directory: epath.Path, step: int) -> None:
     if _step_of_name(p.name) == step and _unfinished_write(p):
       log.warning("removing unfinished checkpoint directory %s", p)
       _delete_via_trash(directory, p)
+
+
+# -- the completion marker ------------------------------------------------------
+
+
+def _write_complete_marker(directory: epath.Path, step: int) -> None:
+  """Process 0 writes ``COMPLETE_MARKER`` (``{"step": step, "status": "completed"}``).
+
+  Written to a temporary name, then renamed into place (atomic on a local disk; one object
+  write on GCS), so a reader sees all of it or nothing.
+  """
+  if jax.process_index() != 0:
+    return
+  tmp = directory / f".{COMPLETE_MARKER}.tmp-{os.getpid()}"
+  tmp.write_text(json.dumps({"step": int(step), "status": "completed", "time": time.time()}))
+  tmp.rename(directory / COMPLETE_MARKER)
+  log.info("training complete at step %d: wrote %s", step, directory / COMPLETE_MARKER)
+
+
+def _clear_complete_marker(directory: epath.Path) -> None:
+  """Process 0 removes ``COMPLETE_MARKER`` (a run starts: training is not complete until it
+  ends so)."""
+  if jax.process_index() == 0:
+    (directory / COMPLETE_MARKER).unlink(missing_ok=True)
+
+
+def _read_complete_marker(directory: epath.Path) -> dict[str, Any] | None:
+  """The marker's record, or None if there is none (or it cannot be read yet)."""
+  try:
+    record = json.loads((directory / COMPLETE_MARKER).read_text())
+  except (FileNotFoundError, ValueError):
+    return None
+  return record if isinstance(record, dict) else None

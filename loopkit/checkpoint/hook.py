@@ -81,6 +81,11 @@ temporary ones of the cadence (the newest ``max_to_keep``, default 1 then).
 A retention delete first renames the step out of the step namespace
 (:mod:`loopkit.checkpoint.files`), so a kill during it leaves no partial step.
 
+**Completion.** A run that reaches its target (status ``"completed"``) writes
+``TRAIN_COMPLETE`` in the directory once its last save committed; each run's
+start removes it. An evaluation sidecar (:mod:`loopkit.tools.follower`)
+stops there.
+
 Multi-host: every process runs the hook (Orbax coordinates the writes); the
 directory must be shared. Not thread-safe.
 """
@@ -107,12 +112,14 @@ except ImportError as e:
 from loopkit.checkpoint.files import (
   _COMMIT_FILE,
   _ITEMS,
+  _clear_complete_marker,
   _drain_writers,
   _TrashEmptier,
   _empty_trash,
   _remove_failed_save,
   _tidy,
   _todelete_subdir,
+  _write_complete_marker,
 )
 from loopkit.checkpoint.items import (
   _abstract,
@@ -527,7 +534,9 @@ class CheckpointHook(Hook):
       raise CheckpointError(problem)
     log.info("checkpoints in %s", self.directory)
     try:
-      return self._resume(state)
+      restore = self._resume(state)
+      _clear_complete_marker(self.directory)  # this run trains on: not complete until it says so
+      return restore
     except BaseException:
       self._lock.release()
       raise
@@ -567,9 +576,17 @@ class CheckpointHook(Hook):
 
   def on_run_end(self, ctx: RunContext, state: Any) -> None:
     """Waits for the last write (raises :class:`CheckpointError` if it failed); releases
-    the directory's lock."""
+    the directory's lock.
+
+    A run that completed (``ctx.status == "completed"``: its target reached) then writes the
+    marker ``TRAIN_COMPLETE`` (``{"step": N, "status": "completed"}``) in the directory,
+    where an evaluation sidecar (:mod:`loopkit.tools.follower`) stops; a preempted,
+    stopped or failed run writes none, and the next run's start removes an old one.
+    """
     try:
       self.close()
+      if ctx.status == "completed":
+        _write_complete_marker(self.directory, ctx.ledger.step)
     finally:
       self._lock.release()
     return None

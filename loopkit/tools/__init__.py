@@ -5,6 +5,8 @@
   :mod:`loopkit.tools.topology` names the chips and topologies.
 * :mod:`loopkit.tools.tune`: measure and choose ``iterations_per_loop``
   (``python -m loopkit.tools.tune``).
+* :mod:`loopkit.tools.follow`: evaluate each checkpoint of a training run once,
+  beside it (``python -m loopkit.tools.follow``; :mod:`loopkit.tools.follower`).
 * :mod:`loopkit.tools.testing`: fake CPU devices and real multi-process JAX runs
   on one machine (``python -m loopkit.tools.testing``).
 

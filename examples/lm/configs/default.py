@@ -59,6 +59,11 @@ def get_config():
   config.eval_iterations_per_loop = 4  # the 4 eval batches in one device call
   config.checkpoint_every_steps = 150
   config.max_checkpoints_to_keep = 2
+  # True: evaluate beside a training run with the same --workdir and config instead of training
+  # (each new checkpoint once, rows in WORKDIR/eval_only; stops when the run completes).
+  config.eval_only = False
+  config.follow_poll_secs = 10.0  # eval_only: seconds between looks for new checkpoints
+  config.follow_timeout_secs = 0.0  # eval_only: give up after this long without one (0: never)
 
   # -- the end -----------------------------------------------------------------------------
   config.prompt = "    def __init__(self"
