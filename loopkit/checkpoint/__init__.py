@@ -4,7 +4,9 @@
 data position and the hooks' own state as one Orbax checkpoint per step
 (needs ``pip install 'loopkit[checkpoint]'``). ``files`` finds and tidies step
 directories, ``items`` turns run state into Orbax items and back, ``lock``
-checks the directory at run start and keeps two runs out of one directory.
+checks the directory at run start and keeps two runs out of one directory,
+``warm`` starts a run from chosen leaves of another run's checkpoint
+(:func:`warm_start`, ``CheckpointHook(init_from=...)``).
 """
 
 from loopkit.checkpoint.hook import (
@@ -13,5 +15,14 @@ from loopkit.checkpoint.hook import (
     CheckpointWarning,
     RestoredCheckpoint,
 )
+from loopkit.checkpoint.warm import WarmStart, WarmStartError, warm_start
 
-__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointHook",
+    "CheckpointWarning",
+    "RestoredCheckpoint",
+    "WarmStart",
+    "WarmStartError",
+    "warm_start",
+]

@@ -119,6 +119,7 @@ from loopkit.checkpoint.items import (
   _storable,
   _tree_difference,
 )
+from loopkit.checkpoint.warm import WarmStart
 from loopkit.checkpoint.lock import DirectoryLock, claim, describe, holder_of, stale_reason
 from loopkit.core.context import Restore, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
@@ -184,10 +185,18 @@ class CheckpointHook(Hook):
       ``max_to_keep`` (default 1 when ``keep_best`` is set) are kept too.
     async_save: write in background threads (Orbax async checkpointing).
     restore: restore the latest checkpoint at the start of each ``run``.
+    init_from: a warm start (:class:`~loopkit.checkpoint.warm.WarmStart`, or a
+      checkpoint path for ``WarmStart(path)``: its ``params``), applied at
+      ``run`` start only when the run does not resume from ``directory``'s own
+      checkpoint (none there yet, or ``restore=False``): a warm-started run
+      that is killed resumes from its own checkpoints, not from the source.
+      The ledger starts at the warm-started state's step (the step of the
+      state passed to ``run``, unless the warm start reads the step counter).
 
   Raises:
     ValueError: ``max_to_keep`` or ``keep_best`` < 1, ``keep_best`` without
       ``best_metric``, or ``best_mode`` not in ``("min", "max")``.
+    TypeError: ``init_from`` neither a path nor a ``WarmStart``.
 
   At ``run`` start (:meth:`on_run_start`), before any step, the hook raises
   :class:`CheckpointError` naming the directory if it is not writable (and
@@ -197,6 +206,8 @@ class CheckpointHook(Hook):
   Attributes:
     directory: the absolute checkpoint directory (an ``epath.Path``).
     restored_step: step restored by the last ``on_run_start`` (None if none).
+    warm_started: what the last ``on_run_start`` read from ``init_from`` (a
+      line naming the source, step and leaves read and kept), or None.
     saved_steps: steps this hook saved, in order (this process's view).
   """
 
@@ -207,7 +218,8 @@ class CheckpointHook(Hook):
                every_epochs: float | None = None, at_steps: Sequence[int] | None = None,
                every_secs: float | None = None, max_to_keep: int | None = None,
                best_metric: str | None = None, best_mode: str = "min",
-               keep_best: int | None = None, async_save: bool = True, restore: bool = True):
+               keep_best: int | None = None, async_save: bool = True, restore: bool = True,
+               init_from: str | os.PathLike | WarmStart | None = None):
     if every_steps is None and every_epochs is None and every_secs is None and at_steps is None:
       at_steps = ()  # no cadence: save only at the end of a run (and at a preemption)
     super().__init__(every_steps=every_steps, every_epochs=every_epochs, at_steps=at_steps,
@@ -234,6 +246,13 @@ class CheckpointHook(Hook):
     self.restore_on_start = restore
     self.restored_step: int | None = None
     self.saved_steps: list[int] = []
+    if init_from is not None and not isinstance(init_from, WarmStart):
+      if not isinstance(init_from, (str, os.PathLike)):
+        raise TypeError(f"init_from takes a checkpoint path or a loopkit.checkpoint.WarmStart, "
+                        f"got {type(init_from).__name__}")
+      init_from = WarmStart(init_from)
+    self.init_from: WarmStart | None = init_from
+    self.warm_started: str | None = None
     self._manager: ocp.CheckpointManager | None = None
     self._ctx: RunContext | None = None
     self._in_flight: int | None = None
@@ -475,13 +494,15 @@ class CheckpointHook(Hook):
 
   # -- Hook protocol ---------------------------------------------------------
 
-  def on_run_start(self, ctx: RunContext, state: Any) -> Restore | None:
+  def on_run_start(self, ctx: RunContext, state: Any) -> Restore | Any:
     """Claims the directory, opens it; returns the latest checkpoint, if any, as a Restore.
 
     Returns:
       None (no checkpoint, or ``restore=False``) or a
       :class:`~loopkit.core.context.Restore` of the state, ledger, data position
-      and other hooks' states, which the loop applies.
+      and other hooks' states, which the loop applies. Without a checkpoint
+      to resume from, with ``init_from``: the warm-started state (a Restore
+      with a ledger at its step if it read the step counter).
 
     Raises:
       CheckpointError: the directory is not writable, or another live run
@@ -504,15 +525,25 @@ class CheckpointHook(Hook):
       self._lock.release()
       raise
 
-  def _resume(self, state: Any) -> Restore | None:
+  def _resume(self, state: Any) -> Restore | Any:
     self._open()
+    self.warm_started = None
     if not self.restore_on_start or self.latest_step() is None:
-      return None
+      return None if self.init_from is None else self._warm_start(state)
     r = self.restore(state)
     self.restored_step = r.step
     log.info("resumed from checkpoint %d in %s", r.step, self.directory)
     return Restore(state=r.state, ledger=r.ledger, data_position=r.data_position,
                    hook_states=r.hook_states)
+
+  def _warm_start(self, state: Any) -> Restore | Any:
+    """``init_from`` applied to ``state``; a Restore with a new ledger if it read the step."""
+    assert self.init_from is not None and self._ctx is not None
+    new, self.warm_started = self.init_from.run(state)
+    step = int(jax.device_get(self._ctx.step_of(new)))
+    if step == self._ctx.ledger.step:
+      return new
+    return Restore(state=new, ledger=Ledger(step=step, steps_per_epoch=self._ctx.steps_per_epoch))
 
   def after_each_call(self, info: LoopInfo) -> None:
     """Raises the error of an asynchronous save that has failed meanwhile."""

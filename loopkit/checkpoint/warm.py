@@ -302,18 +302,21 @@ def _listed(lines: list[str]) -> list[str]:
 
 def _suggested_rename(missing: list[tuple[_Leaf, str]], unused: list[_Leaf]) -> str | None:
   """A ``rename`` that maps the missing leaves to unused source leaves of their shape with the
-  longest common tail of keys (e.g. ``{"params": ""}`` for a source without the prefix)."""
+  longest common tail of keys, then head (e.g. ``{"params": ""}`` for a source without the
+  prefix)."""
   votes: collections.Counter = collections.Counter()
   for live, _ in missing:
     best = None
     for u in unused:
       if u.shape != live.shape:
         continue
-      n = 0
+      n = m = 0  # keys in common at the end, then at the start
       while n < min(len(u.key), len(live.key)) and u.key[-1 - n] == live.key[-1 - n]:
         n += 1
-      if n and (best is None or n > best[0]):
-        best = (n, "/".join(live.key[:-n]), "/".join(u.key[:-n]))
+      while m < min(len(u.key), len(live.key)) - n and u.key[m] == live.key[m]:
+        m += 1
+      if n and (best is None or (n, m) > best[0]):
+        best = ((n, m), "/".join(live.key[:-n]), "/".join(u.key[:-n]))
     if best is not None and best[1] != best[2]:
       votes[best[1:]] += 1
   if not votes:
