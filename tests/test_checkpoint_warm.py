@@ -220,3 +220,16 @@ def test_read_onto_another_mesh(source):
       assert got.sharding == want.sharding
     assert state["params"]["body"]["kernel"].sharding.spec == spec
     assert_equal(state["params"], saved["params"])
+
+
+def test_a_resume_into_a_changed_model_points_to_init_from(source):
+  """Resuming a directory into a model whose head changed is refused, naming the leaf and the
+  warm start that starts the changed model from it."""
+  directory, _ = source
+  with pytest.raises(ValueError) as e:
+    CheckpointHook(directory).restore(init(classes=5))
+  assert str(e.value).endswith(
+      "leaf ['opt'][0].mu['head']['bias'] has shape (2,) in the checkpoint, (5,) in the train "
+      "state. To start a changed model from it (fine-tuning), give the run a new directory "
+      f"with init_from=loopkit.checkpoint.WarmStart('{directory}', ...) "
+      "(docs/checkpointing.md, Warm start)")

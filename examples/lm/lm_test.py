@@ -127,6 +127,27 @@ def test_a_run_preempted_at_step_4_resumes_to_the_same_bits(straight, tmp_path):
   assert second["state"].params["query"].sharding.spec == P(None, "fsdp", "tensor", None)
 
 
+def test_a_warm_start_reads_the_params_onto_another_mesh(straight):
+  """config.init_from's warm start (CheckpointHook(init_from=...) in a run): the straight
+  run's step-8 params read into a fresh state on a (1, 4, 2) mesh keep their values and take
+  that mesh's shardings; AdamW's state and the step stay fresh."""
+  from loopkit.checkpoint import WarmStart
+
+  config = tiny.get_config()
+  config.mesh_shape = (1, 4, 2)
+  mesh = train.make_mesh(config)
+  _, fresh = train.create_train_state(config, mesh,
+                                      train.create_optimizer(config, train.learning_rate_schedule(
+                                          config)))
+  state = WarmStart(os.path.join(straight["workdir"], "checkpoints")).apply(fresh)
+  assert _bitwise_equal(state.params, straight["state"].params)
+  assert _bitwise_equal(state.opt_state, fresh.opt_state) and int(state.step) == 0
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(fresh), strict=True):
+    assert got.sharding == want.sharding
+  assert state.params["query"].sharding.mesh.shape["fsdp"] == 4
+  assert state.params["query"].sharding.spec == P(None, "fsdp", "tensor", None)
+
+
 def test_held_out_perplexity_starts_at_256_and_drops(straight):
   setup = train.build(tiny.get_config())
   untrained = setup.evaluator.evaluate(setup.state, setup.eval_batches)

@@ -29,6 +29,7 @@ from examples.resnet50.configs import (
   cpu as cpu_config,
   cpu_resnet50,
   default as default_config,
+  finetune as finetune_config,
   imagenet_flax,
   imagenet_tpu as tpu_config,
   smoke as smoke_config,
@@ -554,9 +555,51 @@ def test_main_refuses_wrong_config_values_before_it_starts(tmp_path):
 
 
 def test_the_shipped_configs_pass_the_checks():
-  for module in (cpu_config, cpu_resnet50, default_config, imagenet_flax, tpu_config,
-                 smoke_config):
+  for module in (cpu_config, cpu_resnet50, default_config, finetune_config, imagenet_flax,
+                 tpu_config, smoke_config):
     assert config_checks.problems(module.get_config()) == [], module.__name__
+  config = finetune_config.get_config()
+  config.label_modulo = 6
+  assert config_checks.problems(config) == [
+      "config.label_modulo must be <= config.num_classes (the labels 0..label_modulo - 1 need "
+      "as many logits), got 6 > 5"]
+
+
+def test_finetune_config_warm_starts_a_new_head_from_a_checkpoint(tmp_path):
+  """configs/finetune.py on a checkpoint of configs/cpu.py's model (4 filters here): the
+  source's params and BatchNorm statistics, a fresh 5-class head, a fresh optimizer at step 0;
+  the task's labels are the digits mod 5, in the train and the eval step alike."""
+  from loopkit.checkpoint import CheckpointHook
+  from loopkit.core import Ledger
+
+  source_config = cpu_config.get_config()
+  source_config.model.num_filters = 4
+  tx = train.create_optimizer(source_config, optax.constant_schedule(0.05))
+  _, source = train.create_train_state(train.create_model(source_config), tx)
+  source = train.TrainState(
+      step=jnp.int32(66), params=jax.tree.map(lambda x: x + 1, source.params),
+      batch_stats=jax.tree.map(lambda x: x + 2, source.batch_stats), opt_state=source.opt_state)
+  hook = CheckpointHook(tmp_path / "quickstart", async_save=False)
+  hook.save(66, source, ledger=Ledger(step=66))
+  hook.close()
+
+  config = finetune_config.get_config()
+  config.model.num_filters = 4
+  config.init_from = str(tmp_path / "quickstart")
+  _, fresh = train.create_train_state(train.create_model(config), tx)
+  state = train.warm_start_of(config).apply(fresh)
+  assert state.params["head"]["kernel"].shape == (32, 5)
+  np.testing.assert_array_equal(state.params["head"]["kernel"], fresh.params["head"]["kernel"])
+  body = {k: v for k, v in state.params.items() if k != "head"}
+  jax.tree.map(np.testing.assert_array_equal, body,
+               {k: v for k, v in source.params.items() if k != "head"})
+  jax.tree.map(np.testing.assert_array_equal, state.batch_stats, source.batch_stats)
+  jax.tree.map(np.testing.assert_array_equal, state.opt_state, fresh.opt_state)
+  assert int(state.step) == 0
+  labels = jnp.arange(10, dtype=jnp.int32)
+  assert train.relabel(labels, 5).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+  assert train.relabel(labels, 0).tolist() == list(range(10))
+  assert train.warm_start_of(cpu_config.get_config()) is None
 
 
 def _own_module_names() -> set[str]:

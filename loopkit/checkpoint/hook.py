@@ -458,8 +458,9 @@ class CheckpointHook(Hook):
     Raises:
       FileNotFoundError: no (such) complete checkpoint.
       ValueError: the checkpoint's tree, shapes or dtypes differ from
-        ``like`` (naming the first differing leaf), or its data positions were
-        saved by a different number of processes.
+        ``like`` (naming the first differing leaf, and ``init_from`` for a
+        warm start from it), or its data positions were saved by a different
+        number of processes.
     """
     manager = self._open()
     manager.reload()
@@ -478,7 +479,9 @@ class CheckpointHook(Hook):
     problem = _tree_difference(saved, like)
     if problem:
       raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
-                       f"state: {problem}")
+                       f"state: {problem}. To start a changed model from it (fine-tuning), "
+                       f"give the run a new directory with init_from=loopkit.checkpoint."
+                       f"WarmStart('{self.directory}', ...) (docs/checkpointing.md, Warm start)")
     abstract = jax.tree.map(lambda x: None if _is_empty(x) else _abstract(x), like)
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), ledger=ocp.args.JsonRestore(),

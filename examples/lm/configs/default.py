@@ -59,6 +59,10 @@ def get_config():
   config.eval_iterations_per_loop = 4  # the 4 eval batches in one device call
   config.checkpoint_every_steps = 150
   config.max_checkpoints_to_keep = 2
+  # Another run's checkpoint directory (e.g. /tmp/lm-cpu/checkpoints): its params start this
+  # run, with a fresh AdamW and step 0, on this run's mesh (loopkit.checkpoint.WarmStart),
+  # while the workdir has no checkpoint of its own; "": from scratch.
+  config.init_from = ""
 
   # -- the end -----------------------------------------------------------------------------
   config.prompt = "    def __init__(self"
