@@ -204,6 +204,17 @@ def test_plain_orbax_params_checkpoints(source, tmp_path):
   assert int(state["step"]) == 0
 
 
+def test_a_tree_in_memory_is_a_source_too(source):
+  """E.g. what flax.training.checkpoints.restore_checkpoint(path, target=None) returns: numpy
+  leaves, cast and placed like the ones read from a directory."""
+  _, saved = source
+  state = warm_start(init(dtype=jnp.bfloat16), {"model": saved["params"]},
+                     rename={"params": "model"})
+  assert state["params"]["head"]["kernel"].dtype == jnp.bfloat16
+  assert isinstance(state["params"]["head"]["kernel"], jax.Array)
+  assert_equal(state["params"], jax.tree.map(lambda x: x.astype(jnp.bfloat16), saved["params"]))
+
+
 def test_read_onto_another_mesh(source):
   """Saved on one device by the source run; read onto 8 devices with the body's kernel
   sharded by rows, then onto a (2, 4) mesh sharded on both axes: each leaf keeps the live

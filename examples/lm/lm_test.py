@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -136,9 +137,16 @@ def test_a_warm_start_reads_the_params_onto_another_mesh(straight):
   config = tiny.get_config()
   config.mesh_shape = (1, 4, 2)
   mesh = train.make_mesh(config)
-  _, fresh = train.create_train_state(config, mesh,
-                                      train.create_optimizer(config, train.learning_rate_schedule(
-                                          config)))
+  tx = train.create_optimizer(config, train.learning_rate_schedule(config))
+  # the state's tree and shardings on the new mesh, with other values (no init program)
+  _, abstract, _ = train.state_shardings(config, mesh, tx)
+  rng = np.random.default_rng(0)
+
+  def other_values(a):  # floats random, counters (the step, Adam's count) 0
+    x = rng.normal(size=a.shape) if jnp.issubdtype(a.dtype, jnp.floating) else np.zeros(a.shape)
+    return jax.device_put(np.asarray(x, a.dtype), a.sharding)
+
+  fresh = jax.tree.map(other_values, abstract)
   state = WarmStart(os.path.join(straight["workdir"], "checkpoints")).apply(fresh)
   assert _bitwise_equal(state.params, straight["state"].params)
   assert _bitwise_equal(state.opt_state, fresh.opt_state) and int(state.step) == 0

@@ -572,21 +572,25 @@ def test_finetune_config_warm_starts_a_new_head_from_a_checkpoint(tmp_path):
   from loopkit.checkpoint import CheckpointHook
   from loopkit.core import Ledger
 
-  source_config = cpu_config.get_config()
-  source_config.model.num_filters = 4
-  tx = train.create_optimizer(source_config, optax.constant_schedule(0.05))
-  _, source = train.create_train_state(train.create_model(source_config), tx)
-  source = train.TrainState(
-      step=jnp.int32(66), params=jax.tree.map(lambda x: x + 1, source.params),
-      batch_stats=jax.tree.map(lambda x: x + 2, source.batch_stats), opt_state=source.opt_state)
+  config = finetune_config.get_config()
+  config.model.num_filters = 4
+  config.init_from = str(tmp_path / "quickstart")
+  tx = train.create_optimizer(config, optax.constant_schedule(0.05))
+  # The model's state tree with random values (initialising it compiles for minutes here).
+  rng = np.random.default_rng(0)
+  fresh = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype),
+                       jax.eval_shape(lambda: train.create_train_state(
+                           train.create_model(config), tx)[1]))
+  # the Quickstart's state: other values, a 10-class head
+  params = jax.tree.map(lambda x: x + 1, fresh.params)
+  params["head"] = {"kernel": jnp.ones((32, 10)), "bias": jnp.ones((10,))}
+  source = train.TrainState(step=jnp.int32(66), params=params,
+                            batch_stats=jax.tree.map(lambda x: x + 2, fresh.batch_stats),
+                            opt_state=tx.init(params))
   hook = CheckpointHook(tmp_path / "quickstart", async_save=False)
   hook.save(66, source, ledger=Ledger(step=66))
   hook.close()
 
-  config = finetune_config.get_config()
-  config.model.num_filters = 4
-  config.init_from = str(tmp_path / "quickstart")
-  _, fresh = train.create_train_state(train.create_model(config), tx)
   state = train.warm_start_of(config).apply(fresh)
   assert state.params["head"]["kernel"].shape == (32, 5)
   np.testing.assert_array_equal(state.params["head"]["kernel"], fresh.params["head"]["kernel"])

@@ -255,10 +255,9 @@ def _tree_source(tree: Any) -> _Source:
   def read(wanted: dict[tuple[str, ...], Any]) -> dict[tuple[str, ...], Any]:
     out = {}
     for k, target in wanted.items():
-      x = flat[k]
-      if not _is_key(target) and np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype
-                                          ) != np.dtype(target.dtype):
-        x = x.astype(target.dtype) if hasattr(x, "astype") else np.asarray(x, target.dtype)
+      x = flat[k] if hasattr(flat[k], "dtype") else np.asarray(flat[k])
+      if not _is_key(target) and x.dtype != target.dtype:
+        x = x.astype(target.dtype)
       out[k] = (np.asarray(x) if target.sharding is None
                 else jax.device_put(x, target.sharding))
     return out
@@ -458,7 +457,6 @@ class WarmStart:
     source = self._open()
     chosen: dict[int, tuple[_Leaf, str]] = {}
     used_rules: set[int] = set()
-    kept: list[str] = []
     for i, (live, x) in enumerate(lives):
       if (select is not None and not any(_matches(rx, live.path) for rx in select)) or any(
           _matches(rx, live.path) for rx in exclude):
