@@ -604,6 +604,10 @@ def test_finetune_config_warm_starts_a_new_head_from_a_checkpoint(tmp_path):
   assert train.relabel(labels, 5).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
   assert train.relabel(labels, 0).tolist() == list(range(10))
   assert train.warm_start_of(cpu_config.get_config()) is None
+  schedule = train.learning_rate_schedule(config, 11)  # no warmup: from the peak, cosine
+  reference = optax.warmup_cosine_decay_schedule(0.0, 0.05, 0, 11, 0.0)
+  assert [float(schedule(s)) for s in range(12)] == [float(reference(s)) for s in range(12)]
+  assert float(schedule(0)) == np.float32(0.05) and float(schedule(11)) == 0.0
 
 
 def _own_module_names() -> set[str]:

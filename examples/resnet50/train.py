@@ -106,6 +106,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
   peak = config.base_learning_rate * config.global_batch_size / 256
   total = max(int(config.num_epochs * steps_per_epoch), 1)
   warmup = min(int(config.warmup_epochs * steps_per_epoch), total - 1)
+  if warmup == 0:  # the same values; optax logs a line about a 0-step warmup
+    return optax.cosine_decay_schedule(peak, decay_steps=total, alpha=0.0)
   return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak,
                                             warmup_steps=warmup, decay_steps=total,
                                             end_value=0.0)
