@@ -155,6 +155,20 @@ def test_a_new_head_is_refused_by_shape_then_kept_fresh_with_exclude(source):
   assert_equal(state["params"]["head"], fresh["params"]["head"])
 
 
+def test_two_leaves_may_take_one_source_leaf(source):
+  """A layer copied into two (many-to-one rename), each in its own dtype and sharding."""
+  directory, saved = source
+  mesh = jax.make_mesh((8,), ("a",), devices=jax.devices()[:8])
+  live = {"params": {"a": jnp.zeros((8, 4)),
+                     "b": jax.device_put(jnp.zeros((8, 4), jnp.bfloat16),
+                                         NamedSharding(mesh, P("a", None)))}}
+  state = warm_start(live, directory, rename={"params/(a|b)": "params/body/kernel"})
+  body = saved["params"]["body"]["kernel"]
+  assert_equal(state["params"], {"a": body, "b": body.astype(jnp.bfloat16)})
+  assert state["params"]["b"].dtype == jnp.bfloat16
+  assert state["params"]["b"].sharding == live["params"]["b"].sharding
+
+
 def test_an_added_leaf_needs_missing_keep(source):
   directory, saved = source
   fresh = init(extra=True)
@@ -202,6 +216,12 @@ def test_plain_orbax_params_checkpoints(source, tmp_path):
   state = warm_start(init(), tmp_path / "managed")  # its step 6, its only item "default"
   assert_equal(state["params"], saved["params"])
   assert int(state["step"]) == 0
+  state = warm_start(init(), tmp_path / "managed", step=6, item="default")
+  assert_equal(state["params"], saved["params"])
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint 5 in .*managed \(found \[6\]\)"):
+    warm_start(init(), tmp_path / "managed", step=5)
+  with pytest.raises(ValueError, match=r"step=5 chooses a step directory .*params is one "):
+    warm_start(init(), params_dir, step=5)
 
 
 def test_a_tree_in_memory_is_a_source_too(source):

@@ -158,13 +158,18 @@ def _step_dirs(path: epath.Path) -> dict[int, epath.Path]:
   return committed or steps
 
 
+def _items(path: epath.Path) -> list[str]:
+  """The Orbax PyTree items of a step directory (``state`` for loopkit, ``default``, ...)."""
+  return sorted(p.name for p in path.iterdir() if p.is_dir() and _is_pytree_dir(p))
+
+
 def _locate(source: epath.Path, step: int | None, item: str | None
             ) -> tuple[epath.Path, int | None, epath.Path | None]:
   """``(PyTree directory, step, loopkit leaf record directory or None)`` of a source path."""
   if not source.exists():
     raise FileNotFoundError(f"warm start: the source {source} does not exist")
   path, found_step = source, None
-  if not _is_pytree_dir(path) and item is None and not (path / "state").exists():
+  if not _is_pytree_dir(path) and not _items(path):
     steps = _step_dirs(path)
     if steps:  # a checkpoint root (loopkit's, or an Orbax manager's)
       if step is None:
@@ -175,9 +180,13 @@ def _locate(source: epath.Path, step: int | None, item: str | None
       path, found_step = steps[step], step
   if found_step is None and path.name.isdigit():
     found_step = int(path.name)
+  if step is not None and found_step != step:
+    what = "one checkpoint" if found_step is None else f"step {found_step}"
+    raise ValueError(f"warm start: step={step} chooses a step directory of a checkpoint "
+                     f"directory; {source} is {what}")
   if _is_pytree_dir(path) and item is None:
     return path, found_step, None
-  items = sorted(p.name for p in path.iterdir() if p.is_dir() and _is_pytree_dir(p))
+  items = _items(path)
   if item is None:
     if "state" in items:
       item = "state"
@@ -274,6 +283,15 @@ def _target(x: Any) -> Any:
   if sharding is None and not isinstance(x, np.ndarray):
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _as(value: Any, read_as: Any, target: Any) -> Any:
+  """``value``, read for ``read_as``, in ``target``'s dtype and sharding."""
+  if read_as is target or (read_as.dtype == target.dtype and read_as.sharding == target.sharding):
+    return value
+  if value.dtype != target.dtype:
+    value = value.astype(target.dtype)
+  return np.asarray(value) if target.sharding is None else jax.device_put(value, target.sharding)
 
 
 def _physical(x: Any) -> tuple[tuple[int, ...], str]:
@@ -486,9 +504,14 @@ class WarmStart:
     unused = [leaf for path, leaf in sorted(source.leaves.items()) if path not in used]
     if different or (missing and self.missing == "error"):
       raise _error(source, missing, different, unused)
-    values = source.read({found.key: _target(lives[i][1]) for i, found in taken.items()}
-                         ) if taken else {}
-    leaves = [values[taken[i].key] if i in taken else x for i, (_, x) in enumerate(lives)]
+    # One read per source leaf (several leaves may take the same one: a layer copied).
+    targets = {i: _target(lives[i][1]) for i in taken}
+    first = {}
+    for i, found in taken.items():
+      first.setdefault(found.key, targets[i])
+    values = source.read(first) if first else {}
+    leaves = [_as(values[taken[i].key], first[taken[i].key], targets[i]) if i in taken else x
+              for i, (_, x) in enumerate(lives)]
     kept = [live.path for i, (live, _) in enumerate(lives) if i not in taken]
     at = f" step {source.step}" if source.step is not None else ""
     account = (f"warm start from {source.where}{at}: {len(taken)} leaves read, {len(kept)} "
@@ -538,7 +561,8 @@ def warm_start(state: Any, source: Any, *, select: str | Sequence[str] | None = 
       whose path (or leading part) matches a pattern is read from the
       replacement (with ``\\1`` groups) plus the rest of its path; e.g.
       ``{"params/encoder": "params/backbone"}``, or ``{"params": ""}`` for a
-      source that holds the parameters alone.
+      source that holds the parameters alone. Several leaves may read one
+      source leaf (a layer copied).
     missing: ``"error"`` (default) or ``"keep"``: what to do with a chosen leaf
       the source lacks (``"keep"``: keep its value, e.g. a layer added).
     cast: read numbers in the state's dtype (bfloat16 from float32, say);
