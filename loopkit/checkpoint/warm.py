@@ -506,7 +506,7 @@ class WarmStart:
       raise _error(source, missing, different, unused)
     # One read per source leaf (several leaves may take the same one: a layer copied).
     targets = {i: _target(lives[i][1]) for i in taken}
-    first = {}
+    first: dict[tuple[str, ...], Any] = {}
     for i, found in taken.items():
       first.setdefault(found.key, targets[i])
     values = source.read(first) if first else {}
