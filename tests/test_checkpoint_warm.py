@@ -235,6 +235,36 @@ def test_a_tree_in_memory_is_a_source_too(source):
   assert_equal(state["params"], jax.tree.map(lambda x: x.astype(jnp.bfloat16), saved["params"]))
 
 
+def test_a_flax_nnx_state_saved_as_flax_examples_save_it(tmp_path):
+  """Flax NNX's examples save ``nnx.split(model)[1]`` with StandardCheckpointer: each array under
+  its Variable's ``value``. Read into plain dicts (``nnx.to_pure_dict``), the error suggests the
+  rename, and with it the params and BatchNorm statistics come back."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(3, 4, rngs=rngs)
+      self.bn = nnx.BatchNorm(4, rngs=rngs)
+      self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  model = Net(nnx.Rngs(0))
+  model.bn.mean[...] = jnp.arange(4.0)  # statistics that are not the fresh ones
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / "state", nnx.split(model)[1])
+  fresh = Net(nnx.Rngs(1))
+  live = {"params": nnx.to_pure_dict(nnx.state(fresh, nnx.Param)),
+          "batch_stats": nnx.to_pure_dict(nnx.state(fresh, nnx.BatchStat)),
+          "step": jnp.zeros((), jnp.int32)}
+  with pytest.raises(WarmStartError, match=r"perhaps: rename=\{'params/\(\.\*\)': "
+                     r"r'\\1/value'\}$"):
+    warm_start(live, tmp_path / "state")
+  state = warm_start(live, tmp_path / "state", select=("params", "batch_stats"),
+                     rename={"(params|batch_stats)/(.*)": r"\2/value"})
+  assert_equal(state["params"], nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  assert_equal(state["batch_stats"], nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+  np.testing.assert_array_equal(state["batch_stats"]["bn"]["mean"], np.arange(4.0))
+
+
 def test_read_onto_another_mesh(source):
   """Saved on one device by the source run; read onto 8 devices with the body's kernel
   sharded by rows, then onto a (2, 4) mesh sharded on both axes: each leaf keeps the live

@@ -319,27 +319,33 @@ def _listed(lines: list[str]) -> list[str]:
 
 def _suggested_rename(missing: list[tuple[_Leaf, str]], unused: list[_Leaf]) -> str | None:
   """A ``rename`` that maps the missing leaves to unused source leaves of their shape with the
-  longest common tail of keys, then head (e.g. ``{"params": ""}`` for a source without the
-  prefix)."""
+  longest common tail of keys, then head: ``{"params": ""}`` for a source without the prefix;
+  ``{"params/(.*)": "\\1/value"}`` for a Flax NNX ``nnx.State`` saved as it is (each array
+  under its Variable's ``value``) read into plain dicts of arrays."""
   votes: collections.Counter = collections.Counter()
   for live, _ in missing:
     best = None
     for u in unused:
       if u.shape != live.shape:
         continue
+      wrapped = len(u.key) > 1 and u.key[-1] == "value" and live.key[-1] != "value"
+      key = u.key[:-1] if wrapped else u.key
       n = m = 0  # keys in common at the end, then at the start
-      while n < min(len(u.key), len(live.key)) and u.key[-1 - n] == live.key[-1 - n]:
+      while n < min(len(key), len(live.key)) and key[-1 - n] == live.key[-1 - n]:
         n += 1
-      while m < min(len(u.key), len(live.key)) - n and u.key[m] == live.key[m]:
+      while m < min(len(key), len(live.key)) - n and key[m] == live.key[m]:
         m += 1
-      if n and (best is None or (n, m) > best[0]):
-        best = ((n, m), "/".join(live.key[:-n]), "/".join(u.key[:-n]))
-    if best is not None and best[1] != best[2]:
+      if n and (best is None or (n, m, not wrapped) > best[0]):
+        best = ((n, m, not wrapped), "/".join(live.key[:-n]), "/".join(key[:-n]), wrapped)
+    if best is not None and (best[1] != best[2] or best[3]):
       votes[best[1:]] += 1
   if not votes:
     return None
-  (head, to), _ = votes.most_common(1)[0]
-  return f"rename={{{re.escape(head)!r}: {to!r}}}"
+  (head, to, wrapped), _ = votes.most_common(1)[0]
+  if not wrapped:
+    return f"rename={{{re.escape(head)!r}: {to!r}}}"
+  pattern = f"{re.escape(head)}/(.*)" if head else "(.*)"
+  return f"rename={{{pattern!r}: r'{to + '/' if to else ''}\\1/value'}}"
 
 
 def _exclusion(keys: list[tuple[str, ...]]) -> str:
