@@ -47,6 +47,11 @@ names, still restore: see :func:`loopkit.core.hook_state.match_hook_states`). A
 checkpoint whose tree, shapes or dtypes differ from the live state raises
 ``ValueError`` naming the first differing leaf before anything changes.
 
+**Warm start.** With ``init_from`` (a :class:`~loopkit.checkpoint.warm.WarmStart`) and no
+checkpoint of its own to resume from, ``on_run_start`` returns the state with chosen leaves
+of another checkpoint (:func:`loopkit.checkpoint.warm.warm_start`); once the run has saved,
+a restart resumes from its own checkpoints.
+
 **Complete or invisible.** A step directory counts only if Orbax finalized it
 (it holds ``commit_success.txt``, written last in both of Orbax's atomicity
 modes). When the hook opens a directory it deletes what is evidently its own
