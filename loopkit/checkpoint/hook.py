@@ -124,8 +124,8 @@ from loopkit.checkpoint.items import (
   _storable,
   _tree_difference,
 )
-from loopkit.checkpoint.warm import WarmStart
 from loopkit.checkpoint.lock import DirectoryLock, claim, describe, holder_of, stale_reason
+from loopkit.checkpoint.warm import WarmStart
 from loopkit.core.context import Restore, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket, Ledger
