@@ -365,9 +365,8 @@ def _exclusion(keys: list[tuple[str, ...]]) -> str:
 def _error(source: _Source, missing: list[tuple[_Leaf, str]],
            different: list[tuple[_Leaf, _Leaf, str]], unused: list[_Leaf]) -> WarmStartError:
   at = f" (step {source.step})" if source.step is not None else ""
-  n = len(missing) + len(different)
-  lines = [f"warm start from {source.where}{at}: {n} lea{'f' if n == 1 else 'ves'} of the "
-           "train state cannot be taken from the source"]
+  lines = [f"warm start from {source.where}{at}: {_leaves(len(missing) + len(different))} of "
+           "the train state cannot be taken from the source"]
   if missing:
     lines.append(f"  {len(missing)} not in the source (map each to a source path with "
                  "rename={train-state pattern: source path}, or keep its fresh value with "
@@ -520,12 +519,16 @@ class WarmStart:
               for i, (_, x) in enumerate(lives)]
     kept = [live.path for i, (live, _) in enumerate(lives) if i not in taken]
     at = f" step {source.step}" if source.step is not None else ""
-    account = (f"warm start from {source.where}{at}: {len(taken)} leaves read, {len(kept)} "
+    account = (f"warm start from {source.where}{at}: {_leaves(len(taken))} read, {len(kept)} "
                f"kept as they were" + (f" ({len(missing)} not in the source: "
                                        f"{_few([m[0].path for m in missing])})" if missing else "")
-               + f", {len(unused)} source leaves not used")
+               + f", {_leaves(len(unused)).replace(' ', ' source ', 1)} not used")
     log.info("%s", account)
     return jax.tree_util.tree_unflatten(treedef, leaves), account
+
+
+def _leaves(n: int) -> str:
+  return f"{n} leaf" if n == 1 else f"{n} leaves"
 
 
 def _few(paths: Sequence[str], n: int = 8) -> str:
