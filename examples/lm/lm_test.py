@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -145,6 +146,32 @@ def test_eval_only_evaluates_each_checkpoint_as_the_training_run_did(straight):
   ran = rows(os.path.join(straight["workdir"], "metrics.jsonl"))
   assert [row["step"] for row in ran] == [4, 8]
   assert rows(r["rows_path"]) == ran  # every key (perplexity, num_examples, ...), same bits
+def test_a_warm_start_reads_the_params_onto_another_mesh(straight):
+  """config.init_from's warm start (CheckpointHook(init_from=...) in a run): the straight
+  run's step-8 params read into a fresh state on a (1, 4, 2) mesh keep their values and take
+  that mesh's shardings; AdamW's state and the step stay fresh."""
+  from loopkit.checkpoint import WarmStart
+
+  config = tiny.get_config()
+  config.mesh_shape = (1, 4, 2)
+  mesh = train.make_mesh(config)
+  tx = train.create_optimizer(config, train.learning_rate_schedule(config))
+  # the state's tree and shardings on the new mesh, with other values (no init program)
+  _, abstract, _ = train.state_shardings(config, mesh, tx)
+  rng = np.random.default_rng(0)
+
+  def other_values(a):  # floats random, counters (the step, Adam's count) 0
+    x = rng.normal(size=a.shape) if jnp.issubdtype(a.dtype, jnp.floating) else np.zeros(a.shape)
+    return jax.device_put(np.asarray(x, a.dtype), a.sharding)
+
+  fresh = jax.tree.map(other_values, abstract)
+  state = WarmStart(os.path.join(straight["workdir"], "checkpoints")).apply(fresh)
+  assert _bitwise_equal(state.params, straight["state"].params)
+  assert _bitwise_equal(state.opt_state, fresh.opt_state) and int(state.step) == 0
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(fresh), strict=True):
+    assert got.sharding == want.sharding
+  assert state.params["query"].sharding.mesh.shape["fsdp"] == 4
+  assert state.params["query"].sharding.spec == P(None, "fsdp", "tensor", None)
 
 
 def test_held_out_perplexity_starts_at_256_and_drops(straight):

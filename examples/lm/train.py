@@ -357,7 +357,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        extra_hooks: Sequence[loopkit.Hook] = ()) -> dict[str, Any]:
   """Trains the LM, evaluates held-out perplexity, and continues the prompt greedily.
 
-  Resumes from the latest checkpoint in ``workdir/checkpoints`` (state, ledger, data position).
+  Resumes from the latest checkpoint in ``workdir/checkpoints`` (state, ledger, data position);
+  without one, starts from ``config.init_from``'s params if set (a warm start).
   Writes ``metrics.jsonl`` and TensorBoard files (train rows every ``log_every_steps``,
   ``eval/loss``, ``eval/perplexity``, ``eval/bits_per_byte``, ``eval/accuracy`` every
   ``eval_every_steps`` and at the end), ``goodput.json`` and ``results.json`` in ``workdir``.
@@ -370,7 +371,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   Returns:
     Summary dict: ``eval_perplexity``, ``eval_loss``, ``eval_bits_per_byte``,
     ``eval_accuracy``, ``eval_history`` (``[(step, perplexity)]``), ``step``, ``status``,
-    ``restored_step``, ``num_params``, ``tokens_per_sec`` (steady state), ``compile_count``,
+    ``restored_step``, ``warm_started`` (what ``config.init_from`` gave, or None),
+    ``num_params``, ``tokens_per_sec`` (steady state), ``compile_count``,
     ``device_calls``, ``prompt``/``continuation`` (str), the corpus facts, paths, and
     ``state`` (the final :class:`TrainState`, not in ``results.json``).
   """
@@ -399,9 +401,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   ckpt = None
   if config.checkpoint_every_steps:
     from loopkit import checkpoint  # needs orbax-checkpoint
+    # config.init_from: another run's params (fresh AdamW, step 0) while the workdir has no
+    # checkpoint of its own; read onto this run's mesh and shardings.
     ckpt = checkpoint.CheckpointHook(os.path.join(workdir, "checkpoints"),
                                      every_steps=config.checkpoint_every_steps,
-                                     max_to_keep=config.max_checkpoints_to_keep)
+                                     max_to_keep=config.max_checkpoints_to_keep,
+                                     init_from=config.get("init_from", "") or None)
     hooks.append(ckpt)
   hooks += [eval_hook,
             progress.ProgressHook(config.num_train_steps,
@@ -441,6 +446,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       "eval_history": [(st, r.metrics["perplexity"]) for st, r in eval_results],
       "step": int(jax.device_get(state.step)), "status": loop.status,
       "restored_step": None if ckpt is None else ckpt.restored_step,
+      "warm_started": None if ckpt is None else ckpt.warm_started,
       "num_params": models.param_count(cfg), "seq_len": config.seq_len,
       "global_batch_size": config.global_batch_size,
       "iterations_per_loop": config.iterations_per_loop,

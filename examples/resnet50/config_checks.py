@@ -20,7 +20,8 @@ PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")  # config.platform: "" or comm
 _POSITIVE = ("global_batch_size", "eval_batch_size", "iterations_per_loop",
              "eval_iterations_per_loop", "image_size", "num_classes")
 _NON_NEGATIVE = ("grain_workers", "prefetch", "checkpoint_every_steps",
-                 "max_checkpoints_to_keep", "num_train_examples", "num_eval_examples")
+                 "max_checkpoints_to_keep", "num_train_examples", "num_eval_examples",
+                 "label_modulo")
 _NON_NEGATIVE_NUMBERS = ("eval_every_epochs", "checkpoint_every_epochs", "warmup_epochs",
                          "progress_every_secs", "follow_timeout_secs")
 
@@ -76,6 +77,10 @@ def problems(config: Any) -> list[str]:
   poll = config.get("follow_poll_secs", 1.0)
   if isinstance(poll, bool) or not isinstance(poll, (int, float)) or poll <= 0:
     out.append(f"config.follow_poll_secs must be a number > 0, got {poll!r}")
+  modulo, classes = config.get("label_modulo", 0), config.get("num_classes", 1)
+  if _is_int(modulo) and _is_int(classes) and modulo > classes:
+    out.append(f"config.label_modulo must be <= config.num_classes (the labels "
+               f"0..label_modulo - 1 need as many logits), got {modulo} > {classes}")
   steps, epochs = config.get("num_train_steps", -1), config.get("num_epochs", 1)
   if not (_is_int(steps) and steps > 0) and not (
       isinstance(epochs, (int, float)) and not isinstance(epochs, bool) and epochs > 0):

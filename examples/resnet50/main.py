@@ -158,6 +158,8 @@ def main(argv):
         + "); "
         f"status {r['status']}; {wall:.1f} s wall"
         + (f"; {rate:.1f} train examples/s (steady state)" if rate else ""))
+  if r.get("warm_started"):
+    print(f"warm start (init_from): {r['warm_started'].removeprefix('warm start ')}")
   print(f"results (JSON):        {r['results_path']}")
   print(f"metrics (JSONL, TB):   {os.path.join(r['workdir'], 'metrics.jsonl')} "
         f"(tensorboard --logdir {r['workdir']})")

@@ -29,6 +29,7 @@ from examples.resnet50.configs import (
   cpu as cpu_config,
   cpu_resnet50,
   default as default_config,
+  finetune as finetune_config,
   imagenet_flax,
   imagenet_tpu as tpu_config,
   smoke as smoke_config,
@@ -578,9 +579,59 @@ def test_main_refuses_wrong_config_values_before_it_starts(tmp_path):
 
 
 def test_the_shipped_configs_pass_the_checks():
-  for module in (cpu_config, cpu_resnet50, default_config, imagenet_flax, tpu_config,
-                 smoke_config):
+  for module in (cpu_config, cpu_resnet50, default_config, finetune_config, imagenet_flax,
+                 tpu_config, smoke_config):
     assert config_checks.problems(module.get_config()) == [], module.__name__
+  config = finetune_config.get_config()
+  config.label_modulo = 6
+  assert config_checks.problems(config) == [
+      "config.label_modulo must be <= config.num_classes (the labels 0..label_modulo - 1 need "
+      "as many logits), got 6 > 5"]
+
+
+def test_finetune_config_warm_starts_a_new_head_from_a_checkpoint(tmp_path):
+  """configs/finetune.py on a checkpoint of configs/cpu.py's model (4 filters here): the
+  source's params and BatchNorm statistics, a fresh 5-class head, a fresh optimizer at step 0;
+  the task's labels are the digits mod 5, in the train and the eval step alike."""
+  from loopkit.checkpoint import CheckpointHook
+  from loopkit.core import Ledger
+
+  config = finetune_config.get_config()
+  config.model.num_filters = 4
+  config.init_from = str(tmp_path / "quickstart")
+  tx = train.create_optimizer(config, optax.constant_schedule(0.05))
+  # The model's state tree with random values (initialising it compiles for minutes here).
+  rng = np.random.default_rng(0)
+  fresh = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype),
+                       jax.eval_shape(lambda: train.create_train_state(
+                           train.create_model(config), tx)[1]))
+  # the Quickstart's state: other values, a 10-class head
+  params = jax.tree.map(lambda x: x + 1, fresh.params)
+  params["head"] = {"kernel": jnp.ones((32, 10)), "bias": jnp.ones((10,))}
+  source = train.TrainState(step=jnp.int32(66), params=params,
+                            batch_stats=jax.tree.map(lambda x: x + 2, fresh.batch_stats),
+                            opt_state=tx.init(params))
+  hook = CheckpointHook(tmp_path / "quickstart", async_save=False)
+  hook.save(66, source, ledger=Ledger(step=66))
+  hook.close()
+
+  state = train.warm_start_of(config).apply(fresh)
+  assert state.params["head"]["kernel"].shape == (32, 5)
+  np.testing.assert_array_equal(state.params["head"]["kernel"], fresh.params["head"]["kernel"])
+  body = {k: v for k, v in state.params.items() if k != "head"}
+  jax.tree.map(np.testing.assert_array_equal, body,
+               {k: v for k, v in source.params.items() if k != "head"})
+  jax.tree.map(np.testing.assert_array_equal, state.batch_stats, source.batch_stats)
+  jax.tree.map(np.testing.assert_array_equal, state.opt_state, fresh.opt_state)
+  assert int(state.step) == 0
+  labels = jnp.arange(10, dtype=jnp.int32)
+  assert train.relabel(labels, 5).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+  assert train.relabel(labels, 0).tolist() == list(range(10))
+  assert train.warm_start_of(cpu_config.get_config()) is None
+  schedule = train.learning_rate_schedule(config, 11)  # no warmup: from the peak, cosine
+  reference = optax.warmup_cosine_decay_schedule(0.0, 0.05, 0, 11, 0.0)
+  assert [float(schedule(s)) for s in range(12)] == [float(reference(s)) for s in range(12)]
+  assert float(schedule(0)) == np.float32(0.05) and float(schedule(11)) == 0.0
 
 
 def _own_module_names() -> set[str]:

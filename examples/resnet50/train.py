@@ -106,6 +106,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
   peak = config.base_learning_rate * config.global_batch_size / 256
   total = max(int(config.num_epochs * steps_per_epoch), 1)
   warmup = min(int(config.warmup_epochs * steps_per_epoch), total - 1)
+  if warmup == 0:  # the same values; optax logs a line about a 0-step warmup
+    return optax.cosine_decay_schedule(peak, decay_steps=total, alpha=0.0)
   return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak,
                                             warmup_steps=warmup, decay_steps=total,
                                             end_value=0.0)
@@ -141,7 +143,8 @@ def create_train_state(model: models.ResNet, tx: optax.GradientTransformation
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, *, num_classes: int, label_smoothing: float,
-                    dtype: Any = jnp.float32, axis_name: str | None = None
+                    dtype: Any = jnp.float32, axis_name: str | None = None,
+                    label_modulo: int = 0
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
   """A pure train step for :class:`loopkit.TrainLoop`.
 
@@ -158,6 +161,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       batch; BatchNorm statistics are global by construction); the data axis
       name for ``"per_device"`` (gradients are ``pmean``ed over it and BatchNorm
       must have been built with the same ``axis_name``).
+    label_modulo: > 0: the step learns ``label % label_modulo`` (a relabelled
+      task, e.g. the digits mod 5 for fine-tuning with a new 5-class head).
 
   Returns:
     ``train_step(state, batch) -> (state, metrics)``; ``batch`` =
@@ -169,7 +174,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
     images = input_pipeline.normalize(batch["image"], dtype)
-    labels = batch["label"]
+    labels = relabel(batch["label"], label_modulo)
     targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
 
     def loss_fn(params):
@@ -197,9 +202,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, dtype: Any = jnp.float32
+def relabel(labels: jax.Array, label_modulo: int) -> jax.Array:
+  """``labels % label_modulo`` if ``label_modulo`` > 0 (a relabelled task), else ``labels``."""
+  return labels % label_modulo if label_modulo > 0 else labels
+
+
+def make_eval_step(graphdef: nnx.GraphDef, *, dtype: Any = jnp.float32, label_modulo: int = 0
                    ) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
   """A pure eval step for :class:`loopkit.evaluation.Evaluator` (BatchNorm running stats).
+
+  ``label_modulo`` > 0 evaluates on ``label % label_modulo``, as :func:`make_train_step`.
 
   Returns:
     ``eval_step(state, batch) -> {"accuracy": float32 [B], "loss": float32 [B]}``:
@@ -210,7 +222,7 @@ def make_eval_step(graphdef: nnx.GraphDef, *, dtype: Any = jnp.float32
   def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
     model = nnx.merge(graphdef, state.params, state.batch_stats)
     logits = model(input_pipeline.normalize(batch["image"], dtype), train=False)
-    labels = batch["label"]
+    labels = relabel(batch["label"], label_modulo)
     return {"accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
             "loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels)}
 
@@ -383,6 +395,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     evaluation; None for a run preempted before any, which stops without
     evaluating), ``step``,
     ``ledger`` (the final ledger as a dict), ``restored_step``,
+    ``warm_started`` (what ``config.init_from`` gave, when the run started from it),
     ``steps_per_epoch``, ``iterations_per_loop``, ``device_calls``,
     ``compile_count``, ``compile_secs`` (this run's train compile, or cache load,
     from the ledger) and ``compile_secs_all_runs`` (over resumes),
@@ -397,6 +410,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   os.makedirs(workdir, exist_ok=True)
   with _maybe_mock(config):
     return _train_and_evaluate(config, workdir, tuple(extra_hooks))
+
+
+def warm_start_of(config: ml_collections.ConfigDict) -> Any:
+  """The run's warm start from ``config.init_from``, or None (``""``: from scratch).
+
+  A :class:`loopkit.checkpoint.WarmStart` of the parameters and BatchNorm statistics
+  (``params``, ``batch_stats``) of the latest checkpoint in ``config.init_from``
+  (a loopkit checkpoint directory, e.g. the Quickstart's ``/tmp/resnet-cpu/checkpoints``,
+  or one step of it), except the leaves ``config.init_exclude`` names (a pattern;
+  ``"params/head"`` for a new head); the optimizer state and the step are the new
+  run's (fresh, 0).
+  """
+  if not config.get("init_from", ""):
+    return None
+  from loopkit import checkpoint  # needs orbax-checkpoint
+  exclude = config.get("init_exclude", "")
+  return checkpoint.WarmStart(config.init_from, select=("params", "batch_stats"),
+                              exclude=exclude or ())
 
 
 def make_mesh(devices: list[jax.Device]) -> jax.sharding.Mesh:
@@ -430,7 +461,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                     f"{num_params:,}", time.perf_counter() - t0)
 
   writer = writers.create_default_writer(workdir)
-  evaluator = evaluation.Evaluator(make_eval_step(graphdef, dtype=dtype),
+  label_modulo = config.get("label_modulo", 0)
+  evaluator = evaluation.Evaluator(make_eval_step(graphdef, dtype=dtype,
+                                                  label_modulo=label_modulo),
                                    iterations_per_loop=config.eval_iterations_per_loop,
                                    mesh=mesh, step_style=config.step_style,
                                    global_batch_size=config.eval_batch_size)
@@ -446,14 +479,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       throughput,
   ]
   ckpt = None
+  warm = warm_start_of(config)
   if config.checkpoint_every_steps or config.checkpoint_every_epochs:
     from loopkit import checkpoint  # needs orbax-checkpoint
+    # A warm start applies only while the workdir has no checkpoint: a rerun resumes.
     ckpt = checkpoint.CheckpointHook(
         os.path.join(os.path.abspath(workdir), "checkpoints"),
         every_steps=config.checkpoint_every_steps or None,
         every_epochs=config.checkpoint_every_epochs or None,
-        max_to_keep=config.max_checkpoints_to_keep)
+        max_to_keep=config.max_checkpoints_to_keep, init_from=warm)
     hooks.append(ckpt)
+  elif warm is not None:
+    state = warm.apply(state)
   run_start = RunStartLedgerHook()
   hooks += [run_start, eval_hook,
             progress.ProgressHook(total_steps, log_every_secs=config.progress_every_secs,
@@ -463,7 +500,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   loop = loopkit.TrainLoop(
       make_train_step(graphdef, tx, schedule, num_classes=config.num_classes,
                       label_smoothing=config.label_smoothing, dtype=dtype,
-                      axis_name=axis_name),
+                      axis_name=axis_name, label_modulo=label_modulo),
       iterations_per_loop=config.iterations_per_loop, hooks=hooks, mesh=mesh,
       step_style=config.step_style, steps_per_epoch=steps_per_epoch,
       global_batch_size=config.global_batch_size, prefetch=config.prefetch)
@@ -491,6 +528,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       "step": int(jax.device_get(state.step)), "eval_step": final_step,
       "ledger": loop.ledger.to_dict(),
       "restored_step": None if ckpt is None else ckpt.restored_step,
+      "warm_started": None if ckpt is None else ckpt.warm_started,
       "steps_per_epoch": steps_per_epoch, "num_train_steps": total_steps,
       "global_batch_size": config.global_batch_size,
       "iterations_per_loop": config.iterations_per_loop,
@@ -663,14 +701,17 @@ def compile_only(config: ml_collections.ConfigDict, topology: str, *,
     return {"image": jax.ShapeDtypeStruct((b, size, size, 3), jnp.uint8),
             "label": jax.ShapeDtypeStruct((b,), jnp.int32)}
 
-  evaluator = evaluation.Evaluator(make_eval_step(graphdef, dtype=dtype),
+  label_modulo = config.get("label_modulo", 0)
+  evaluator = evaluation.Evaluator(make_eval_step(graphdef, dtype=dtype,
+                                                  label_modulo=label_modulo),
                                    iterations_per_loop=config.eval_iterations_per_loop,
                                    mesh=mesh, step_style=config.step_style,
                                    global_batch_size=config.eval_batch_size,
                                    prefetch=config.prefetch)
   program = loopkit.core.MultiStepProgram(
       make_train_step(graphdef, tx, schedule, num_classes=config.num_classes,
-                      label_smoothing=config.label_smoothing, dtype=dtype, axis_name=axis_name),
+                      label_smoothing=config.label_smoothing, dtype=dtype, axis_name=axis_name,
+                      label_modulo=label_modulo),
       iterations_per_loop=config.iterations_per_loop, mesh=mesh, style=config.step_style)
   return aot.compile_for(program, state, batch(config.global_batch_size), topology=topology,
                          mesh=mesh, evaluator=evaluator if with_eval else None,

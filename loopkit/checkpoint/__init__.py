@@ -9,6 +9,8 @@ checks the directory at run start and keeps two runs out of one directory,
 :class:`LossSpikeHook` rewinds a run to its last checkpoint at a loss spike and skips the
 data around it (``spike``).
 An evaluation sidecar that follows the directory is :mod:`loopkit.tools.follower`.
+``warm`` starts a run from chosen leaves of another run's checkpoint
+(:func:`warm_start`, ``CheckpointHook(init_from=...)``).
 """
 
 from loopkit.checkpoint.hook import (
@@ -18,6 +20,16 @@ from loopkit.checkpoint.hook import (
     RestoredCheckpoint,
 )
 from loopkit.checkpoint.spike import LossSpikeError, LossSpikeHook
+from loopkit.checkpoint.warm import WarmStart, WarmStartError, warm_start
 
-__all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "LossSpikeError",
-           "LossSpikeHook", "RestoredCheckpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointHook",
+    "CheckpointWarning",
+    "LossSpikeError",
+    "LossSpikeHook",
+    "RestoredCheckpoint",
+    "WarmStart",
+    "WarmStartError",
+    "warm_start",
+]

@@ -47,6 +47,11 @@ names, still restore: see :func:`loopkit.core.hook_state.match_hook_states`). A
 checkpoint whose tree, shapes or dtypes differ from the live state raises
 ``ValueError`` naming the first differing leaf before anything changes.
 
+**Warm start.** With ``init_from`` (a :class:`~loopkit.checkpoint.warm.WarmStart`) and no
+checkpoint of its own to resume from, ``on_run_start`` returns the state with chosen leaves
+of another checkpoint (:func:`loopkit.checkpoint.warm.warm_start`); once the run has saved,
+a restart resumes from its own checkpoints.
+
 **Complete or invisible.** A step directory counts only if Orbax finalized it
 (it holds ``commit_success.txt``, written last in both of Orbax's atomicity
 modes). When the hook opens a directory it deletes what is evidently its own
@@ -135,6 +140,7 @@ from loopkit.checkpoint.items import (
 )
 from loopkit.checkpoint.lock import DirectoryLock, claim, describe, holder_of, stale_reason
 from loopkit.checkpoint.tiers import check_permanent, preservation_policy, with_permanent_marks
+from loopkit.checkpoint.warm import WarmStart
 from loopkit.core.context import Restore, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket, Ledger
@@ -206,12 +212,20 @@ class CheckpointHook(Hook):
       ``max_to_keep`` (default 1 when ``keep_best`` is set) are kept too.
     async_save: write in background threads (Orbax async checkpointing).
     restore: restore the latest checkpoint at the start of each ``run``.
+    init_from: a warm start (:class:`~loopkit.checkpoint.warm.WarmStart`, or a
+      checkpoint path for ``WarmStart(path)``: its ``params``), applied at
+      ``run`` start only when the run does not resume from ``directory``'s own
+      checkpoint (none there yet, or ``restore=False``): a warm-started run
+      that is killed resumes from its own checkpoints, not from the source.
+      The ledger starts at the warm-started state's step (the step of the
+      state passed to ``run``, unless the warm start reads the step counter).
 
   Raises:
     ValueError: ``max_to_keep`` or ``keep_best`` < 1, ``keep_best`` without
       ``best_metric``, ``best_mode`` not in ``("min", "max")``, or a
       ``keep_every_steps`` or ``keep_steps`` entry that is not a whole number
       of steps > 0 (naming the value).
+    TypeError: ``init_from`` neither a path nor a ``WarmStart``.
 
   At ``run`` start (:meth:`on_run_start`), before any step, the hook raises
   :class:`CheckpointError` naming the directory if it is not writable (and
@@ -221,6 +235,8 @@ class CheckpointHook(Hook):
   Attributes:
     directory: the absolute checkpoint directory (an ``epath.Path``).
     restored_step: step restored by the last ``on_run_start`` (None if none).
+    warm_started: what the last ``on_run_start`` read from ``init_from`` (a
+      line naming the source, step and leaves read and kept), or None.
     saved_steps: steps this hook saved, in order (this process's view).
     keep_every_steps, keep_steps: the permanent tier (None and ``()`` if none;
       ``keep_steps`` sorted).
@@ -234,7 +250,8 @@ class CheckpointHook(Hook):
                every_secs: float | None = None, max_to_keep: int | None = None,
                best_metric: str | None = None, best_mode: str = "min",
                keep_best: int | None = None, async_save: bool = True, restore: bool = True,
-               keep_every_steps: int | None = None, keep_steps: Sequence[int] | None = None):
+               keep_every_steps: int | None = None, keep_steps: Sequence[int] | None = None,
+               init_from: str | os.PathLike | WarmStart | None = None):
     if every_steps is None and every_epochs is None and every_secs is None and at_steps is None:
       at_steps = ()  # no cadence: save only at the end of a run (and at a preemption)
     super().__init__(every_steps=every_steps, every_epochs=every_epochs, at_steps=at_steps,
@@ -264,6 +281,13 @@ class CheckpointHook(Hook):
     self.restore_on_start = restore
     self.restored_step: int | None = None
     self.saved_steps: list[int] = []
+    if init_from is not None and not isinstance(init_from, WarmStart):
+      if not isinstance(init_from, (str, os.PathLike)):
+        raise TypeError(f"init_from takes a checkpoint path or a loopkit.checkpoint.WarmStart, "
+                        f"got {type(init_from).__name__}")
+      init_from = WarmStart(init_from)
+    self.init_from: WarmStart | None = init_from
+    self.warm_started: str | None = None
     self._manager: ocp.CheckpointManager | None = None
     self._ctx: RunContext | None = None
     self._in_flight: int | None = None
@@ -474,8 +498,9 @@ class CheckpointHook(Hook):
     Raises:
       FileNotFoundError: no (such) complete checkpoint.
       ValueError: the checkpoint's tree, shapes or dtypes differ from
-        ``like`` (naming the first differing leaf), or its data positions were
-        saved by a different number of processes.
+        ``like`` (naming the first differing leaf, and ``init_from`` for a
+        warm start from it), or its data positions were saved by a different
+        number of processes.
     """
     manager = self._open()
     manager.reload()
@@ -494,7 +519,9 @@ class CheckpointHook(Hook):
     problem = _tree_difference(saved, like)
     if problem:
       raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
-                       f"state: {problem}")
+                       f"state: {problem}. To start a changed model from it (fine-tuning), "
+                       f"give the run a new directory with init_from=loopkit.checkpoint."
+                       f"WarmStart('{self.directory}', ...) (docs/checkpointing.md, Warm start)")
     abstract = jax.tree.map(lambda x: None if _is_empty(x) else _abstract(x), like)
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), ledger=ocp.args.JsonRestore(),
@@ -510,13 +537,15 @@ class CheckpointHook(Hook):
 
   # -- Hook protocol ---------------------------------------------------------
 
-  def on_run_start(self, ctx: RunContext, state: Any) -> Restore | None:
+  def on_run_start(self, ctx: RunContext, state: Any) -> Restore | Any:
     """Claims the directory, opens it; returns the latest checkpoint, if any, as a Restore.
 
     Returns:
       None (no checkpoint, or ``restore=False``) or a
       :class:`~loopkit.core.context.Restore` of the state, ledger, data position
-      and other hooks' states, which the loop applies.
+      and other hooks' states, which the loop applies. Without a checkpoint
+      to resume from, with ``init_from``: the warm-started state (a Restore
+      with a ledger at its step if it read the step counter).
 
     Raises:
       CheckpointError: the directory is not writable, or another live run
@@ -541,15 +570,25 @@ class CheckpointHook(Hook):
       self._lock.release()
       raise
 
-  def _resume(self, state: Any) -> Restore | None:
+  def _resume(self, state: Any) -> Restore | Any:
     self._open()
+    self.warm_started = None
     if not self.restore_on_start or self.latest_step() is None:
-      return None
+      return None if self.init_from is None else self._warm_start(state)
     r = self.restore(state)
     self.restored_step = r.step
     log.info("resumed from checkpoint %d in %s", r.step, self.directory)
     return Restore(state=r.state, ledger=r.ledger, data_position=r.data_position,
                    hook_states=r.hook_states)
+
+  def _warm_start(self, state: Any) -> Restore | Any:
+    """``init_from`` applied to ``state``; a Restore with a new ledger if it read the step."""
+    assert self.init_from is not None and self._ctx is not None
+    new, self.warm_started = self.init_from.run(state)
+    step = int(jax.device_get(self._ctx.step_of(new)))
+    if step == self._ctx.ledger.step:
+      return new
+    return Restore(state=new, ledger=Ledger(step=step, steps_per_epoch=self._ctx.steps_per_epoch))
 
   def after_each_call(self, info: LoopInfo) -> None:
     """Raises the error of an asynchronous save that has failed meanwhile."""

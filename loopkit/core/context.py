@@ -107,6 +107,7 @@ class RunContext:
       read after the first call, it compiles nothing), or None (before the first call, or
       where XLA reports none).
     hook_name: this hook's stable name (:func:`loopkit.core.hook_state.hook_names`).
+    step_of: the loop's function that reads a state's step counter (``TrainLoop(step_of=)``).
   """
 
   __slots__ = ("_run", "_index", "_states")
@@ -163,6 +164,10 @@ class RunContext:
   @property
   def flops_per_step(self) -> float | None:
     return self._run.program.flops_per_step()
+
+  @property
+  def step_of(self) -> Callable[[Any], Any]:
+    return self._run.config.step_of
 
   @property
   def hook_name(self) -> str:

@@ -64,6 +64,10 @@ def get_config():
   config.eval_only = False
   config.follow_poll_secs = 10.0  # eval_only: seconds between looks for new checkpoints
   config.follow_timeout_secs = 0.0  # eval_only: give up after this long without one (0: never)
+  # Another run's checkpoint directory (e.g. /tmp/lm-cpu/checkpoints): its params start this
+  # run, with a fresh AdamW and step 0, on this run's mesh (loopkit.checkpoint.WarmStart),
+  # while the workdir has no checkpoint of its own; "": from scratch.
+  config.init_from = ""
 
   # -- the end -----------------------------------------------------------------------------
   config.prompt = "    def __init__(self"

@@ -91,6 +91,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_only = False
   config.follow_poll_secs = 30.0       # eval_only: seconds between looks for new checkpoints
   config.follow_timeout_secs = 0.0     # eval_only: give up after this long without one (0: never)
+  # -- warm start (fine-tuning) ----------------------------------------------------
+  # A loopkit checkpoint directory (e.g. /tmp/resnet-cpu/checkpoints) whose latest params and
+  # batch_stats start this run (fresh optimizer, step 0), while the workdir has no checkpoint
+  # of its own (train.warm_start_of); "": from scratch.
+  config.init_from = ""
+  config.init_exclude = ""             # a pattern of leaves kept fresh: "params/head" (new head)
+  config.label_modulo = 0              # > 0: learn label % label_modulo (a relabelled task)
   config.platform = ""                 # JAX's platform: "" = JAX picks (TPU, GPU, else CPU)
   config.distributed = False           # call jax.distributed.initialize() (multi-host)
   return config

@@ -1,0 +1,598 @@
+"""Warm start: a new run's state from another run's checkpoint (fine-tuning).
+
+:func:`warm_start` reads chosen leaves of a checkpoint into a live train state
+and keeps the others as they are: the parameters of a pretrained run go into a
+fresh state (a fresh optimizer state, step 0), keys may be renamed, source
+leaves dropped and new leaves (a new head) kept fresh, dtypes cast, and every
+leaf read is placed with the live leaf's sharding (another mesh, another
+number of devices). ``CheckpointHook(init_from=...)`` does it at ``run`` start
+when its own directory holds no checkpoint yet, so a warm-started run that is
+killed resumes from its own checkpoints, not from the source.
+
+Sources: a loopkit checkpoint directory (its latest complete step, or
+``step=``), one step directory of it, a plain Orbax PyTree checkpoint (what
+``ocp.StandardCheckpointer().save(path, params)`` or ``ocp.PyTreeCheckpointer``
+write, as Flax's examples do), a step of an Orbax ``CheckpointManager`` (its
+one item, or ``item=``), or a pytree in memory.
+
+Leaves are named by their path with ``/`` between keys (Orbax's flat keys):
+``params/head/kernel`` for ``state.params["head"]["kernel"]``, ``opt/0/mu/w``
+for the first optimizer state's ``mu`` of ``w``. A pattern (a regular
+expression) matches a leaf when it matches the whole path or a whole leading
+part of it: ``"params"`` matches every leaf under ``params``.
+
+Not thread-safe. Multi-host: every process calls it (Orbax reads each
+process's shards).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from loopkit._internal.extras import missing as _missing_extra
+
+try:
+  import orbax.checkpoint as ocp
+  from etils import epath
+except ImportError as e:
+  raise _missing_extra(e, "loopkit.checkpoint") from e
+
+from loopkit.checkpoint.files import _COMMIT_FILE, _TMP_MARK
+from loopkit.checkpoint.items import (
+  _dtype_name,
+  _is_empty,
+  _is_key,
+  _leaves_from_record,
+  _orbax_key,
+)
+
+log = logging.getLogger("loopkit")
+
+__all__ = ["WarmStart", "WarmStartError", "warm_start"]
+
+_PYTREE_METADATA = "_METADATA"  # Orbax's PyTree checkpoint metadata file
+_SHOWN = 20  # leaves listed per group in an error
+
+
+class WarmStartError(ValueError):
+  """Chosen leaves of the train state cannot be taken from the warm-start source.
+
+  The message lists them (path, shape, dtype) with the source's leaves that no
+  train-state leaf took, and names the argument that maps them (``rename``,
+  ``exclude``, ``missing="keep"``, ``cast``).
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+  """A leaf's name and kind: ``shape``/``dtype`` logical (a typed key: ``()``, ``key<fry>``);
+  ``physical`` when only its key data's shape and dtype are known (Orbax's metadata)."""
+
+  key: tuple[str, ...]
+  shape: tuple[int, ...]
+  dtype: str | None
+  physical: bool = False
+
+  @property
+  def path(self) -> str:
+    return "/".join(self.key)
+
+  def described(self) -> str:
+    dims = ",".join(str(d) for d in self.shape)
+    return f"{self.dtype}[{dims}]"
+
+
+@dataclasses.dataclass
+class _Source:
+  where: str
+  step: int | None
+  leaves: dict[str, _Leaf]  # by path
+  read: Callable[[dict[tuple[str, ...], Any]], dict[tuple[str, ...], Any]]
+
+
+# -- patterns ----------------------------------------------------------------------
+
+
+def _patterns(value: str | Sequence[str] | None, what: str) -> list[re.Pattern] | None:
+  if value is None:
+    return None
+  items = [value] if isinstance(value, str) else list(value)
+  out = []
+  for p in items:
+    if not isinstance(p, str):
+      raise TypeError(f"{what} patterns must be strings (regular expressions), got {p!r}")
+    try:
+      out.append(re.compile(p))
+    except re.error as e:
+      raise ValueError(f"{what} pattern {p!r} is not a regular expression: {e}") from None
+  return out
+
+
+def _heads(path: str) -> list[tuple[str, str]]:
+  """``(head, rest)`` splits of ``a/b/c`` at its slashes, longest head first."""
+  parts = path.split("/")
+  return [("/".join(parts[:i]), "".join("/" + p for p in parts[i:]))
+          for i in range(len(parts), -1, -1)]
+
+
+def _matches(rx: re.Pattern, path: str) -> bool:
+  return any(rx.fullmatch(head) for head, _ in _heads(path))
+
+
+def _tidy_path(path: str) -> str:
+  return "/".join(p for p in path.split("/") if p)
+
+
+def _renamed(path: str, rules: list[tuple[re.Pattern, str]]) -> tuple[str, int | None]:
+  """The source path of a train-state leaf and the index of the rule that mapped it."""
+  for i, (rx, replacement) in enumerate(rules):
+    for head, rest in _heads(path):
+      m = rx.fullmatch(head)
+      if m:
+        return _tidy_path(m.expand(replacement) + rest), i
+  return path, None
+
+
+# -- sources -----------------------------------------------------------------------
+
+
+def _is_pytree_dir(path: epath.Path) -> bool:
+  return (path / _PYTREE_METADATA).exists()
+
+
+def _step_dirs(path: epath.Path) -> dict[int, epath.Path]:
+  """Digit-named step directories; only committed ones when any is (an unfinished save is
+  not read)."""
+  steps = {int(p.name): p for p in path.iterdir()
+           if p.name.isdigit() and _TMP_MARK not in p.name and p.is_dir()}
+  committed = {s: p for s, p in steps.items() if (p / _COMMIT_FILE).exists()}
+  return committed or steps
+
+
+def _items(path: epath.Path) -> list[str]:
+  """The Orbax PyTree items of a step directory (``state`` for loopkit, ``default``, ...)."""
+  return sorted(p.name for p in path.iterdir() if p.is_dir() and _is_pytree_dir(p))
+
+
+def _locate(source: epath.Path, step: int | None, item: str | None
+            ) -> tuple[epath.Path, int | None, epath.Path | None]:
+  """``(PyTree directory, step, loopkit leaf record directory or None)`` of a source path."""
+  if not source.exists():
+    raise FileNotFoundError(f"warm start: the source {source} does not exist")
+  path, found_step = source, None
+  if not _is_pytree_dir(path) and not _items(path):
+    steps = _step_dirs(path)
+    if steps:  # a checkpoint root (loopkit's, or an Orbax manager's)
+      if step is None:
+        step = max(steps)
+      elif step not in steps:
+        raise FileNotFoundError(f"warm start: no checkpoint {step} in {source} (found "
+                                f"{sorted(steps)})")
+      path, found_step = steps[step], step
+  if found_step is None and path.name.isdigit():
+    found_step = int(path.name)
+  if step is not None and found_step != step:
+    what = "one checkpoint" if found_step is None else f"step {found_step}"
+    raise ValueError(f"warm start: step={step} chooses a step directory of a checkpoint "
+                     f"directory; {source} is {what}")
+  if _is_pytree_dir(path) and item is None:
+    return path, found_step, None
+  items = _items(path)
+  if item is None:
+    if "state" in items:
+      item = "state"
+    elif len(items) == 1:
+      item = items[0]
+    else:
+      raise FileNotFoundError(
+          f"warm start: {path} is not an Orbax PyTree checkpoint" + (
+              f"; it holds the items {items}: pass item=<name>" if items else
+              " nor a directory of step directories or items holding one"))
+  if item not in items:
+    raise FileNotFoundError(f"warm start: {path} has no Orbax PyTree item {item!r} "
+                            f"(its items: {items})")
+  record = path / "leaves" if item == "state" and (path / "leaves").exists() else None
+  return path / item, found_step, record
+
+
+def _read_record(record: epath.Path) -> dict[tuple[str, ...], dict[str, Any]] | None:
+  try:
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as c:
+      return _leaves_from_record(c.restore(record))
+  except Exception as e:  # pylint: disable=broad-except  # Orbax's metadata is enough
+    log.info("warm start: not using loopkit's leaf record %s: %s", record, e)
+    return None
+
+
+def _restore_args(target: Any) -> Any:
+  if target.sharding is None:
+    return ocp.RestoreArgs(restore_type=np.ndarray, dtype=target.dtype)
+  return ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape,
+                              dtype=target.dtype)
+
+
+def _dir_source(path: epath.Path, step: int | None, item: str | None) -> _Source:
+  tree_dir, step, record_dir = _locate(path, step, item)
+  meta = ocp.PyTreeCheckpointHandler().metadata(tree_dir)
+  tree = getattr(meta, "tree", meta)
+  flat = ocp.tree.to_flat_dict(tree)
+  record = _read_record(record_dir) if record_dir is not None else None
+  leaves = {}
+  for key, m in flat.items():
+    if m is None or getattr(m, "shape", None) is None:
+      continue  # None / empty nodes (loopkit saves zero-size leaves as None)
+    key = tuple(str(k) for k in key)
+    r = (record or {}).get(key)
+    leaf = (_Leaf(key, tuple(r["shape"]), r["dtype"]) if r is not None else
+            _Leaf(key, tuple(m.shape), str(np.dtype(m.dtype)) if m.dtype is not None else None,
+                  physical=record is None))
+    leaves[leaf.path] = leaf
+
+  def read(wanted: dict[tuple[str, ...], Any]) -> dict[tuple[str, ...], Any]:
+    keyed = {tuple(str(k) for k in key): key for key in flat}
+    chosen = {keyed[k]: v for k, v in wanted.items()}
+    item_tree = ocp.tree.from_flat_dict(
+        {k: chosen.get(k, ocp.PLACEHOLDER) for k in flat}, target=tree)
+    args = ocp.tree.from_flat_dict(
+        {k: _restore_args(chosen[k]) if k in chosen else ocp.PLACEHOLDER for k in flat},
+        target=tree)
+    with ocp.PyTreeCheckpointer() as c:
+      out = c.restore(tree_dir, args=ocp.args.PyTreeRestore(item=item_tree, restore_args=args))
+    got = ocp.tree.to_flat_dict(out)
+    return {k: got[keyed[k]] for k in wanted}
+
+  return _Source(str(tree_dir), step, leaves, read)
+
+
+def _tree_source(tree: Any) -> _Source:
+  flat = {_orbax_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  leaves = {}
+  for key, x in flat.items():
+    if not hasattr(x, "shape"):
+      x = np.asarray(x)
+    leaves["/".join(key)] = _Leaf(key, tuple(x.shape), _dtype_name(x))
+
+  def read(wanted: dict[tuple[str, ...], Any]) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for k, target in wanted.items():
+      x = flat[k] if hasattr(flat[k], "dtype") else np.asarray(flat[k])
+      if not _is_key(target) and x.dtype != target.dtype:
+        x = x.astype(target.dtype)
+      out[k] = (np.asarray(x) if target.sharding is None
+                else jax.device_put(x, target.sharding))
+    return out
+
+  return _Source("the given tree", None, leaves, read)
+
+
+# -- the warm start ----------------------------------------------------------------
+
+
+def _target(x: Any) -> Any:
+  """What a live leaf's replacement must be: shape, dtype, sharding (None: a numpy array)."""
+  sharding = getattr(x, "sharding", None)
+  if sharding is None and not isinstance(x, np.ndarray):
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _as(value: Any, read_as: Any, target: Any) -> Any:
+  """``value``, read for ``read_as``, in ``target``'s dtype and sharding."""
+  if read_as is target or (read_as.dtype == target.dtype and read_as.sharding == target.sharding):
+    return value
+  if value.dtype != target.dtype:
+    value = value.astype(target.dtype)
+  return np.asarray(value) if target.sharding is None else jax.device_put(value, target.sharding)
+
+
+def _physical(x: Any) -> tuple[tuple[int, ...], str]:
+  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  return tuple(data.shape), str(data.dtype)
+
+
+def _difference(live: _Leaf, x: Any, found: _Leaf, cast: bool) -> str | None:
+  """Why ``found`` cannot fill the live leaf, or None."""
+  shape, dtype = live.shape, live.dtype
+  if found.physical and _is_key(x):  # Orbax's metadata shows a key's data
+    shape, dtype = _physical(x)
+  if found.shape != shape:
+    return "shape"
+  if found.dtype is None or found.dtype == dtype:
+    return None
+  keys = _is_key(x) or found.dtype.startswith("key<")
+  return "dtype" if keys or not cast else None
+
+
+def _listed(lines: list[str]) -> list[str]:
+  more = len(lines) - _SHOWN
+  return lines[:_SHOWN] + ([f"    ... and {more} more"] if more > 0 else [])
+
+
+def _suggested_rename(missing: list[tuple[_Leaf, str]], unused: list[_Leaf]) -> str | None:
+  """A ``rename`` that maps the missing leaves to unused source leaves of their shape with the
+  longest common tail of keys, then head: ``{"params": ""}`` for a source without the prefix;
+  ``{"params/(.*)": "\\1/value"}`` for a Flax NNX ``nnx.State`` saved as it is (each array
+  under its Variable's ``value``) read into plain dicts of arrays."""
+  votes: collections.Counter = collections.Counter()
+  for live, _ in missing:
+    best = None
+    for u in unused:
+      if u.shape != live.shape:
+        continue
+      wrapped = len(u.key) > 1 and u.key[-1] == "value" and live.key[-1] != "value"
+      key = u.key[:-1] if wrapped else u.key
+      n = m = 0  # keys in common at the end, then at the start
+      while n < min(len(key), len(live.key)) and key[-1 - n] == live.key[-1 - n]:
+        n += 1
+      while m < min(len(key), len(live.key)) - n and key[m] == live.key[m]:
+        m += 1
+      if n and (best is None or (n, m, not wrapped) > best[0]):
+        best = ((n, m, not wrapped), "/".join(live.key[:-n]), "/".join(key[:-n]), wrapped)
+    if best is not None and (best[1] != best[2] or best[3]):
+      votes[best[1:]] += 1
+  if not votes:
+    return None
+  (head, to, wrapped), _ = votes.most_common(1)[0]
+  if not wrapped:
+    return f"rename={{{re.escape(head)!r}: {to!r}}}"
+  pattern = f"{re.escape(head)}/(.*)" if head else "(.*)"
+  return f"rename={{{pattern!r}: r'{to + '/' if to else ''}\\1/value'}}"
+
+
+def _exclusion(keys: list[tuple[str, ...]]) -> str:
+  """An ``exclude`` value for these leaves: their common module (``'params/head'``) or paths."""
+  common = keys[0]
+  for k in keys[1:]:
+    n = 0
+    while n < min(len(common), len(k)) and common[n] == k[n]:
+      n += 1
+    common = common[:n]
+  if len(keys) > 1 and len(common) >= 2:
+    return repr(re.escape("/".join(common)))
+  return repr([re.escape("/".join(k)) for k in keys[:3]] if len(keys) > 1
+              else re.escape("/".join(keys[0])))
+
+
+def _error(source: _Source, missing: list[tuple[_Leaf, str]],
+           different: list[tuple[_Leaf, _Leaf, str]], unused: list[_Leaf]) -> WarmStartError:
+  at = f" (step {source.step})" if source.step is not None else ""
+  lines = [f"warm start from {source.where}{at}: {_leaves(len(missing) + len(different))} of "
+           "the train state cannot be taken from the source"]
+  if missing:
+    lines.append(f"  {len(missing)} not in the source (map each to a source path with "
+                 "rename={train-state pattern: source path}, or keep its fresh value with "
+                 "exclude=<pattern> or missing=\"keep\"):")
+    lines += _listed([f"    {live.path}  {live.described()}" + (
+        f"  (looked for {wanted})" if wanted != live.path else "") for live, wanted in missing])
+  shapes = [d for d in different if d[2] == "shape"]
+  dtypes = [d for d in different if d[2] == "dtype"]
+  if shapes:
+    lines.append(f"  {len(shapes)} with another shape in the source (keep the fresh value "
+                 f"with exclude={_exclusion([live.key for live, _, _ in shapes])}, or rename "
+                 "it to a source leaf of its shape):")
+    lines += _listed([f"    {live.path}  {live.described()} in the train state, "
+                      f"{found.path}  {found.described()} in the source"
+                      for live, found, _ in shapes])
+  if dtypes:
+    lines.append(f"  {len(dtypes)} with another dtype in the source (cast=True casts numbers; "
+                 "a PRNG key's impl cannot be cast):")
+    lines += _listed([f"    {live.path}  {live.described()} in the train state, "
+                      f"{found.path}  {found.described()} in the source"
+                      for live, found, _ in dtypes])
+  # The source's leaves near the problem (under the same first key), else all of them.
+  seen = {found.path for _, found, _ in different}
+  unused = [u for u in unused if u.path not in seen]
+  firsts = {w.split("/")[0] for _, w in missing} | {f.key[0] for _, f, _ in different}
+  near = [u for u in unused if u.key[0] in firsts] or (unused if missing else [])
+  if near:
+    under = "" if len(near) == len(unused) else f" under {', '.join(sorted(firsts))}"
+    lines.append(f"  source leaves{under} that no train-state leaf takes ({len(near)}):")
+    lines += _listed([f"    {u.path}  {u.described()}" for u in near])
+  hint = _suggested_rename(missing, unused) if missing else None
+  if hint:
+    lines.append(f"  perhaps: {hint}")
+  return WarmStartError("\n".join(lines))
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+  """Which leaves of a train state to take from which checkpoint (see :func:`warm_start`).
+
+  ``CheckpointHook(directory, init_from=WarmStart(...))`` applies it at ``run``
+  start when ``directory`` holds no checkpoint; a path alone,
+  ``init_from="/runs/pretrain/checkpoints"``, means ``WarmStart(path)`` (its
+  ``params``).
+
+  Attributes: the keyword arguments of :func:`warm_start`, and ``source``.
+  """
+
+  source: Any
+  select: str | Sequence[str] | None = "params"
+  exclude: str | Sequence[str] = ()
+  rename: Mapping[str, str] | Sequence[tuple[str, str]] = ()
+  missing: str = "error"
+  cast: bool = True
+  step: int | None = None
+  item: str | None = None
+
+  def __post_init__(self):
+    if self.missing not in ("error", "keep"):
+      raise ValueError(f"missing must be 'error' or 'keep', got {self.missing!r}")
+    self._compiled()  # bad patterns raise here, at construction
+
+  def _compiled(self) -> tuple[list[re.Pattern] | None, list[re.Pattern],
+                               list[tuple[re.Pattern, str]]]:
+    select = _patterns(self.select, "select")
+    exclude = _patterns(self.exclude, "exclude") or []
+    pairs = list(self.rename.items()) if isinstance(self.rename, Mapping) else list(self.rename)
+    rules = []
+    for pair in pairs:
+      if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+              and all(isinstance(v, str) for v in pair)):
+        raise TypeError(f"rename takes {{pattern: source path}} or (pattern, source path) "
+                        f"pairs of strings, got {pair!r}")
+      rules.append((_patterns(pair[0], "rename")[0], pair[1]))  # type: ignore[index]
+    return select, exclude, rules
+
+  def _open(self) -> _Source:
+    if isinstance(self.source, (str, os.PathLike)):
+      path = epath.Path(self.source)
+      if "://" not in str(path):
+        path = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+      return _dir_source(path, self.step, self.item)
+    if self.step is not None or self.item is not None:
+      raise ValueError("step= and item= choose within a checkpoint directory; the source is "
+                       f"a {type(self.source).__name__}")
+    return _tree_source(self.source)
+
+  def apply(self, state: Any) -> Any:
+    """The state with the chosen leaves read from the source (see :func:`warm_start`)."""
+    return self.run(state)[0]
+
+  def run(self, state: Any) -> tuple[Any, str]:
+    """Like :meth:`apply`; also returns a one-line account of what was taken and kept."""
+    select, exclude, rules = self._compiled()
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    lives = []
+    for p, x in flat:
+      key = _orbax_key(p)
+      lives.append((_Leaf(key, tuple(x.shape), _dtype_name(x)), x))
+    paths = [live.path for live, _ in lives]
+    if select is not None:
+      for rx in select:
+        if not any(_matches(rx, p) for p in paths):
+          raise ValueError(f"warm start: select pattern {rx.pattern!r} matches no leaf of the "
+                           f"train state (its leaves: {_few(paths)}); select=None takes every "
+                           "leaf")
+    for rx in exclude:
+      if not any(_matches(rx, p) for p in paths):
+        raise ValueError(f"warm start: exclude pattern {rx.pattern!r} matches no leaf of the "
+                         f"train state (its leaves: {_few(paths)})")
+    source = self._open()
+    chosen: dict[int, tuple[_Leaf, str]] = {}
+    used_rules: set[int] = set()
+    for i, (live, x) in enumerate(lives):
+      if (select is not None and not any(_matches(rx, live.path) for rx in select)) or any(
+          _matches(rx, live.path) for rx in exclude):
+        continue
+      if _is_empty(x):  # nothing to read: it stays (zero-size)
+        continue
+      wanted, rule = _renamed(live.path, rules)
+      if rule is not None:
+        used_rules.add(rule)
+      chosen[i] = (live, wanted)
+    for j, (rx, _) in enumerate(rules):
+      if j not in used_rules:
+        raise ValueError(f"warm start: rename pattern {rx.pattern!r} matches no chosen leaf of "
+                         f"the train state (chosen: {_few([c[0].path for c in chosen.values()])})")
+    missing, different, taken = [], [], {}
+    for i, (live, wanted) in chosen.items():
+      found = source.leaves.get(wanted)
+      if found is None:
+        missing.append((live, wanted))
+        continue
+      why = _difference(live, lives[i][1], found, self.cast)
+      if why:
+        different.append((live, found, why))
+      else:
+        taken[i] = found
+    used = {f.path for f in taken.values()}
+    unused = [leaf for path, leaf in sorted(source.leaves.items()) if path not in used]
+    if different or (missing and self.missing == "error"):
+      raise _error(source, missing, different, unused)
+    # One read per source leaf (several leaves may take the same one: a layer copied).
+    targets = {i: _target(lives[i][1]) for i in taken}
+    first: dict[tuple[str, ...], Any] = {}
+    for i, found in taken.items():
+      first.setdefault(found.key, targets[i])
+    values = source.read(first) if first else {}
+    leaves = [_as(values[taken[i].key], first[taken[i].key], targets[i]) if i in taken else x
+              for i, (_, x) in enumerate(lives)]
+    kept = [live.path for i, (live, _) in enumerate(lives) if i not in taken]
+    at = f" step {source.step}" if source.step is not None else ""
+    account = (f"warm start from {source.where}{at}: {_leaves(len(taken))} read, {len(kept)} "
+               f"kept as they were" + (f" ({len(missing)} not in the source: "
+                                       f"{_few([m[0].path for m in missing])})" if missing else "")
+               + f", {_leaves(len(unused)).replace(' ', ' source ', 1)} not used")
+    log.info("%s", account)
+    return jax.tree_util.tree_unflatten(treedef, leaves), account
+
+
+def _leaves(n: int) -> str:
+  return f"{n} leaf" if n == 1 else f"{n} leaves"
+
+
+def _few(paths: Sequence[str], n: int = 8) -> str:
+  return ", ".join(paths[:n]) + (f", ... ({len(paths)} in all)" if len(paths) > n else "")
+
+
+def warm_start(state: Any, source: Any, *, select: str | Sequence[str] | None = "params",
+               exclude: str | Sequence[str] = (),
+               rename: Mapping[str, str] | Sequence[tuple[str, str]] = (),
+               missing: str = "error", cast: bool = True, step: int | None = None,
+               item: str | None = None) -> Any:
+  """Returns ``state`` with its chosen leaves read from another run's checkpoint.
+
+  For fine-tuning: give the fresh state of the new run (its optimizer state
+  fresh, its step 0) and take the pretrained parameters::
+
+    state = warm_start(init(), "/runs/pretrain/checkpoints")            # its params
+    state = warm_start(init(), path, exclude="params/head")             # a new head
+    state = warm_start(init(), "/flax/params", rename={"params": ""})   # a params-only tree
+
+  Leaves not chosen, and chosen ones ``missing="keep"`` lets through, keep their
+  value in ``state``; so does the step counter unless chosen, so a loop given
+  the result starts at ``state``'s step.
+
+  Args:
+    state: the live train state (``jax.Array`` leaves, any shardings; numpy
+      leaves are read as numpy). Each leaf read takes its shape, dtype and
+      sharding: a checkpoint saved on one mesh is read onto another.
+    source: a loopkit checkpoint directory (its latest step, or ``step``), one
+      of its step directories, a plain Orbax PyTree checkpoint directory
+      (``ocp.StandardCheckpointer().save(path, tree)``, ``ocp.PyTreeCheckpointer``),
+      a step directory of an Orbax ``CheckpointManager`` (its item ``state``, its
+      only item, or ``item``), a directory of such steps, or a pytree.
+    select: patterns of the state's leaves to read (default ``"params"``: every
+      leaf under ``params``); None reads every leaf.
+    exclude: patterns of leaves not to read although selected (a new head:
+      ``"params/head"``).
+    rename: ``{pattern: source path}`` (or pairs, tried in order): a chosen leaf
+      whose path (or leading part) matches a pattern is read from the
+      replacement (with ``\\1`` groups) plus the rest of its path; e.g.
+      ``{"params/encoder": "params/backbone"}``, or ``{"params": ""}`` for a
+      source that holds the parameters alone. Several leaves may read one
+      source leaf (a layer copied).
+    missing: ``"error"`` (default) or ``"keep"``: what to do with a chosen leaf
+      the source lacks (``"keep"``: keep its value, e.g. a layer added).
+    cast: read numbers in the state's dtype (bfloat16 from float32, say);
+      False refuses another dtype. A PRNG key's impl is never cast.
+    step: the step to read from a directory of steps (default: the latest
+      complete one).
+    item: the Orbax item to read in a step directory with several.
+
+  Returns:
+    A state of ``state``'s tree structure: the chosen leaves read, placed with
+    their live leaf's sharding and dtype; the other leaves are ``state``'s.
+
+  Raises:
+    WarmStartError: a chosen leaf is not in the source (with
+      ``missing="error"``), or has another shape there (or another dtype with
+      ``cast=False``); the message lists those leaves with their paths, shapes
+      and dtypes, the source leaves nothing took, and the argument that maps
+      them (and a likely ``rename``). Nothing is read.
+    ValueError: a ``select``, ``exclude`` or ``rename`` pattern that matches
+      no leaf, or an invalid argument.
+    FileNotFoundError: no such source, step or item.
+  """
+  return WarmStart(source, select=select, exclude=exclude, rename=rename, missing=missing,
+                   cast=cast, step=step, item=item).apply(state)

@@ -1,0 +1,296 @@
+"""Warm start (issue 38): a run's state from chosen leaves of another run's checkpoint.
+
+One source run (a two-layer model trained 6 steps with CheckpointHook, module fixture) is
+read into fresh states: its params only (fresh optimizer, ledger at 0), renamed keys, a new
+head (shape mismatch error naming the leaf, then excluded), added leaves, a dtype cast, a
+plain Orbax params checkpoint (StandardCheckpointer, and a CheckpointManager's item as
+Flax's examples write), another mesh, and the hook's ``init_from`` (resumes from its own
+checkpoints after the first run, never from the source again).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import loopkit
+from loopkit.checkpoint import CheckpointHook, WarmStart, WarmStartError, warm_start
+
+TX = optax.adam(0.05)
+
+
+def init(seed=1, classes=2, body="body", extra=False, dtype=jnp.float32):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  params = {body: {"kernel": (jax.random.normal(k1, (8, 4)) * 0.5).astype(dtype)},
+            "head": {"kernel": (jax.random.normal(k2, (4, classes)) * 0.5).astype(dtype),
+                     "bias": jnp.zeros((classes,), dtype)}}
+  if extra:
+    params["extra"] = {"scale": jnp.full((4,), 7.0, dtype)}
+  return {"params": params, "opt": TX.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def train_step(state, batch):
+  def loss_fn(p):
+    body = next(v for k, v in p.items() if k not in ("head", "extra"))
+    h = jnp.tanh(batch["x"] @ body["kernel"])
+    logits = h @ p["head"]["kernel"] + p["head"]["bias"]
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch["y"]))
+  loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+  updates, opt = TX.update(grads, state["opt"], state["params"])
+  return ({"params": optax.apply_updates(state["params"], updates), "opt": opt,
+           "step": state["step"] + 1}, {"loss": loss})
+
+
+def batches(n, classes=2, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"x": rng.normal(size=(8, 8)).astype(np.float32),
+           "y": rng.integers(0, classes, size=(8,)).astype(np.int32)} for _ in range(n)]
+
+
+def assert_equal(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+  """``(checkpoint directory, the state saved at its latest step 6)`` of a 6-step run."""
+  directory = tmp_path_factory.mktemp("source") / "checkpoints"
+  hook = CheckpointHook(directory, every_steps=3)
+  state = loopkit.TrainLoop(train_step, iterations_per_loop=3, hooks=[hook]).run(
+      init(seed=0), batches(6), num_steps=6)
+  assert hook.all_steps() == [3, 6]
+  return directory, jax.device_get(state)
+
+
+def test_params_only_fresh_optimizer_and_ledger_at_zero(source, tmp_path):
+  """The default: the source's params, the fresh state's optimizer state and step; a hook's
+  warm-started run counts from step 0 and equals a run from warm_start's state, bitwise."""
+  directory, saved = source
+  fresh = init()
+  state = warm_start(fresh, directory)
+  assert_equal(state["params"], saved["params"])
+  assert_equal(state["opt"], fresh["opt"])
+  assert int(state["step"]) == 0
+
+  hook = CheckpointHook(tmp_path / "tune", init_from=directory)
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=2, hooks=[hook])
+  tuned = loop.run(init(), batches(3, seed=1), num_steps=3)
+  assert (hook.restored_step, hook.saved_steps, loop.ledger.step) == (None, [3], 3)
+  assert hook.warm_started.startswith(f"warm start from {directory / '6' / 'state'} step 6: "
+                                      "3 leaves read, 8 kept as they were")
+  assert int(tuned["opt"][0].count) == 3  # a fresh optimizer: 3 updates, not 6 + 3
+  straight = loopkit.TrainLoop(train_step, iterations_per_loop=2).run(
+      state, batches(3, seed=1), num_steps=3)
+  assert_equal(tuned, straight)
+
+
+def test_a_killed_warm_started_run_resumes_from_its_own_checkpoint(source, tmp_path):
+  """Run twice on one directory: the second run restores step 4 of its own (not the source's
+  params), and ends bitwise where one uninterrupted warm-started run ends."""
+  directory, saved = source
+  data = batches(8, seed=2)
+  first = CheckpointHook(tmp_path / "tune", every_steps=4, init_from=directory)
+  loopkit.TrainLoop(train_step, iterations_per_loop=2, hooks=[first]).run(
+      init(), data, num_steps=4)   # stands in for a run killed after its save at 4
+  assert first.warm_started is not None and first.saved_steps == [4]
+  again = CheckpointHook(tmp_path / "tune", every_steps=4, init_from=directory)
+  back = again.restore(init())
+  assert back.step == 4
+  assert not np.array_equal(back.state["params"]["body"]["kernel"],
+                            saved["params"]["body"]["kernel"])
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=2, hooks=[again])
+  resumed = loop.run(init(), data, num_steps=8)
+  assert (again.restored_step, again.warm_started, again.saved_steps) == (4, None, [8])
+  straight = loopkit.TrainLoop(train_step, iterations_per_loop=2).run(
+      warm_start(init(), directory), data, num_steps=8)
+  assert_equal(resumed, straight)
+
+
+def test_reading_the_step_counter_starts_the_ledger_at_the_source_step(source, tmp_path):
+  """select=None reads every leaf, the step counter too: the run continues at step 6."""
+  directory, saved = source
+  hook = CheckpointHook(tmp_path / "cont", init_from=WarmStart(directory, select=None))
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=2, hooks=[hook])
+  state = loop.run(init(), batches(2, seed=3), num_steps=8)
+  assert (hook.saved_steps, loop.ledger.step, int(state["opt"][0].count)) == ([8], 8, 8)
+
+
+def test_a_renamed_key_is_listed_with_a_rename_that_maps_it(source):
+  directory, saved = source
+  with pytest.raises(WarmStartError) as e:
+    warm_start(init(body="encoder"), directory)
+  text = str(e.value)
+  assert text.startswith(f"warm start from {directory / '6' / 'state'} (step 6): 1 leaf of "
+                         "the train state cannot be taken from the source\n"
+                         "  1 not in the source (map each to a source path with rename=")
+  assert "    params/encoder/kernel  float32[8,4]\n" in text
+  assert ("  source leaves under params that no train-state leaf takes (1):\n"
+          "    params/body/kernel  float32[8,4]\n") in text
+  assert text.endswith("  perhaps: rename={'params/encoder': 'params/body'}")
+  state = warm_start(init(body="encoder"), directory, rename={"params/encoder": "params/body"})
+  assert_equal(state["params"]["encoder"], saved["params"]["body"])
+  with pytest.raises(ValueError, match=r"rename pattern 'params/decoder' matches no chosen"):
+    warm_start(init(body="encoder"), directory, rename={"params/decoder": "params/body"})
+
+
+def test_a_new_head_is_refused_by_shape_then_kept_fresh_with_exclude(source):
+  directory, saved = source
+  fresh = init(classes=5)
+  with pytest.raises(WarmStartError) as e:
+    warm_start(fresh, directory)
+  text = str(e.value)
+  assert ("  2 with another shape in the source (keep the fresh value with "
+          "exclude='params/head', or rename it to a source leaf of its shape):\n"
+          "    params/head/bias  float32[5] in the train state, params/head/bias  float32[2] "
+          "in the source\n"
+          "    params/head/kernel  float32[4,5] in the train state, params/head/kernel  "
+          "float32[4,2] in the source") in text
+  state = warm_start(fresh, directory, exclude="params/head")
+  assert_equal(state["params"]["body"], saved["params"]["body"])
+  assert_equal(state["params"]["head"], fresh["params"]["head"])
+
+
+def test_two_leaves_may_take_one_source_leaf(source):
+  """A layer copied into two (many-to-one rename), each in its own dtype and sharding."""
+  directory, saved = source
+  mesh = jax.make_mesh((8,), ("a",), devices=jax.devices()[:8])
+  live = {"params": {"a": jnp.zeros((8, 4)),
+                     "b": jax.device_put(jnp.zeros((8, 4), jnp.bfloat16),
+                                         NamedSharding(mesh, P("a", None)))}}
+  state = warm_start(live, directory, rename={"params/(a|b)": "params/body/kernel"})
+  body = saved["params"]["body"]["kernel"]
+  assert_equal(state["params"], {"a": body, "b": body.astype(jnp.bfloat16)})
+  assert state["params"]["b"].dtype == jnp.bfloat16
+  assert state["params"]["b"].sharding == live["params"]["b"].sharding
+
+
+def test_an_added_leaf_needs_missing_keep(source):
+  directory, saved = source
+  fresh = init(extra=True)
+  with pytest.raises(WarmStartError, match=r"1 not in the source .*\n    params/extra/scale  "
+                     r"float32\[4\]"):
+    warm_start(fresh, directory)
+  state = warm_start(fresh, directory, missing="keep")
+  assert_equal(state["params"]["extra"], fresh["params"]["extra"])
+  assert_equal(state["params"]["head"], saved["params"]["head"])
+
+
+def test_dtypes_are_cast_unless_cast_false(source):
+  directory, saved = source
+  state = warm_start(init(dtype=jnp.bfloat16), directory)
+  assert state["params"]["body"]["kernel"].dtype == jnp.bfloat16
+  assert_equal(state["params"], jax.tree.map(lambda x: x.astype(jnp.bfloat16), saved["params"]))
+  with pytest.raises(WarmStartError, match=r"3 with another dtype in the source .*\n    "
+                     r"params/body/kernel  bfloat16\[8,4\] in the train state, "
+                     r"params/body/kernel  float32\[8,4\] in the source"):
+    warm_start(init(dtype=jnp.bfloat16), directory, cast=False)
+
+
+def test_a_pattern_that_matches_nothing_names_the_leaves(source):
+  directory, _ = source
+  with pytest.raises(ValueError, match=r"select pattern 'parms' matches no leaf of the train "
+                     r"state \(its leaves: opt/0/count, .*params/body/kernel"):
+    warm_start(init(), directory, select="parms")
+
+
+def test_plain_orbax_params_checkpoints(source, tmp_path):
+  """What Flax's examples and other trainers write: params alone through StandardCheckpointer
+  (read with rename={"params": ""}), and a whole state as a CheckpointManager's item."""
+  _, saved = source
+  params_dir = tmp_path / "params"
+  with ocp.StandardCheckpointer() as c:
+    c.save(params_dir, saved["params"])
+  with pytest.raises(WarmStartError, match=r"perhaps: rename=\{'params': ''\}$"):
+    warm_start(init(), params_dir)
+  state = warm_start(init(), params_dir, rename={"params": ""})
+  assert_equal(state["params"], saved["params"])
+
+  with ocp.CheckpointManager(tmp_path / "managed") as m:
+    m.save(6, args=ocp.args.StandardSave(saved))
+    m.wait_until_finished()
+  state = warm_start(init(), tmp_path / "managed")  # its step 6, its only item "default"
+  assert_equal(state["params"], saved["params"])
+  assert int(state["step"]) == 0
+  state = warm_start(init(), tmp_path / "managed", step=6, item="default")
+  assert_equal(state["params"], saved["params"])
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint 5 in .*managed \(found \[6\]\)"):
+    warm_start(init(), tmp_path / "managed", step=5)
+  with pytest.raises(ValueError, match=r"step=5 chooses a step directory .*params is one "):
+    warm_start(init(), params_dir, step=5)
+
+
+def test_a_tree_in_memory_is_a_source_too(source):
+  """E.g. what flax.training.checkpoints.restore_checkpoint(path, target=None) returns: numpy
+  leaves, cast and placed like the ones read from a directory."""
+  _, saved = source
+  state = warm_start(init(dtype=jnp.bfloat16), {"model": saved["params"]},
+                     rename={"params": "model"})
+  assert state["params"]["head"]["kernel"].dtype == jnp.bfloat16
+  assert isinstance(state["params"]["head"]["kernel"], jax.Array)
+  assert_equal(state["params"], jax.tree.map(lambda x: x.astype(jnp.bfloat16), saved["params"]))
+
+
+def test_a_flax_nnx_state_saved_as_flax_examples_save_it(tmp_path):
+  """Flax NNX's examples save ``nnx.split(model)[1]`` with StandardCheckpointer: each array under
+  its Variable's ``value``. Read into plain dicts (``nnx.to_pure_dict``), the error suggests the
+  rename, and with it the params and BatchNorm statistics come back."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(3, 4, rngs=rngs)
+      self.bn = nnx.BatchNorm(4, rngs=rngs)
+      self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  model = Net(nnx.Rngs(0))
+  model.bn.mean[...] = jnp.arange(4.0)  # statistics that are not the fresh ones
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / "state", nnx.split(model)[1])
+  fresh = Net(nnx.Rngs(1))
+  live = {"params": nnx.to_pure_dict(nnx.state(fresh, nnx.Param)),
+          "batch_stats": nnx.to_pure_dict(nnx.state(fresh, nnx.BatchStat)),
+          "step": jnp.zeros((), jnp.int32)}
+  with pytest.raises(WarmStartError, match=r"perhaps: rename=\{'params/\(\.\*\)': "
+                     r"r'\\1/value'\}$"):
+    warm_start(live, tmp_path / "state")
+  state = warm_start(live, tmp_path / "state", select=("params", "batch_stats"),
+                     rename={"(params|batch_stats)/(.*)": r"\2/value"})
+  assert_equal(state["params"], nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  assert_equal(state["batch_stats"], nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+  np.testing.assert_array_equal(state["batch_stats"]["bn"]["mean"], np.arange(4.0))
+
+
+def test_read_onto_another_mesh(source):
+  """Saved on one device by the source run; read onto 8 devices with the body's kernel
+  sharded by rows, then onto a (2, 4) mesh sharded on both axes: each leaf keeps the live
+  leaf's sharding, and its values are the source's."""
+  directory, saved = source
+  for shape, spec in (((8,), P("a", None)), ((2, 4), P("a", "b"))):
+    mesh = jax.make_mesh(shape, ("a", "b")[:len(shape)], devices=jax.devices()[:8])
+    fresh = init()
+    live = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), fresh)
+    live["params"]["body"]["kernel"] = jax.device_put(fresh["params"]["body"]["kernel"],
+                                                      NamedSharding(mesh, spec))
+    state = warm_start(live, directory)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(live), strict=True):
+      assert got.sharding == want.sharding
+    assert state["params"]["body"]["kernel"].sharding.spec == spec
+    assert_equal(state["params"], saved["params"])
+
+
+def test_a_resume_into_a_changed_model_points_to_init_from(source):
+  """Resuming a directory into a model whose head changed is refused, naming the leaf and the
+  warm start that starts the changed model from it."""
+  directory, _ = source
+  with pytest.raises(ValueError) as e:
+    CheckpointHook(directory).restore(init(classes=5))
+  assert str(e.value).endswith(
+      "leaf ['opt'][0].mu['head']['bias'] has shape (2,) in the checkpoint, (5,) in the train "
+      "state. To start a changed model from it (fine-tuning), give the run a new directory "
+      f"with init_from=loopkit.checkpoint.WarmStart('{directory}', ...) "
+      "(docs/checkpointing.md, Warm start)")
