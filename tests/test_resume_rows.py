@@ -58,15 +58,23 @@ def uninterrupted(tmp_path_factory):
   return rows
 
 
+_HERE = "tests/test_resume_rows.py"
+_CUT_TEST = f"{_HERE}::test_rows_after_a_cut_and_a_resume_equal_the_uninterrupted_runs"
 # (how, at step, what the cut process prints or returns)
-CUTS = [("sigint", 7, "STATUS preempted 7"),  # the case: mid-epoch, mid 9-step window
-        ("sigterm", 16, "STATUS preempted 16"),  # after the checkpoint at 14: windows open
-        ("kill", 20, None),  # SIGKILL: resumes from 14
-        ("raise", 20, None),  # a hook raises, the process dies; resumes from 14
-        ("raise-rerun", 20, "RAISED 20")]  # the same loop run again in the same process
+CUTS = [pytest.param("sigint", 7, "STATUS preempted 7", id="sigint"),  # the case: mid-epoch
+        # after the checkpoint at 14, with windows open: the same preemption as sigint's
+        pytest.param("sigterm", 16, "STATUS preempted 16", id="sigterm", marks=pytest.mark.slow(
+            held_by=_CUT_TEST, reason="a preemption like [sigint]'s, later in the epoch: "
+                                      "two more processes")),
+        pytest.param("kill", 20, None, id="kill"),  # SIGKILL: resumes from 14
+        pytest.param("raise", 20, None, id="raise"),  # a hook raises, the process dies
+        # the same loop run again in the same process
+        pytest.param("raise-rerun", 20, "RAISED 20", id="raise-rerun", marks=pytest.mark.slow(
+            held_by=f"{_HERE}::test_a_rerun_in_the_same_process_writes_the_uninterrupted_rows",
+            reason="the in-process rerun held in-process by its twin: one more process"))]
 
 
-@pytest.mark.parametrize("how,at,printed", CUTS, ids=[c[0] for c in CUTS])
+@pytest.mark.parametrize("how,at,printed", CUTS)
 def test_rows_after_a_cut_and_a_resume_equal_the_uninterrupted_runs(tmp_path, uninterrupted,
                                                                      how, at, printed):
   workdir = str(tmp_path)
