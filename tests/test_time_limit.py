@@ -8,20 +8,9 @@ import pytest
 import loopkit
 from loopkit.core.time_limit import TimeLimit, as_time_limit
 from tests import toy
+from tests._kit_worker import CountingClock  # each read one second after the last
 
 DATA = toy.batches(40)
-
-
-class CountingClock:
-  """Each read is one second later than the last: the run reads it once at its start and once
-  per boundary, so the budget runs out at a known boundary."""
-
-  def __init__(self):
-    self.reads = 0
-
-  def __call__(self):
-    self.reads += 1
-    return float(self.reads - 1)
 
 
 def make(tmp_path, k=4):

@@ -23,24 +23,15 @@ training run wrote ``TRAIN_COMPLETE`` and every checkpoint up to it was evaluate
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from loopkit.tools._targets import load_target
+
 PROGRESS_FILE = "follow_progress.json"
 _KEYS = ("like", "evaluator", "batches", "num_batches", "state_fn", "mesh", "prefix")
-
-
-def _load_target(spec: str) -> Any:
-  module, _, name = spec.partition(":")
-  if not module or not name:
-    raise SystemExit(f"target must be module:function, got {spec!r}")
-  fn = getattr(importlib.import_module(module), name, None)
-  if fn is None:
-    raise SystemExit(f"module {module!r} has no attribute {name!r}")
-  return fn
 
 
 def _target_kwargs(spec: str, made: Any) -> dict[str, Any]:
@@ -82,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="give up after this many seconds without a new checkpoint (default: "
                       "wait for TRAIN_COMPLETE)")
   args = p.parse_args(argv)
-  kwargs = _target_kwargs(args.target, _load_target(args.target)())
+  kwargs = _target_kwargs(args.target, load_target(args.target)())
 
   from loopkit.tools.follower import CheckpointFollower  # pylint: disable=g-import-not-at-top
   from loopkit.observe import writers  # pylint: disable=g-import-not-at-top

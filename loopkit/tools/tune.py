@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import logging
 import math
 import statistics
@@ -70,6 +69,7 @@ from loopkit.core.context import RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket
 from loopkit.core.loop import DataExhaustedWarning, TrainLoop
+from loopkit.tools._targets import load_target
 
 __all__ = ["DEFAULT_KS", "TuneResult", "TuneRow", "combine", "demo_target", "main", "measure",
            "plot", "recommend", "sweep", "within_noise"]
@@ -657,16 +657,6 @@ def demo_target(batch_size: int = 64, dim: int = 32, hidden: int = 512,
   return train_step, state, _DemoBatches(batch_size, dim)
 
 
-def _load_target(spec: str) -> Callable[[], tuple]:
-  module, _, name = spec.partition(":")
-  if not module or not name:
-    raise SystemExit(f"target must be module:function, got {spec!r}")
-  fn = getattr(importlib.import_module(module), name, None)
-  if fn is None:
-    raise SystemExit(f"module {module!r} has no attribute {name!r}")
-  return fn
-
-
 def main(argv: Sequence[str] | None = None) -> TuneResult:
   """Command line: ``python -m loopkit.tools.tune [module:function] [options]``.
 
@@ -701,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> TuneResult:
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
   except ValueError:
     raise SystemExit(f"--ks must be comma-separated integers, got {args.ks!r}") from None
-  result = sweep(_load_target(args.target), ks=ks, calls=args.calls,
+  result = sweep(load_target(args.target), ks=ks, calls=args.calls,
                  warmup_calls=args.warmup_calls, min_secs=args.min_secs,
                  repeats=args.repeats, max_repeats=max(args.max_repeats, args.repeats),
                  tolerance=args.tolerance,
