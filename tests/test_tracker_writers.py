@@ -104,8 +104,13 @@ def _wandb_records(run_dir):
   then LevelDB log records in 32 KiB blocks (crc32c, length, type: 1 full, 2 first, 3 middle,
   4 last), each a ``wandb_internal_pb2.Record``. (wandb 0.31 ships no Python reader.)"""
   from wandb.proto import wandb_internal_pb2
-  [path] = glob.glob(f"{run_dir}/run-*.wandb")
+  paths = glob.glob(f"{run_dir}/run-*.wandb")
+  if not paths:  # not made yet
+    return []
+  [path] = paths
   data = open(path, "rb").read()
+  if len(data) < 7:  # not written yet
+    return []
   assert data[:4] == b":W&B"
   pos, block, out, buf = 7, 32768, [], b""
   while pos + 7 <= len(data):
