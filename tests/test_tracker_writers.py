@@ -201,3 +201,36 @@ def test_wandb_writer_keeps_the_first_rows_of_a_step_written_again(tmp_path, wan
   again = loopkit.observe.WandbWriter(**wandb_offline)  # a restarted job in the same workdir
   assert again.run.id == tracker.run.id
   again.close()
+
+
+def test_mlflow_writer_writes_to_the_active_run_and_leaves_it_open(tmp_path, monkeypatch):
+  mlflow = pytest.importorskip("mlflow")
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+  with mlflow.start_run() as active:
+    writer = loopkit.observe.MlflowWriter()
+    assert writer.run_id == active.info.run_id
+    writer.write_scalars(3, {"loss": 0.5, "eval/acc@1": 1})
+    writer.close()
+    client = mlflow.tracking.MlflowClient()
+    assert client.get_run(active.info.run_id).info.status == "RUNNING"
+  history = client.get_metric_history(active.info.run_id, "eval/acc_1")
+  assert [(m.step, m.value) for m in history] == [(3, 1.0)]
+  assert client.get_run(active.info.run_id).info.status == "FINISHED"
+
+
+def test_trackers_on_other_processes_write_and_import_nothing(tmp_path, monkeypatch):
+  import sys
+
+  import jax
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setitem(sys.modules, "mlflow", None)  # importing it would raise
+  monkeypatch.setitem(sys.modules, "wandb", None)
+  for w in (loopkit.observe.MlflowWriter(experiment="x"),
+            loopkit.observe.WandbWriter(project="x", dir=tmp_path / "w", mode="offline")):
+    w.write_hparams({"lr": 0.1})
+    w.write_scalars(1, {"loss": 1.0})
+    w.write_texts(1, {"note": "x"})
+    w.flush()
+    w.close()
+  assert list(tmp_path.iterdir()) == []
