@@ -275,8 +275,8 @@ class WandbWriter:
     if self._dropped:
       log.warning("W&B run %s already holds steps up to %d (its steps only increase): the rows "
                   "at steps %d..%d were not sent again; W&B keeps the earlier ones",
-                  getattr(self.run, "id", "?"), max(self._held, self._last_step), self._dropped[0],
-                  self._dropped[-1])
+                  getattr(self.run, "id", "?"), max(self._held, self._last_step),
+                  min(self._dropped), max(self._dropped))
       self._dropped = []
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
