@@ -37,6 +37,8 @@ results = {
   "grain_shard_options": message(lambda: loopkit.data.grain_shard_options()),
   "tfds_split_for_process": message(lambda: loopkit.data.tfds_split_for_process("train")),
   "TfDataSource": message(lambda: iter(loopkit.TfDataSource(None))),
+  "MlflowWriter": message(lambda: loopkit.observe.MlflowWriter()),
+  "WandbWriter": message(lambda: loopkit.observe.WandbWriter()),
 }
 for k, v in results.items():
   print(f"{k}|{v}")
@@ -44,7 +46,7 @@ for k, v in results.items():
 
 
 def test_missing_optional_packages_name_their_extra():
-  blocked = "orbax,etils,flax,tensorboardX,grain,tensorflow_datasets"
+  blocked = "orbax,etils,flax,tensorboardX,grain,tensorflow_datasets,mlflow,wandb"
   out = subprocess.run([sys.executable, "-c", SCRIPT, blocked], capture_output=True, text=True,
                        cwd=REPO, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin",
                                                    "JAX_PLATFORMS": "cpu"})
@@ -52,10 +54,12 @@ def test_missing_optional_packages_name_their_extra():
   got = dict(line.split("|", 1) for line in out.stdout.splitlines() if "|" in line)
   want = {"CheckpointHook": "checkpoint", "loopkit.checkpoint": "checkpoint", "nnx": "nnx",
           "TensorBoardWriter": "observability", "grain_shard_options": "data",
-          "tfds_split_for_process": "data", "TfDataSource": "data"}
+          "tfds_split_for_process": "data", "TfDataSource": "data", "MlflowWriter": "mlflow",
+          "WandbWriter": "wandb"}
   for feature, extra in want.items():
     assert f"pip install 'loopkit[{extra}]'" in got[feature], (feature, got[feature])
   assert got["CheckpointHook"].startswith("loopkit.CheckpointHook needs orbax-checkpoint")
+  assert got["MlflowWriter"].startswith("loopkit.observe.MlflowWriter needs mlflow-skinny")
 
 
 @pytest.mark.parametrize("module,extra", [("tqdm", "observability"),

@@ -12,6 +12,8 @@ extra               packages                    needed by
 ``observability``   tensorboardX, tqdm,         ``TensorBoardWriter``, ``ProgressHook(bar=True)``,
                     matplotlib                  :mod:`loopkit.tools.tune` plots
 ``nnx``             flax, optax                 :mod:`loopkit.nnx`
+``mlflow``          mlflow-skinny               ``loopkit.observe.MlflowWriter``
+``wandb``           wandb                       ``loopkit.observe.WandbWriter``
 =================== =========================== ===================================
 """
 
@@ -31,6 +33,8 @@ EXTRAS = {  # top-level module -> (pip package, loopkit extra)
     "matplotlib": ("matplotlib", "observability"),
     "flax": ("flax", "nnx"),
     "optax": ("optax", "nnx"),
+    "mlflow": ("mlflow-skinny", "mlflow"),
+    "wandb": ("wandb", "wandb"),
 }
 
 

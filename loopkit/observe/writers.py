@@ -13,6 +13,8 @@ one. Concrete writers:
 * :class:`ConsoleWriter`: Python ``logging`` lines (absl's handler shows them
   under ``absl.app``); a row wider than 100 characters is a short aligned table
   (:func:`format_row`);
+* :class:`~loopkit.observe.MlflowWriter`, :class:`~loopkit.observe.WandbWriter`
+  (:mod:`loopkit.observe.tracker_writers`): MLflow and Weights & Biases runs;
 * :class:`MultiWriter` fans out to several; :class:`AsyncWriter` moves the
   writing to a background thread so the training loop never waits on disk.
 

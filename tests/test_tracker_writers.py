@@ -1,0 +1,236 @@
+"""MlflowWriter and WandbWriter: a loop's LoggingHook and EvalHook rows, read back from an
+MLflow file store and a W&B offline run, equal the JSONL writer's rows (step, key, value)."""
+
+import glob
+import json
+import logging
+import struct
+import time
+
+import jax.numpy as jnp
+import pytest
+import toy
+
+import loopkit
+from loopkit.observe import writers as writers_lib
+from loopkit.observe.tracker_writers import ID_FILE, _Names, mlflow_name
+
+HPARAMS = {"lr": 0.05, "batch_size": 16, "model": "linear", "nesterov": False}
+
+
+def _step(state, batch):
+  """toy's step and a metric whose name MLflow refuses ('@')."""
+  state, metrics = toy.make_global_step()(state, batch)
+  return state, {**metrics, "acc@1": jnp.sqrt(metrics["loss"])}
+
+
+def _train(tracker, tmp_path):
+  """7 steps, K=3: LoggingHook every 2 steps, EvalHook every 3 (and at the end), both writing to
+  ``tracker`` and a JsonlWriter; hparams and a text row too. Returns the JSONL rows."""
+  jsonl = writers_lib.JsonlWriter(tmp_path / "metrics.jsonl")
+  writer = writers_lib.MultiWriter([jsonl, tracker])
+  writer.write_hparams(HPARAMS)
+
+  def eval_step(state, batch):
+    return {"err": (batch["x"] @ state["params"]["w"] - batch["y"])[:, 0] ** 2}
+
+  loop = loopkit.TrainLoop(_step, iterations_per_loop=3, hooks=[
+      loopkit.LoggingHook(writer, every_steps=2, throughput=False),
+      loopkit.EvalHook(loopkit.Evaluator(eval_step), toy.batches(2), writer=writer,
+                       every_steps=3)])
+  loop.run(toy.init_state(), toy.batches(7), num_steps=7)
+  writer.write_texts(7, {"note": "done"})
+  writer.close()
+  return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _points(rows):
+  """{(step, key): value} of the numeric values of the JSONL rows, values as floats."""
+  out = {}
+  for r in rows:
+    for k, v in r.items():
+      if k not in ("step", "hparams") and not isinstance(v, str):
+        assert (r["step"], k) not in out
+        out[(r["step"], k)] = float(v)
+  return out
+
+
+def test_mlflow_names_map_forbidden_characters_and_refuse_clashes():
+  assert mlflow_name("throughput/steps_per_sec") == "throughput/steps_per_sec"
+  assert mlflow_name("eval/top-1 acc:v2.0") == "eval/top-1 acc:v2.0"
+  assert mlflow_name("acc@1") == "acc_1"
+  assert mlflow_name("loss[0]") == "loss_0_"
+  with pytest.raises(ValueError, match=r"'eval//err' is not a plain path"):
+    mlflow_name("eval//err")
+  with pytest.raises(ValueError, match=r"'x{251}' is 251 characters long"):
+    mlflow_name("x" * 251)
+  names = _Names(mlflow_name)
+  assert names("acc@1") == names("acc@1") == "acc_1"
+  with pytest.raises(ValueError, match=r"'acc@1' and 'acc\[1' are both 'acc_1'"):
+    names("acc[1")
+
+
+def test_mlflow_writer_rows_equal_the_jsonl_rows(tmp_path, monkeypatch):
+  pytest.importorskip("mlflow")
+  from mlflow.tracking import MlflowClient
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store is opt-in
+  uri = (tmp_path / "mlruns").as_uri()
+  tracker = loopkit.observe.MlflowWriter(experiment="loopkit-test", run_name="toy",
+                                         tracking_uri=uri)
+  rows = _train(tracker, tmp_path)
+  want = _points(rows)
+  assert sorted({s for s, _ in want}) == [2, 3, 4, 6, 7]
+  assert want[(7, "eval/num_examples")] == 32.0 and (6, "acc@1") in want
+
+  client = MlflowClient(uri)
+  run = client.get_run(tracker.run_id)
+  assert run.info.status == "FINISHED" and run.info.run_name == "toy"
+  got = {}
+  for key in {k for _, k in want}:
+    for m in client.get_metric_history(tracker.run_id, mlflow_name(key)):
+      assert (m.step, key) not in got
+      got[(m.step, key)] = m.value
+  assert got == want  # every (step, key, value), exactly
+  assert set(run.data.metrics) == {mlflow_name(k) for _, k in want}
+  assert run.data.params == {"lr": "0.05", "batch_size": "16", "model": "linear",
+                             "nesterov": "False"}
+  assert rows[0] == {"hparams": HPARAMS}
+  text = client.download_artifacts(tracker.run_id, "texts/note/step_7.txt", str(tmp_path))
+  assert open(text).read() == "done"
+
+
+def _wandb_records(run_dir):
+  """The records of a run's ``.wandb`` file: W&B's header (":W&B", 2 magic bytes, version),
+  then LevelDB log records in 32 KiB blocks (crc32c, length, type: 1 full, 2 first, 3 middle,
+  4 last), each a ``wandb_internal_pb2.Record``. (wandb 0.31 ships no Python reader.)"""
+  from wandb.proto import wandb_internal_pb2
+  paths = glob.glob(f"{run_dir}/run-*.wandb")
+  if not paths:  # not made yet
+    return []
+  [path] = paths
+  data = open(path, "rb").read()
+  if len(data) < 7:  # not written yet
+    return []
+  assert data[:4] == b":W&B"
+  pos, block, out, buf = 7, 32768, [], b""
+  while pos + 7 <= len(data):
+    if block - pos % block < 7:  # a block's tail too short for a header is padding
+      pos += block - pos % block
+      continue
+    _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+    if pos + 7 + n > len(data):  # being written
+      break
+    if kind == 0:
+      pos += block - pos % block
+      continue
+    buf = data[pos + 7:pos + 7 + n] if kind in (1, 2) else buf + data[pos + 7:pos + 7 + n]
+    pos += 7 + n
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(buf)
+      out.append(record)
+  return out
+
+
+def _wandb_history(run_dir):
+  """{(step, key): value} of the run's history rows (W&B's own `_` keys left out), and the
+  config's updates {key: value}. ``run.finish()`` returns before W&B's service process has
+  written the file (seen: 1 in 5 times, only the header there): this waits for its last
+  record, the run's exit."""
+  deadline = time.monotonic() + 30
+  while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_dir)):
+    assert time.monotonic() < deadline, "W&B wrote no exit record in 30 s"
+    time.sleep(0.05)
+  history, config = {}, {}
+  for r in _wandb_records(run_dir):
+    kind = r.WhichOneof("record_type")
+    if kind == "history":
+      for item in r.history.item:
+        key = item.key or "/".join(item.nested_key)
+        if not key.startswith("_"):
+          assert (r.history.step.num, key) not in history
+          history[(r.history.step.num, key)] = json.loads(item.value_json)
+    elif kind in ("config", "run"):
+      updates = r.config.update if kind == "config" else r.run.config.update
+      config.update({i.key: json.loads(i.value_json) for i in updates if i.key != "_wandb"})
+  return history, config
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+  wandb = pytest.importorskip("wandb")
+  for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+    monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  return dict(project="loopkit-test", dir=tmp_path / "work", mode="offline",
+              settings=wandb.Settings(console="off"))
+
+
+def test_wandb_writer_rows_equal_the_jsonl_rows(tmp_path, wandb_offline):
+  tracker = loopkit.observe.WandbWriter(**wandb_offline)
+  run_id = tracker.run.id
+  rows = _train(tracker, tmp_path)
+  assert (tmp_path / "work" / ID_FILE).read_text() == run_id + "\n"
+  [run_dir] = glob.glob(f"{tmp_path}/work/wandb/offline-run-*-{run_id}")
+  history, config = _wandb_history(run_dir)
+  want = _points(rows)
+  want[(7, "note")] = "done"
+  assert sorted({s for s, _ in want}) == [2, 3, 4, 6, 7]
+  assert {k: (v if isinstance(v, str) else float(v)) for k, v in history.items()} == want
+  assert config == HPARAMS
+
+
+def test_wandb_writer_keeps_the_first_rows_of_a_step_written_again(tmp_path, wandb_offline,
+                                                                   caplog):
+  """W&B's steps only increase: after keep_through(2) the rewrites at 4 and 6 are not sent
+  (one WARNING naming them), the row at 8 is; a second writer in the same dir has the same id."""
+  tracker = loopkit.observe.WandbWriter(**wandb_offline)
+  for s in (2, 4, 6):
+    tracker.write_scalars(s, {"loss": float(s)})
+  writers_lib.keep_rows_through(tracker, 2)
+  with caplog.at_level(logging.WARNING, "loopkit"):
+    for s in (4, 6, 8):
+      tracker.write_scalars(s, {"loss": s + 0.5})
+  assert [r.getMessage() for r in caplog.records if r.name == "loopkit"] == [
+      f"W&B run {tracker.run.id} already holds steps up to 6 (its steps only increase): the "
+      "rows at steps 4..6 were not sent again; W&B keeps the earlier ones"]
+  tracker.close()
+  [run_dir] = glob.glob(f"{tmp_path}/work/wandb/offline-run-*-{tracker.run.id}")
+  history, _ = _wandb_history(run_dir)
+  assert history == {(2, "loss"): 2.0, (4, "loss"): 4.0, (6, "loss"): 6.0, (8, "loss"): 8.5}
+  again = loopkit.observe.WandbWriter(**wandb_offline)  # a restarted job in the same workdir
+  assert again.run.id == tracker.run.id
+  again.close()
+
+
+def test_mlflow_writer_writes_to_the_active_run_and_leaves_it_open(tmp_path, monkeypatch):
+  mlflow = pytest.importorskip("mlflow")
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+  with mlflow.start_run() as active:
+    writer = loopkit.observe.MlflowWriter()
+    assert writer.run_id == active.info.run_id
+    writer.write_scalars(3, {"loss": 0.5, "eval/acc@1": 1})
+    writer.close()
+    client = mlflow.tracking.MlflowClient()
+    assert client.get_run(active.info.run_id).info.status == "RUNNING"
+  history = client.get_metric_history(active.info.run_id, "eval/acc_1")
+  assert [(m.step, m.value) for m in history] == [(3, 1.0)]
+  assert client.get_run(active.info.run_id).info.status == "FINISHED"
+
+
+def test_trackers_on_other_processes_write_and_import_nothing(tmp_path, monkeypatch):
+  import sys
+
+  import jax
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setitem(sys.modules, "mlflow", None)  # importing it would raise
+  monkeypatch.setitem(sys.modules, "wandb", None)
+  for w in (loopkit.observe.MlflowWriter(experiment="x"),
+            loopkit.observe.WandbWriter(project="x", dir=tmp_path / "w", mode="offline")):
+    w.write_hparams({"lr": 0.1})
+    w.write_scalars(1, {"loss": 1.0})
+    w.write_texts(1, {"note": "x"})
+    w.flush()
+    w.close()
+  assert list(tmp_path.iterdir()) == []
