@@ -6,8 +6,10 @@ that stops answering) and the test reads its exit status, its stderr and its rec
 The functions the children run are in tests/watchdog_workers.py.
 """
 
+import collections
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -112,6 +114,44 @@ def test_a_second_process_that_stops_answering_is_named_by_the_first(tmp_path):
 # -- in process: deadlines, arguments, overhead ------------------------------------------------
 
 
+class SlowHook(loopkit.Hook):
+  """A hook in ``bucket`` whose firing at step 4 waits until ``released`` is set."""
+
+  needs_state = False
+
+  def __init__(self, bucket, released):
+    super().__init__(at_steps=[4], at_end=False)
+    self.time_bucket = bucket
+    self.released = released
+
+  def on_trigger(self, info, state):
+    assert self.released.wait(20), "the watchdog did not fire"
+
+
+@pytest.mark.parametrize("bucket", ["checkpoint", "eval"])
+def test_a_stuck_checkpoint_or_evaluation_is_named(bucket, capfd, caplog):
+  """A hook's phase is its time bucket: a save or an evaluation that hangs is named as such
+  (an injected ``exit`` records the status and releases the hook, so the run ends here)."""
+  released, exits = threading.Event(), []
+
+  def fake_exit(code):
+    exits.append(code)
+    released.set()
+
+  w = loopkit.observe.Watchdog({bucket: 0.3}, poll_secs=0.05, exit=fake_exit)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2,
+                           hooks=[SlowHook(bucket, released), w])
+  loop.run(toy.init_state(), toy.batches(6), num_steps=6)
+  assert exits == [75]
+  rec = w.expired
+  assert (rec["phase"], rec["step"], rec["deadline_secs"]) == (bucket, 4, 0.3)
+  line = (f"loopkit watchdog: process 0 of 1 stuck in phase '{bucket}' after step 4: "
+          r"0\.\d s, past its deadline of 0\.3 s \(explicit\); exiting with status 75")
+  assert re.fullmatch(line, rec["message"]), rec["message"]
+  assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [rec["message"]]
+  assert_stack_dump(capfd.readouterr().err, "on_trigger")
+
+
 def test_deadline_rules():
   w = loopkit.observe.Watchdog({"eval": 30.0, "hooks": None}, multiple=10.0, floor_secs=0.5,
                                min_samples=3, first_secs=100.0)
@@ -120,7 +160,7 @@ def test_deadline_rules():
   assert w.deadline("hooks") == (None, "explicit")
   assert w.deadline("device_call")[0] == 100.0  # no samples yet: first_secs
   for secs in (0.1, 0.3, 0.2):
-    w._samples.setdefault("device_call", __import__("collections").deque()).append(secs)
+    w._samples.setdefault("device_call", collections.deque()).append(secs)
   secs, how = w.deadline("device_call")
   assert secs == pytest.approx(2.0) and "10 x median 0.2 s of 3 samples" in how
   assert w.deadline("device_call", "dispatch")[0] == 100.0  # its own samples: none yet

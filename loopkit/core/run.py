@@ -252,7 +252,8 @@ class Run:
     self.single_process = jax.process_count() == 1
     # A hook that watches the run's phases (loopkit.observe.Watchdog): told each phase the
     # run enters and leaves (enter_phase(name, step) / leave_phase()).
-    self.watchdog = next((h for h in hooks if callable(getattr(h, "enter_phase", None))), None)
+    self.watchdog: Any = next((h for h in hooks if callable(getattr(h, "enter_phase", None))),
+                              None)
     self.skip_steps = skip_steps
     # Hooks that may rewind the run (loopkit.core.skips): asked at every boundary.
     self.rewinders = [i for i, h in enumerate(hooks)
@@ -325,8 +326,10 @@ class Run:
   def call_hook(self, i: int, fn: Any, *args: Any) -> Any:
     """Calls ``fn(*args)`` for hook ``i`` and adds its time to the hook's bucket."""
     watchdog = self.watchdog
-    if watchdog is not None:
-      watchdog.enter_phase(self.buckets[i], self.ledger.step)
+    if watchdog is not None:  # at the boundary the hooks see (the ledger may be a call ahead)
+      last = self.last
+      watchdog.enter_phase(self.buckets[i], last.end_step if last is not None
+                           and self.phase == "calls" else self.ledger.step)
     t0 = time.perf_counter()
     try:
       return fn(*args)

@@ -51,6 +51,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -234,7 +235,7 @@ class Watchdog(Hook):
       log.error("%s", line)
       sys.stderr.write(f"loopkit watchdog: every thread's stack in process {me}:\n")
       sys.stderr.flush()
-      faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+      _dump_stacks()
       sys.stderr.flush()
       if self.workdir is not None:
         os.makedirs(self.workdir, exist_ok=True)
@@ -242,6 +243,21 @@ class Watchdog(Hook):
           f.write(json.dumps(record) + "\n")
     finally:
       self._exit(self.exit_code)
+
+
+def _dump_stacks() -> None:
+  """Every thread's stack to stderr: :mod:`faulthandler` (which also reads a thread stuck in
+  C code), or, where stderr has no file descriptor (a notebook, a captured stream), the
+  frames Python holds."""
+  try:
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    return
+  except (AttributeError, ValueError, OSError):  # no fileno (io.UnsupportedOperation too)
+    pass
+  names = {t.ident: t.name for t in threading.enumerate()}
+  for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
+    sys.stderr.write(f"Thread {ident:#x} ({names.get(ident, '?')}, most recent call last):\n")
+    sys.stderr.write("".join(traceback.format_stack(frame)))
 
 
 def _check_positive(name: str, value: Any) -> None:
