@@ -25,19 +25,27 @@ phase           what the run is doing
 A phase's deadline is, in order: its entry in ``deadlines`` (seconds; None: never);
 else, once the phase has ``min_samples`` finished samples in this run,
 ``max(floor_secs, multiple x the median of its last 100 durations)``; else
-``first_secs``. On expiry the watchdog writes to stderr (and the ``loopkit`` logger, at
-ERROR) one line naming the process, the phase, the step, the elapsed time and the
-deadline (for the agreement on several processes: the processes whose answer is not in
-the coordination service's store, :func:`loopkit.core.agreement.waiting_for`), then every
-thread's stack (:func:`faulthandler.dump_traceback`), appends the record to
-``workdir/watchdog.jsonl`` (one JSON object per line) and exits the process with
-:data:`EXIT_CODE` (``os._exit``: no ``finally`` or ``atexit`` runs, as for a killed
-process; an orchestrator restarts the job, which resumes from its last checkpoint).
+``first_secs``. The step named is the ledger's when the phase began (a hook's: the
+boundary it runs at; a device call's: the step it starts after).
 
-Cost: entering and leaving a phase is two attribute writes and one clock reading
-(measured in ``tests/test_watchdog.py``); the thread wakes every ``poll_secs``.
-Thread-safe as used: the run's thread writes the current phase, the watchdog's reads it.
-Multi-host: every process runs its own watchdog.
+On expiry the watchdog logs one line at ERROR on the ``loopkit`` logger naming the
+process, the phase, the step, the elapsed time and the deadline (for the agreement on
+several processes: the processes whose answer is not in the coordination service's store,
+:func:`loopkit.core.agreement.waiting_for`), writes every thread's stack to stderr
+(:func:`faulthandler.dump_traceback`), appends the record to ``workdir/watchdog.jsonl``
+(one JSON object per line; :class:`~loopkit.observe.GoodputHook` with the same
+``workdir`` counts the stuck time as lost when the next attempt starts) and exits the
+process with :data:`EXIT_CODE` (``os._exit``: no ``finally`` or ``atexit`` runs, as for
+a killed process; an orchestrator restarts the job, which resumes from its last
+checkpoint). Writers are not flushed: the rows past the last checkpoint are dropped and
+written again by the resumed run, as after a kill.
+
+Cost: entering and leaving a phase is two attribute writes and two clock readings, about
+3 us for a device call's five phases (``tests/test_watchdog.py``); the thread wakes every
+``poll_secs``. Thread-safe as used: the run's thread writes the current phase, the
+watchdog's reads it. Multi-host: every process runs its own watchdog and decides alone,
+with no agreement (a stuck process cannot take part in one); the process that exits ends
+the job (its peers fail on the lost coordinator or collective).
 """
 
 from __future__ import annotations
