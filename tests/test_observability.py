@@ -339,6 +339,8 @@ def test_throughput_rows_follow_the_injected_clock():
     assert got.pop("throughput/hook_secs") < 0.05
     assert 0.95 < got.pop("throughput/loop_secs_per_call") <= 1.0
     assert 0.0 <= got.pop("throughput/goodput") <= 1.0
+    # Every window's calls take about 1 s (the fake clock): each row about the median.
+    assert abs(got.pop("throughput/call_secs_vs_median") - 1.0) < 0.05
     # FLOPs of the compiled step x 4 steps over the 2 calls' loop seconds (tests/test_mfu.py)
     assert got.pop("throughput/tflops_per_device") == loop.program.flops_per_step() * 4 / (
         rows[step]["throughput/loop_secs_per_call"] * 2) / 1e12

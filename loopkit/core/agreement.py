@@ -54,7 +54,7 @@ import numpy as np
 
 from loopkit._internal import compat
 
-__all__ = ["AgreementError", "TIMEOUT_SECS", "agree", "agree_with_reason"]
+__all__ = ["AgreementError", "TIMEOUT_SECS", "agree", "agree_with_reason", "waiting_for"]
 
 TIMEOUT_SECS = 1800.0
 """Seconds a process waits at an agreement for every other process's answer (a process
@@ -63,6 +63,8 @@ that runs a long host-only hook alone delays the others by as much)."""
 _KEY = "loopkit/agreement"
 _BLOCK = 64  # agreements per key directory: one delete per block, not one per agreement
 _rounds = itertools.count()  # this process's agreements so far: the same on every process
+# (client, agreement number, its key directory) while this process waits in one, else None.
+_waiting: tuple[Any, int, str] | None = None
 
 
 class AgreementError(RuntimeError):
@@ -134,24 +136,55 @@ def _through_service(client: Any, flags: list[bool], reason: str | None,
   client.key_value_set(f"{block}/{n}/{me}", json.dumps([flags, reason]))
   deadline = time.monotonic() + timeout
   answers: list[tuple[list[bool], str | None]] = []
-  for p in range(jax.process_count()):
-    if p == me:
-      answers.append((flags, reason))
-      continue
-    wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-    try:
-      got, why = json.loads(client.blocking_key_value_get(f"{block}/{n}/{p}", wait_ms))
-    except Exception as e:  # JAX's runtime error: DEADLINE_EXCEEDED, or the service is gone
-      raise AgreementError(
-          f"process {p} did not answer agreement {n} within {timeout:g} s (this is process "
-          f"{me}): it is slower by that much, stuck, or gone ({type(e).__name__}: {e})") from e
-    if len(got) != len(flags):
-      raise AgreementError(f"process {p} answered agreement {n} with {len(got)} decisions, "
-                           f"process {me} with {len(flags)}: the processes run different loops")
-    answers.append(([bool(x) for x in got], why))
+  global _waiting
+  _waiting = (client, n, f"{block}/{n}")  # for waiting_for (a watchdog's thread)
+  try:
+    for p in range(jax.process_count()):
+      if p == me:
+        answers.append((flags, reason))
+        continue
+      wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+      try:
+        got, why = json.loads(client.blocking_key_value_get(f"{block}/{n}/{p}", wait_ms))
+      except Exception as e:  # JAX's runtime error: DEADLINE_EXCEEDED, or the service is gone
+        raise AgreementError(
+            f"process {p} did not answer agreement {n} within {timeout:g} s (this is process "
+            f"{me}): it is slower by that much, stuck, or gone ({type(e).__name__}: {e})"
+        ) from e
+      if len(got) != len(flags):
+        raise AgreementError(f"process {p} answered agreement {n} with {len(got)} decisions, "
+                             f"process {me} with {len(flags)}: the processes run different "
+                             "loops")
+      answers.append(([bool(x) for x in got], why))
+  finally:
+    _waiting = None
   if n > 0 and n % _BLOCK == 0:  # every process has read all of block n // 64 - 1
     client.key_value_delete(f"{_KEY}/{n // _BLOCK - 1}")
   return answers
+
+
+def waiting_for(wait_ms: int = 50) -> tuple[int, list[int]] | None:
+  """The agreement this process waits in, and the processes whose answer it lacks.
+
+  For a watchdog (:class:`loopkit.observe.Watchdog`) on another thread: reads the
+  coordination service's store (one blocking get of ``wait_ms`` per process, host only).
+
+  Returns:
+    ``(agreement number, [process index, ...])`` (the processes that have not arrived,
+    ascending), or None when this process waits in no agreement through the store (one
+    process, or the device-collective path, where who has arrived is not known).
+  """
+  waiting = _waiting
+  if waiting is None:
+    return None
+  client, n, keys = waiting
+  missing = []
+  for p in range(jax.process_count()):
+    try:
+      client.blocking_key_value_get(f"{keys}/{p}", wait_ms)
+    except Exception:  # pylint: disable=broad-except  # DEADLINE_EXCEEDED: not there
+      missing.append(p)
+  return n, missing
 
 
 def _through_devices(flags: list[bool], reason: str | None) -> list[tuple[list[bool], str | None]]:

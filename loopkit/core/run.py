@@ -250,6 +250,10 @@ class Run:
     self.timed_same = {i: next(j for j in self.timed if hooks[j].trigger is hooks[i].trigger)
                        for i in timed}  # each timed hook -> the first hook with its trigger
     self.single_process = jax.process_count() == 1
+    # A hook that watches the run's phases (loopkit.observe.Watchdog): told each phase the
+    # run enters and leaves (enter_phase(name, step) / leave_phase()).
+    self.watchdog: Any = next((h for h in hooks if callable(getattr(h, "enter_phase", None))),
+                              None)
     self.skip_steps = skip_steps
     # Hooks that may rewind the run (loopkit.core.skips): asked at every boundary.
     self.rewinders = [i for i, h in enumerate(hooks)
@@ -321,11 +325,18 @@ class Run:
 
   def call_hook(self, i: int, fn: Any, *args: Any) -> Any:
     """Calls ``fn(*args)`` for hook ``i`` and adds its time to the hook's bucket."""
+    watchdog = self.watchdog
+    if watchdog is not None:  # at the boundary the hooks see (the ledger may be a call ahead)
+      last = self.last
+      watchdog.enter_phase(self.buckets[i], last.end_step if last is not None
+                           and self.phase == "calls" else self.ledger.step)
     t0 = time.perf_counter()
     try:
       return fn(*args)
     finally:
       self.add_time(self.buckets[i], time.perf_counter() - t0)
+      if watchdog is not None:
+        watchdog.leave_phase()
 
   # -- start ----------------------------------------------------------------
 
@@ -560,9 +571,14 @@ class Run:
     and, without a ``global_batch_size`` (else the feeder checked the batch),
     warns about a pmap-looking layout.
     """
+    watchdog = self.watchdog
+    if watchdog is not None:
+      watchdog.enter_phase("data", self.ledger.step)
     t0 = time.perf_counter()
     chunk = feeder.next()
     self.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
+    if watchdog is not None:
+      watchdog.leave_phase()
     if chunk is None or (chunk.length == 0 and not chunk.interrupted):
       if chunk is not None:
         self.warn_exhausted(stacklevel=6)
@@ -585,7 +601,15 @@ class Run:
     start = ledger.step
     t0 = time.perf_counter()
     first_call = program.compile_count() == 0
+    watchdog = self.watchdog
+    if watchdog is not None:
+      if first_call:
+        watchdog.enter_phase("compile", start)
+      else:
+        watchdog.enter_phase("device_call", start, "dispatch")
     state, out = program(state, chunk.batches, chunk.num_steps)
+    if watchdog is not None:
+      watchdog.leave_phase()
     self.state, self.state_position = state, chunk.position  # its input was donated
     ledger.add_time(Bucket.COMPILE if first_call else Bucket.DISPATCH, time.perf_counter() - t0)
     ledger.advance(chunk.length, chunk.global_batch_size)
@@ -612,7 +636,9 @@ class Run:
     Returns:
       The state, possibly replaced by a hook.
     """
-    hooks, ledger = self.hooks, self.ledger
+    hooks, ledger, watchdog = self.hooks, self.ledger, self.watchdog
+    if watchdog is not None:
+      watchdog.enter_phase("device_call", b.start_step)
     t0 = time.perf_counter()
     if not hooks:  # nobody reads the metrics: only the step counter and the non-finite flags
       if self.copy_async:  # (as _fetch, without its tree walk: a few us per call)
@@ -623,6 +649,8 @@ class Run:
       out = _fetch(b.out, self.copy_async)
       out_step, nonfinite = out.step, out.nonfinite
     ledger.add_time(Bucket.DEVICE_WAIT, time.perf_counter() - t0)
+    if watchdog is not None:
+      watchdog.leave_phase()
     if int(out_step) != b.end_step:
       raise StepCounterError(
           f"the state's step counter is {int(out_step)} after device call {b.loop_index} "
@@ -641,12 +669,16 @@ class Run:
       return state
     info = self.last_info = self.loop_info(b, out)
     buckets = self.buckets
+    if watchdog is not None:
+      watchdog.enter_phase(Bucket.HOOKS, b.end_step)
     for i, h in enumerate(hooks):  # call_hook inlined: every hook, every call
       t0 = time.perf_counter()
       try:
         h.after_each_call(info)
       finally:
         ledger.add_time(buckets[i], time.perf_counter() - t0)
+    if watchdog is not None:
+      watchdog.leave_phase()
     self.warn_nonfinite(b, nonfinite)  # after after_each_call: a NanCheckHook raises first
     if self.rewinders:  # before any hook fires here: a checkpoint must not save this state
       request = self.agreed_rewind(info)
@@ -881,9 +913,14 @@ class Run:
       if self.stop_reason is not None:
         return self.stop_reason, time_due
       return ("preempted" if preempted else TIME_LIMIT if over else None), time_due
+    watchdog = self.watchdog
+    if watchdog is not None:
+      watchdog.enter_phase("agreement", self.ledger.step)
     agreed, reason = agree_with_reason(
         [self.preemption.requested, over] + [self.hooks[i].trigger.time_due() for i in timed],
         self.stop_reason)
+    if watchdog is not None:
+      watchdog.leave_phase()
     time_due = self.each_timed_hook(dict(zip(timed, agreed[2:])))
     if reason is not None:
       return reason, time_due

@@ -221,6 +221,7 @@ class GoodputHook(Hook):
     # {"step", "seconds"}: the ledger as the last checkpoint saved or restored holds it.
     self._saved: dict[str, Any] | None = None
     self._restored_step: int | None = None  # checkpoint restored for the coming run
+    self._hangs_counted = 0  # records of workdir/watchdog.jsonl counted as lost time
 
   @property
   def path(self) -> str | None:
@@ -281,6 +282,7 @@ class GoodputHook(Hook):
       return None
     start_step = ctx.ledger.step
     self._row_step = max(self._row_step, int(prev.get("row_step", -1)))
+    hung = self._hung_secs(int(prev.get("hangs_counted", 0)))
     if prev["step"] > start_step:
       redone = int(prev["step"]) - start_step
       # The record of the attempt that died is newer than the restored checkpoint.
@@ -289,14 +291,43 @@ class GoodputHook(Hook):
                   "%d; %d steps are redone (%d in all so far)", start_step, prev["step"],
                   redone, lost_steps)
       return LedgerAdjustment(lost_steps=lost_steps, set_seconds={
-          Bucket.LOST: float(prev["lost_secs"]) + redone * float(prev["secs_per_step"])})
+          Bucket.LOST: float(prev["lost_secs"]) + redone * float(prev["secs_per_step"]) + hung})
     if prev["step"] == start_step == restored and prev.get("saved_step") == start_step:
       # The previous attempt ended at the checkpoint this run restored; its time after
       # that save (and its lost-work count, which goes with the "lost" seconds) is in
       # the record, not in the checkpoint.
-      return LedgerAdjustment(lost_steps=int(prev["lost_steps"]), add_seconds={
-          bucket: float(secs) for bucket, secs in prev.get("unsaved_secs", {}).items()})
+      unsaved = {bucket: float(secs) for bucket, secs in prev.get("unsaved_secs", {}).items()}
+      if hung:
+        unsaved[Bucket.LOST] = unsaved.get(Bucket.LOST, 0.0) + hung
+      return LedgerAdjustment(lost_steps=int(prev["lost_steps"]), add_seconds=unsaved)
+    if hung:
+      return LedgerAdjustment(add_seconds={Bucket.LOST: hung})
     return None
+
+  def _hung_secs(self, counted: int) -> float:
+    """Seconds an earlier attempt spent stuck before its watchdog ended it, not yet counted.
+
+    Reads ``workdir/watchdog.jsonl`` (:class:`loopkit.observe.Watchdog` with the same
+    ``workdir``): its records past the first ``counted`` are new; the longest of their
+    ``elapsed_secs`` (one attempt died there; each of its processes may have written one)
+    goes to ``seconds["lost"]``.
+    """
+    assert self.workdir is not None
+    self._hangs_counted = counted
+    try:
+      with open(os.path.join(self.workdir, "watchdog.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+      return 0.0
+    self._hangs_counted = len(records)
+    new = records[counted:]
+    if not new:
+      return 0.0
+    worst = max(new, key=lambda r: float(r["elapsed_secs"]))
+    log.warning("goodput: an earlier attempt was stuck %.1f s in phase %r after step %d before "
+                "its watchdog ended it (counted as lost time)", float(worst["elapsed_secs"]),
+                worst["phase"], int(worst["step"]))
+    return float(worst["elapsed_secs"])
 
   def after_each_call(self, info: LoopInfo) -> None:
     # info.end_step: the last step known complete (ledger.step may be a call ahead).
@@ -365,7 +396,8 @@ class GoodputHook(Hook):
     saved_step, unsaved = self._unsaved(ledger)
     record = {"step": step, "lost_steps": ledger.lost_steps, "lost_secs": s.lost_secs,
               "secs_per_step": s.productive_secs / trained if trained else 0.0,
-              "row_step": self._row_step, "saved_step": saved_step, "unsaved_secs": unsaved}
+              "row_step": self._row_step, "saved_step": saved_step, "unsaved_secs": unsaved,
+              "hangs_counted": self._hangs_counted}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

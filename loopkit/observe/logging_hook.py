@@ -7,8 +7,10 @@ same for every ``iterations_per_loop``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +61,13 @@ class LoggingHook(Hook):
       checkpoints..., from the loop's ledger, :func:`loopkit.core.ledger.hook_seconds`;
       ``secs_per_call = loop_secs_per_call + hook_secs / calls``), and
       ``throughput/goodput`` (:func:`loopkit.observe.goodput.summarize` of the loop's
-      ledger: the productive fraction of the job so far, in [0, 1]). A row
+      ledger: the productive fraction of the job so far, in [0, 1]), and
+      ``throughput/call_secs_vs_median`` (step-time deviation: this row's
+      ``loop_secs_per_call`` over the median of the run's last 100 rows' values, this
+      one included; 1.0 is a typical call, 3.0 a window three times slower: a straggler,
+      a slow input, a throttled device; with rows every call, as by default, it is this call
+      against the median call; :class:`~loopkit.observe.Watchdog` ends a call that never
+      returns). A row
       whose window holds only the run's first call has no throughput keys.
       Compute rows (as MaxText and Levanter log them): ``throughput/tflops_per_device``,
       the TFLOP/s one device ran, ``flops_per_step * steps / loop seconds / 1e12`` with the
@@ -141,6 +149,7 @@ class LoggingHook(Hook):
     self._mark: tuple[float, int, int, int, float] | None = None
     self._calls = 0
     self._compute: tuple[float | None, float | None] | None = None  # (FLOPs per step, peak)
+    self._loop_secs: collections.deque = collections.deque(maxlen=100)  # rows' loop s / call
     self.records: list[tuple[int, dict[str, float]]] = []
     self.first_steps: list[int | None] = []
 
@@ -149,6 +158,7 @@ class LoggingHook(Hook):
     self._ctx = ctx
     self._mark = None
     self._compute = None
+    self._loop_secs.clear()
 
   def adjust_ledger(self, ctx: RunContext) -> None:
     """Takes the step ``S`` the run continues from (restores applied).
@@ -234,6 +244,11 @@ class LoggingHook(Hook):
            "throughput/secs_per_call": dt / calls,
            "throughput/loop_secs_per_call": max(dt - hook_secs, 0.0) / calls,
            "throughput/hook_secs": hook_secs}
+    loop_secs = out["throughput/loop_secs_per_call"]
+    self._loop_secs.append(loop_secs)
+    median = statistics.median(self._loop_secs)
+    if median > 0:
+      out["throughput/call_secs_vs_median"] = loop_secs / median
     if self.writer is not None:  # the compute keys go to the writer only (as the others)
       out.update(self._utilization(info.end_step - s0,
                                    out["throughput/loop_secs_per_call"] * calls))
