@@ -268,7 +268,8 @@ def _write_complete_marker(directory: epath.Path, step: int) -> None:
   tmp = directory / f".{COMPLETE_MARKER}.tmp-{os.getpid()}"
   tmp.write_text(json.dumps({"step": int(step), "status": "completed", "time": time.time()}))
   tmp.rename(directory / COMPLETE_MARKER)
-  log.info("training complete at step %d: wrote %s", step, directory / COMPLETE_MARKER)
+  # debug: a first run prints only lines that say what happens to the user (C70)
+  log.debug("training complete at step %d: wrote %s", step, directory / COMPLETE_MARKER)
 
 
 def _clear_complete_marker(directory: epath.Path) -> None:
