@@ -415,14 +415,14 @@ def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
 
 @pytest.mark.slow(held_by="examples/lm/lm_test.py::"
                           "test_eval_only_evaluates_each_checkpoint_as_the_training_run_did",
-                  reason="builds the mock dataset and the ResNet-50 eval program again: 35 s "
+                  reason="builds the mock dataset and the ResNet-18 eval program again: 35 s "
                          "on 2 busy cores; the LM example's twin takes 2 s")
 @pytest.mark.tf  # TFDS (tfds.testing.mock_data)
 def test_eval_only_evaluates_each_checkpoint_as_the_training_run_did(smoke_run):
   """--config.eval_only=True on a finished run's workdir: every checkpoint evaluated once, the
   rows of the steps the run evaluated bitwise the run's own; a rerun evaluates nothing again."""
   workdir, _ = smoke_run
-  config = smoke_config.get_config()
+  config = _smoke_config()  # smoke_run's model
   config.eval_only = True
   config.follow_poll_secs = 0.1
   r = train.evaluate_beside(config, workdir)
