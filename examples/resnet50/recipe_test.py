@@ -307,7 +307,7 @@ def _assert_plain_cross_entropy(ours, ref):
   np.testing.assert_allclose([lr for _, _, lr in ours], [0.0, 0.04, 0.08], rtol=1e-6)
 
 
-def _assert_reference_update(ours, ref):
+def _assert_reference_update(ours, ref, bound):
   worst = 0.0
   for (state, _, _), (params, stats, _) in zip(ours, ref, strict=True):
     diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
@@ -321,7 +321,7 @@ def _assert_reference_update(ours, ref):
       ours[-1][0].params, ours[0][0].params)))
   assert moved > 1e-3       # the steps changed the parameters ...
   print(f"max |params - reference| over 3 steps: {worst:.3g}; largest move {moved:.3g}")
-  assert worst < 1e-6, worst  # ... identically up to float32 rounding
+  assert worst < bound, worst  # ... identically up to float32 rounding
 
 
 def test_recipe_loss_is_plain_cross_entropy(three_steps):
@@ -329,7 +329,10 @@ def test_recipe_loss_is_plain_cross_entropy(three_steps):
 
 
 def test_recipe_train_step_matches_reference_update(three_steps):
-  _assert_reference_update(*three_steps)
+  # ResNet-18 from rbg keys: 5.9e-7 (jax 0.10.2) and 1.06e-6 (jax 0.12) measured 2026-12-04; one
+  # step without weight decay moves a kernel of 0.1 by 0.04 x 1e-4 x 0.1 = 4e-7 per step, and
+  # test_weight_decay_only_on_kernels_and_nesterov_sgd holds the decay exactly.
+  _assert_reference_update(*three_steps, bound=2e-6)
 
 
 @pytest.mark.slow(held_by=["examples/resnet50/recipe_test.py::test_recipe_train_step_matches_reference_update",
@@ -339,7 +342,7 @@ def test_recipe_train_step_matches_reference_update(three_steps):
 def test_recipe_resnet50_train_step_matches_reference_update():
   ours, ref = _three_steps(50)
   _assert_plain_cross_entropy(ours, ref)
-  _assert_reference_update(ours, ref)
+  _assert_reference_update(ours, ref, bound=1e-6)
 
 
 # -- the recipe's CPU smoke run ---------------------------------------------------------------
