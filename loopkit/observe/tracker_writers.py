@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from loopkit._internal.extras import require
-from loopkit.observe.metric_writer import _hparam_value, _is_writer_process, _skip, _to_python
+from loopkit.observe.metric_writer import _hparam_value, _is_writer_process, _to_python
+from loopkit.observe.writers import _TextOnly  # texts as rows; images, histograms skipped
 
 __all__ = ["MlflowWriter", "WandbWriter", "mlflow_name"]
 
@@ -81,7 +82,7 @@ class _Names:
     return name
 
 
-class MlflowWriter:
+class MlflowWriter(_TextOnly):
   """Writes rows to an MLflow run through ``mlflow.MlflowClient`` (no global MLflow state).
 
   Each numeric scalar is a metric point ``(name, float(value), timestamp, step)``: one
@@ -170,14 +171,6 @@ class MlflowWriter:
     for key, text in texts.items():
       self.client.log_text(self.run_id, str(text), f"texts/{mlflow_name(key)}/step_{int(step)}.txt")
 
-  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
-    _skip(self, "images", step, images)
-
-  def write_histograms(self, step: int, arrays: Mapping[str, Any],
-                       num_buckets: Mapping[str, int] | None = None) -> None:
-    del num_buckets
-    _skip(self, "histograms", step, arrays)
-
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if not self._enabled:
       return
@@ -198,7 +191,7 @@ class MlflowWriter:
 ID_FILE = "wandb-run-id"
 
 
-class WandbWriter:
+class WandbWriter(_TextOnly):
   """Writes rows to a Weights & Biases run: ``run.log(row, step=step)``.
 
   W&B's step is loopkit's global step, and a row's values are those JSONL writes (numbers,
@@ -290,17 +283,6 @@ class WandbWriter:
     self._report_dropped()
     self._last_step = step
     self.run.log({k: _to_python(v) for k, v in scalars.items()}, step=step)
-
-  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-    self.write_scalars(step, {k: str(v) for k, v in texts.items()})
-
-  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
-    _skip(self, "images", step, images)
-
-  def write_histograms(self, step: int, arrays: Mapping[str, Any],
-                       num_buckets: Mapping[str, int] | None = None) -> None:
-    del num_buckets
-    _skip(self, "histograms", step, arrays)
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if self._enabled:
