@@ -148,6 +148,12 @@ class MlflowWriter(_TextOnly):
       self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
       self._owns_run = True
 
+  @property
+  def _run_id(self) -> str:
+    """``run_id`` where writes are enabled (``__init__`` sets it there; None elsewhere)."""
+    assert self.run_id is not None
+    return self.run_id
+
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     if not self._enabled:
       return
@@ -161,7 +167,7 @@ class MlflowWriter(_TextOnly):
       else:
         points.append(Metric(self._names(key), float(value), stamp, int(step)))
     if points:
-      self.client.log_batch(self.run_id, metrics=points)
+      self.client.log_batch(self._run_id, metrics=points)
     if texts:
       self.write_texts(step, texts)
 
@@ -169,13 +175,13 @@ class MlflowWriter(_TextOnly):
     if not self._enabled:
       return
     for key, text in texts.items():
-      self.client.log_text(self.run_id, str(text), f"texts/{mlflow_name(key)}/step_{int(step)}.txt")
+      self.client.log_text(self._run_id, str(text), f"texts/{mlflow_name(key)}/step_{int(step)}.txt")
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if not self._enabled:
       return
     from mlflow.entities import Param
-    self.client.log_batch(self.run_id, params=[
+    self.client.log_batch(self._run_id, params=[
         Param(self._names(k), str(_hparam_value(v))) for k, v in hparams.items()])
 
   def flush(self) -> None:
@@ -184,7 +190,7 @@ class MlflowWriter(_TextOnly):
   def close(self) -> None:
     """Ends the run (``FINISHED``) if this writer created it; later writes still go to it."""
     if self._enabled and self._owns_run and not self._closed:
-      self.client.set_terminated(self.run_id)
+      self.client.set_terminated(self._run_id)
     self._closed = True
 
 

@@ -8,19 +8,19 @@ watches the phase the run is in; the run tells it each phase it enters and leave
 (:meth:`Watchdog.enter_phase` / :meth:`Watchdog.leave_phase`, a duck-typed protocol that
 :class:`loopkit.core.run.Run` calls around its own steps):
 
-==============  =========================================================================
-phase           what the run is doing
-==============  =========================================================================
-``compile``     the first dispatch (trace and compile)
-``device_call`` a later device call: its dispatch (which blocks where the backend runs it
-                synchronously, e.g. a CPU program with a host callback) and the host
-                waiting for its outputs (their medians are kept apart)
-``data``        the host waiting for the next input chunk
-``agreement``   the boundary agreement across processes (several processes only)
-``checkpoint``  a hook whose ``time_bucket`` is ``checkpoint`` (a save or a restore)
-``eval``        a hook whose ``time_bucket`` is ``eval``
-``hooks``       other hooks (their ``after_each_call`` together; ``setup`` outside calls)
-==============  =========================================================================
+================  =========================================================================
+phase             what the run is doing
+================  =========================================================================
+``compile``       the first dispatch (trace and compile)
+``device_call``   a later device call: its dispatch (which blocks where the backend runs it
+                  synchronously, e.g. a CPU program with a host callback) and the host
+                  waiting for its outputs (their medians are kept apart)
+``data``          the host waiting for the next input chunk
+``agreement``     the boundary agreement across processes (several processes only)
+``checkpoint``    a hook whose ``time_bucket`` is ``checkpoint`` (a save or a restore)
+``eval``          a hook whose ``time_bucket`` is ``eval``
+``hooks``         other hooks (their ``after_each_call`` together; ``setup`` outside calls)
+================  =========================================================================
 
 A phase's deadline is, in order: its entry in ``deadlines`` (seconds; None: never);
 else, once the phase has ``min_samples`` finished samples in this run,

@@ -179,9 +179,9 @@ class EarlyStopping(Hook):
       this hook in ``hooks``, or is not in them.
     KeyError: (when it fires) the evaluation has no metric ``metric`` (naming the ones it has).
 
+  The properties :attr:`best`, :attr:`best_step` and :attr:`wait` read the watch.
+
   Attributes:
-    best: the best value so far (None before any finite one); ``best_step`` its step.
-    wait: evaluations since the best one.
     stopped_step: the step at which it stopped the run, or None. It is saved with each
       checkpoint: a run resumed from the checkpoint of an early-stopped run stops again at
       its first boundary (training ended there); use a new hook with another ``hook_name``
