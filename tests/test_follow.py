@@ -109,6 +109,41 @@ def test_follower_skips_a_checkpoint_deleted_under_it_and_reads_no_unfinished_sa
   assert (ckpt / "12.orbax-checkpoint-tmp-99").is_dir() and (ckpt / "14" / "state").is_dir()
 
 
+def test_follower_lists_again_when_a_step_is_deleted_while_orbax_lists_it(reference, tmp_path,
+                                                                          monkeypatch):
+  """Retention deletes steps 4 and then 6 between Orbax listing the step directories and
+  reading each step's metrics (CI, 2026-12-04: the sidecar process died of Orbax's
+  ``ValueError: No step path found with name=4``): the listing is taken again, the follower
+  evaluates the steps that stay, and a directory that keeps failing still raises."""
+  import orbax.checkpoint as ocp
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(reference[0], ckpt)
+  find = ocp.CheckpointManager._get_read_step_directory
+  doomed = [4, 6]  # deleted, one per listing, when Orbax first reads their metrics
+
+  def deleted_while_listed(self, step, directory):
+    if doomed and step == doomed[0]:
+      shutil.rmtree(ckpt / str(doomed.pop(0)))
+    return find(self, step, directory)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "_get_read_step_directory", deleted_while_listed)
+  f = make_follower(ckpt, tmp_path / "follow")
+  f.run()
+  assert doomed == [] and f.status == "complete" and f.skipped_steps == []
+  assert [s for s, _ in f.results] == [2, 8, 10]
+  assert rows(tmp_path / "follow" / "metrics.jsonl") == {s: reference[1][s] for s in (2, 8, 10)}
+  hook = CheckpointHook(ckpt)
+  assert hook.all_steps() == [2, 8, 10] and hook.latest_step() == 10
+
+  def always_gone(self, step, directory):
+    raise ValueError(f"No step path found with name={step}")
+
+  monkeypatch.setattr(ocp.CheckpointManager, "_get_read_step_directory", always_gone)
+  with pytest.raises(ValueError, match="No step path found with name=2"):
+    hook.all_steps()
+  hook.close()
+
+
 def test_follower_restarted_continues_and_the_marker_follows_the_runs(reference, tmp_path):
   """Run to 4 (completed), follow; preempted at 6, follow (time-out); resume to 10, a
   restarted follower evaluates 8 and 10 only: its file holds each step once, EvalHook's rows."""

@@ -356,9 +356,9 @@ def _smoke_config():
 
   The ImageNet path is the same (mock JPEGs, crops, uint8 to the device, padded exact eval);
   the bottleneck ResNet-50's train and eval programs take about 4 times as long to compile, and
-  the slow ``test_main_cli_smoke`` and ``test_resume_is_bitwise_equal_to_an_uninterrupted_run``
-  still run smoke.py as shipped. ResNet-50's blocks are held in the default suite by
-  ``test_output_shapes_dtypes_and_batch_stats`` and recipe_test.py's reference update.
+  smoke.py's own ResNet-50 programs compile in the slow
+  ``test_main_cli_compile_only_for_a_tpu_topology``. ResNet-50's blocks are held in the default
+  suite by ``test_output_shapes_dtypes_and_batch_stats`` and recipe_test.py's reference update.
   """
   config = smoke_config.get_config()
   config.model.depth = 18
@@ -554,7 +554,7 @@ def test_cpu_config_on_the_tfdata_pipeline_runs(tmp_path, digits_dir):
 
 @pytest.mark.slow(held_by=f"{_HERE}::test_resume_from_checkpoint_continues_at_the_right_step",
                   reason="three more smoke runs (smoke_run's ResNet-18: 323 s with smoke.py's "
-                         "ResNet-50 in a loaded CI run; test_main_cli_smoke runs ResNet-50)")
+                         "ResNet-50 in a loaded CI run)")
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
   config = _smoke_config()
   config.num_train_steps = 6
@@ -570,15 +570,19 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow(held_by=f"{_HERE}::test_main_refuses_wrong_config_values_before_it_starts",
-                  reason="main.py end to end in a subprocess: compiles ResNet-50 again")
+                  reason="main.py end to end in a subprocess: compiles the ResNet again")
 def test_main_cli_smoke(tmp_path):
+  """main.py with configs/smoke.py, its model overridden on the command line to smoke_run's
+  ResNet-18 (ResNet-50 took 140 s of a loaded CI run; its programs compile through main.py in
+  test_main_cli_compile_only_for_a_tpu_topology)."""
   out = subprocess.run(
       [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
-       "--config=examples/resnet50/configs/smoke.py"], cwd=REPO, capture_output=True,
-      text=True, timeout=900)
+       "--config=examples/resnet50/configs/smoke.py", "--config.model.depth=18"], cwd=REPO,
+      capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "eval accuracy" in out.stdout and str(tmp_path) in out.stdout
-  assert json.load(open(tmp_path / "results.json"))["step"] == 4
+  results = json.load(open(tmp_path / "results.json"))
+  assert (results["step"], results["model"]) == (4, "ResNet-18")
   assert any(f.startswith("jit__loop") for f in os.listdir(tmp_path / "jax_cache"))
 
 
@@ -778,9 +782,14 @@ def test_main_cli_compile_only_for_a_tpu_topology(tmp_path):
 @pytest.mark.slow(held_by="tests/test_gpu_bench.py::test_ratios_and_mfu_come_from_the_measured_rows",
                   reason="the GPU benchmark script end to end")
 def test_gpu_bench_tiny_runs_on_cpu():
-  out = subprocess.run([sys.executable, "examples/resnet50/gpu_bench.py", "--tiny"], cwd=REPO,
+  """The script's --tiny CPU check, cut to a ResNet-18 and 8 timed steps at K = 1 and 4 (its
+  defaults, ResNet-50 and K = 100, run 400 steps: 120 s of a loaded CI run)."""
+  out = subprocess.run([sys.executable, "examples/resnet50/gpu_bench.py", "--tiny", "--depth=18",
+                        "--ks=1,4", "--timed_steps=8"], cwd=REPO,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-  assert [row["iterations_per_loop"] for row in rows] == [1, 100]
+  assert [row["iterations_per_loop"] for row in rows] == [1, 4]
+  assert [row["timed_steps"] for row in rows] == [8, 8]
+  assert {row["model"] for row in rows} == {"ResNet-18/8 filters"}
   assert all(row["images_per_sec"] > 0 and row["compile_count"] == 1 for row in rows)

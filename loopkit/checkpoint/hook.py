@@ -146,6 +146,9 @@ from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket, Ledger
 
 log = logging.getLogger("loopkit")
+# Listings of a directory that a live run prunes (CheckpointHook._reload): one step deleted
+# while listed costs one more; a run deleting 8 steps in the same moment is far past normal.
+_LIST_ATTEMPTS = 8
 
 __all__ = ["CheckpointError", "CheckpointHook", "CheckpointWarning", "RestoredCheckpoint"]
 
@@ -368,11 +371,33 @@ class CheckpointHook(Hook):
 
   # -- queries ---------------------------------------------------------------
 
+  def _reload(self) -> Any:
+    """The Orbax manager with the directory listed afresh.
+
+    A reader beside a live training run (an evaluation sidecar, a warm start) can list a step
+    that the run's retention deletes before Orbax reads that step's metrics; Orbax then raises
+    (``ValueError: No step path found``, or ``FileNotFoundError``), in ``reload`` or in the
+    manager's constructor, and keeps its last listing (or makes no manager).
+    The listing is taken again, up to ``_LIST_ATTEMPTS`` times; a step that is gone is not in
+    the next one. The last attempt's error is raised as Orbax raised it.
+    """
+    for attempt in range(_LIST_ATTEMPTS):
+      try:
+        fresh = self._manager is None
+        manager = self._open()  # a new manager lists the directory as it is made
+        if not fresh:
+          manager.reload()
+        return manager
+      except (ValueError, FileNotFoundError) as e:
+        if attempt == _LIST_ATTEMPTS - 1:
+          raise
+        log.debug("listing %s again: a step went away while it was listed (%s)",
+                  self.directory, e)
+    raise AssertionError("unreachable")
+
   def all_steps(self) -> list[int]:
     """Steps of the complete checkpoints in the directory, ascending."""
-    manager = self._open()
-    manager.reload()
-    return sorted(manager.all_steps())
+    return sorted(self._reload().all_steps())
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or None."""
@@ -381,9 +406,7 @@ class CheckpointHook(Hook):
 
   def best_step(self) -> int | None:
     """The best checkpoint by ``best_metric`` (the newest if no metric is set)."""
-    manager = self._open()
-    manager.reload()
-    return manager.best_step()
+    return self._reload().best_step()
 
   # -- save ------------------------------------------------------------------
 
