@@ -139,7 +139,7 @@ def test_follower_lists_again_when_a_step_is_deleted_while_orbax_lists_it(refere
     raise ValueError(f"No step path found with name={step}")
 
   monkeypatch.setattr(ocp.CheckpointManager, "_get_read_step_directory", always_gone)
-  with pytest.raises(ValueError, match="No step path found with name=2"):
+  with pytest.raises(ValueError, match=r"No step path found with name=(2|8|10)$"):  # threads
     hook.all_steps()
   hook.close()
 
