@@ -58,12 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--image_size", type=int, default=224)
   p.add_argument("--depth", type=int, default=50)
   p.add_argument("--ks", default="1,100", help="iterations_per_loop values to measure")
-  p.add_argument("--timed_steps", type=int, default=200, help="steps timed per K (rounded "
-                 "up to whole calls)")
+  p.add_argument("--timed_steps", type=int, default=None, help="steps timed per K (rounded "
+                 "up to whole calls; default 200, 100 with --tiny)")
   p.add_argument("--float32", action="store_true", help="float32 compute instead of bf16")
   args = p.parse_args(argv)
   if args.tiny:
-    args.batch, args.image_size, args.timed_steps = 16, 32, 100
+    args.batch, args.image_size = 16, 32
+  if args.timed_steps is None:
+    args.timed_steps = 100 if args.tiny else 200
   return args
 
 
