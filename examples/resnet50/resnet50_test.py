@@ -578,6 +578,7 @@ def test_main_cli_smoke(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
        "--config=examples/resnet50/configs/smoke.py", "--config.model.depth=18"], cwd=REPO,
+      env={**os.environ, "JAX_DEFAULT_PRNG_IMPL": _FAST_INIT},  # as smoke_run
       capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "eval accuracy" in out.stdout and str(tmp_path) in out.stdout
