@@ -25,6 +25,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +50,10 @@ FLAT_RSS_MB = 5.0     # RSS growth over 500 calls counted as flat
 TARGET_K1_STEP = 0.9       # loopkit K=1 / per-step jit, numpy in (1 and 8 devices)
 TARGET_LIMIT_8 = 0.9       # loopkit K=100 / limit on 8 devices (TARGET_LIMIT on 1)
 TARGET_HOST_US = 100.0     # host CPU per call <= this + the chunk's bytes at memcpy speed
+# Issue 40's (MLP, 1 and 8 devices; per-round medians): loopkit / the hand-written K-scan loop on
+# the same source at K = 10 and 100, and loopkit K=1 / the per-step jit loop (numpy in).
+TARGET_HANDWRITTEN = 0.95
+TARGET_K1_STEP_MEDIAN = 0.5
 
 
 # -- worker ----------------------------------------------------------------------
@@ -72,6 +77,7 @@ def worker(args: argparse.Namespace) -> dict:
     data = wl.make_data(w)
     wl.init_state(w)  # the initialisers' own compilations, before anything is counted
     systems = [sy.Limit(w, data)] + [sy.Loopkit(w, data, k) for k in KS]
+    systems += [sy.HandwrittenScan(w, data, k) for k in KS]  # the anchor, same source
     if wname == "mlp":  # the prefetch thread's share of the host cost (GIL, 2 cores)
       systems.append(sy.Loopkit(w, data, 100, prefetch=0))
       systems += [sy.Loopkit(w, data, k, source="array") for k in (1, 100)]
@@ -95,6 +101,7 @@ def worker(args: argparse.Namespace) -> dict:
     cpu = {s.name: [] for s in systems}
     peaks = {s.name: 0.0 for s in systems}
     timed_compiles = {s.name: 0 for s in systems}
+    rounds = {s.name: [] for s in systems}  # each round's best run, for per-round ratios
     repeats = min(args.repeats, CNN_MAX_REPEATS) if wname == "cnn" else args.repeats
     for r in range(repeats):
       order = systems if r % 2 == 0 else systems[::-1]
@@ -103,7 +110,7 @@ def worker(args: argparse.Namespace) -> dict:
           _log(f"[{n_dev} dev {wname}] timing {s.name}")
         # A round of a system is at least --min-round-secs of back-to-back runs, so a
         # 0.1 s run gets as many chances at a quiet moment as a 1 s one.
-        spent = 0.0
+        spent, first_run = 0.0, len(times[s.name])
         while spent < args.min_round_secs or spent == 0.0:
           sy.reset_peak_rss()
           c0 = counter.count
@@ -114,6 +121,7 @@ def worker(args: argparse.Namespace) -> dict:
           spent += t
           timed_compiles[s.name] += counter.count - c0
           peaks[s.name] = max(peaks[s.name], sy.peak_rss_mb())
+        rounds[s.name].append(min(times[s.name][first_run:]))
       _log(f"[{n_dev} dev {wname}] round {r + 1}: " + ", ".join(
           f"{s.name} {w.num_steps / min(times[s.name]):.0f}" for s in systems))
     growth = {}
@@ -132,6 +140,7 @@ def worker(args: argparse.Namespace) -> dict:
       out["rows"].append({
           "workload": wname, "devices": n_dev, "system": s.name, "steps": w.num_steps,
           "calls": s.calls_per_run, "times": times[s.name], "cpu": cpu[s.name],
+          "round_times": rounds[s.name],
           "train_compiles": s.train_compiles(), "first_run_compiles": first[s.name],
           "timed_compiles": timed_compiles[s.name], "peak_rss_mb": peaks[s.name],
           "rss_growth_mb": growth.get(s.name, (None, None))[0],
@@ -184,6 +193,42 @@ PER_STEP = ("per-step jit + prefetch", "per-step jit, numpy in", "per-step pmap"
 def _fastest_per_step(rows, workload, devices):
   found = [r for r in (_find(rows, workload, devices, n) for n in PER_STEP) if r is not None]
   return max(found, key=_best_rate) if found else None
+
+
+def round_ratio(a: dict | None, b: dict | None) -> tuple[float, float, float, int] | None:
+  """Steps/s of row ``a`` over row ``b``, round by round (each round's best run of each, the two
+  timed in the same interleaved round): ``(median, min, max, rounds)``, or None."""
+  if a is None or b is None or not a.get("round_times") or not b.get("round_times"):
+    return None
+  ratios = sorted((a["steps"] / ta) / (b["steps"] / tb)
+                  for ta, tb in zip(a["round_times"], b["round_times"]))
+  return statistics.median(ratios), ratios[0], ratios[-1], len(ratios)
+
+
+def _fmt_round_ratio(r: tuple[float, float, float, int] | None) -> str:
+  return "" if r is None else f"{r[0]:.2f} [{r[1]:.2f}-{r[2]:.2f}]"
+
+
+def render_round_ratios(rows: list[dict]) -> str:
+  """Per-round ratios (median [min-max] over the rounds) of each loopkit K against the
+  hand-written K-scan loop, the per-step jit loop (numpy in) and the limit."""
+  lines = ["| workload | dev | K | rounds | loopkit / hand-written K-scan | hand-written / limit | "
+           "loopkit / limit | loopkit / per-step jit, numpy in |", "|---|---|---|---|---|---|---|---|"]
+  for wkl, dev in dict.fromkeys((r["workload"], r["devices"]) for r in rows):
+    lim = _find(rows, wkl, dev, "limit (one scan)")
+    jit = _find(rows, wkl, dev, "per-step jit, numpy in")
+    for k in KS:
+      lk = _find(rows, wkl, dev, f"loopkit K={k}")
+      hand = _find(rows, wkl, dev, f"hand-written K-scan K={k}")
+      vs_hand = round_ratio(lk, hand)
+      if lk is None:
+        continue
+      n = vs_hand[3] if vs_hand else len(lk.get("round_times") or [])
+      lines.append(f"| {wkl} | {dev} | {k} | {n} | {_fmt_round_ratio(vs_hand)} | "
+                   f"{_fmt_round_ratio(round_ratio(hand, lim))} | "
+                   f"{_fmt_round_ratio(round_ratio(lk, lim))} | "
+                   f"{_fmt_round_ratio(round_ratio(lk, jit))} |")
+  return "\n".join(lines)
 
 
 def render_table(rows: list[dict]) -> str:
@@ -299,6 +344,20 @@ def check_targets(rows: list[dict], profiles: dict | None = None
       out.append((f"MLP, {dev} dev: loopkit K=100 >= {TARGET_KERAS:g}x Keras "
                   "steps_per_execution=100", k100 / ker >= TARGET_KERAS,
                   f"{k100 / ker:.2f}x ({ker:,.0f} steps/s{ceiling(ker)})"))
+  for dev in (1, 8):
+    for k in (10, 100):
+      r = round_ratio(_find(rows, "mlp", dev, f"loopkit K={k}"),
+                      _find(rows, "mlp", dev, f"hand-written K-scan K={k}"))
+      if r is not None:
+        out.append((f"MLP, {dev} dev: loopkit K={k} >= {TARGET_HANDWRITTEN} x the hand-written "
+                    "K-scan loop (median of rounds)", r[0] >= TARGET_HANDWRITTEN,
+                    f"{_fmt_round_ratio(r)} over {r[3]} rounds"))
+    r = round_ratio(_find(rows, "mlp", dev, "loopkit K=1"),
+                    _find(rows, "mlp", dev, "per-step jit, numpy in"))
+    if r is not None:
+      out.append((f"MLP, {dev} dev: loopkit K=1 >= {TARGET_K1_STEP_MEDIAN} x the per-step jit "
+                  "loop, numpy in (median of rounds)", r[0] >= TARGET_K1_STEP_MEDIAN,
+                  f"{_fmt_round_ratio(r)} over {r[3]} rounds"))
   for dev, (prof, gb_s) in sorted((profiles or {}).items()):
     for name, r in prof:
       if "prefetch=2" not in name:  # the default
@@ -401,6 +460,16 @@ def render_report(results: list[dict], meta: dict) -> str:
       "",
       "Why the missed targets are missed on this machine, and what was fixed on the way: "
       "`benchmarks/README.md`, section *What the numbers say*.",
+      "",
+      "## Ratios round by round (median [min-max] over the interleaved rounds)",
+      "",
+      "Each round times every system back to back; a ratio is taken within a round (each "
+      "system's best run of that round) and the median over the rounds is reported with the "
+      "smallest and largest, so a load spike in one round moves one value, not the figure. "
+      "The hand-written K-scan loop (`HandwrittenScan` in `benchmarks/systems.py`) reads the "
+      "same list of numpy batches as `loopkit K=k`: their ratio is loopkit's own host work.",
+      "",
+      render_round_ratios(rows),
       "",
       "## Steps per second, ratios, compilations, memory",
       "",

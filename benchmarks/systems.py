@@ -17,6 +17,10 @@ Systems:
     ``flax.jax_utils.prefetch_to_device(it, 2)`` (the Flax ImageNet example).
   * :class:`KerasFit`: Keras 3 on the JAX backend,
     ``fit(steps_per_execution=100)``, data-parallel over all devices.
+  * :class:`HandwrittenScan`: the ``iterations_per_loop`` loop a user writes by
+    hand without loopkit: ``np.stack`` K numpy batches from the same list, one
+    ``jit(lambda s, c: lax.scan(step, s, c))`` call per chunk, each call's metrics
+    fetched after the next call is dispatched (as ``TrainLoop`` does).
   * :class:`Limit`: one jitted ``lax.scan`` over all S steps with the whole
     data set ``[S, B, ...]`` already on the devices: no host work at all.
 
@@ -415,6 +419,69 @@ class KerasFit(System):
       v.assign(init)
     self.model.fit(batches(), steps_per_epoch=calls * 100, epochs=1, verbose=0,
                    callbacks=[Mark()])
+
+
+class HandwrittenScan(System):
+  """The K-step loop a TPUEstimator user writes without loopkit (the issue's anchor).
+
+  Per chunk: ``np.stack`` the next K numpy batches of the same list loopkit's default row
+  reads (``[K, B, ...]``), one call of ``jit(lambda s, c: lax.scan(step, s, c))`` with the
+  state donated and replicated and the chunk split on ``"data"`` (the numpy chunk goes
+  straight into the call, which transfers it), then ``jax.device_get`` of the previous
+  call's ``[K]`` metrics (one call late, as ``TrainLoop`` fetches them). Same step and the
+  same CPU convolution relayout as loopkit's program. No thread, no accounting, no hooks: the
+  difference to ``loopkit K=k`` on the same source is loopkit's own host work. A last chunk
+  shorter than K (S not a multiple of K) is a second compiled program.
+  """
+
+  def __init__(self, w: wl.Workload, data: dict[str, np.ndarray], k: int):
+    self.name = f"hand-written K-scan K={k}"
+    self.k = self.steps_per_call = k
+    self.w = w
+    self.batches = wl.batch_list(data)
+    mesh = data_mesh()
+    self.replicated = NamedSharding(mesh, P())
+    step = wl.make_train_step(w)
+    if jax.devices()[0].platform == "cpu":  # the same relayout as loopkit's program does
+      step = loopkit.conv_layout.with_canonical_convs(step)
+    self.fn = jax.jit(lambda state, chunk: jax.lax.scan(step, state, chunk),
+                      donate_argnums=(0,),
+                      in_shardings=(self.replicated, NamedSharding(mesh, P(None, "data"))),
+                      out_shardings=(self.replicated, self.replicated))
+    self.calls_per_run = -(-len(self.batches) // k)
+
+  def _train(self, batches: Iterable, mark_at: int = -1, mark: Callable | None = None) -> Any:
+    state = jax.device_put(wl.init_state(self.w), self.replicated)
+    it, pending, calls = iter(batches), None, 0
+    while group := list(itertools.islice(it, self.k)):
+      chunk = jax.tree.map(lambda *xs: np.stack(xs), *group)
+      state, metrics = self.fn(state, chunk)
+      if pending is not None:
+        jax.device_get(pending)
+      pending, calls = metrics, calls + 1
+      if calls == mark_at and mark is not None:
+        mark()
+    jax.device_get(pending)
+    return jax.block_until_ready(state)
+
+  def warm(self) -> None:
+    self._train(self.batches[:self.k])  # one full chunk: the program every S here runs
+
+  def timed(self) -> float:
+    t0 = time.perf_counter()
+    self._train(self.batches)
+    return time.perf_counter() - t0
+
+  def final_state(self) -> Any:
+    """The state after one run over the whole list (for the equality check)."""
+    return jax.device_get(self._train(self.batches))
+
+  def train_compiles(self) -> int:
+    return self.fn._cache_size()
+
+  def run_calls(self, calls: int, mark_at: int, mark: Callable[[], None]) -> None:
+    n = calls * self.k
+    self._train(itertools.islice(itertools.cycle(self.batches), n), mark_at, mark)
 
 
 class Limit(System):
