@@ -136,6 +136,16 @@ def device_prefetch(batches: Iterable, sharding: Any, size: int = 2) -> Iterator
     enqueue(1)
 
 
+def scan_step(w: wl.Workload) -> Callable:
+  """The workload's train step for a hand-made ``lax.scan``: on CPU with the convolution
+  relayout that loopkit's program applies itself (``conv_layout.with_canonical_convs``), so
+  scans compare like with like."""
+  step = wl.make_train_step(w)
+  if jax.devices()[0].platform == "cpu":
+    step = loopkit.conv_layout.with_canonical_convs(step)
+  return step
+
+
 def per_step_loop(step: Callable, state: Any, batches: Iterable, wait_every: int,
                   mark_at: int = -1, mark: Callable | None = None) -> Any:
   """The Flax examples' train loop: one ``step`` call per batch, metrics fetched every
@@ -441,9 +451,7 @@ class HandwrittenScan(System):
     self.batches = wl.batch_list(data)
     mesh = data_mesh()
     self.replicated = NamedSharding(mesh, P())
-    step = wl.make_train_step(w)
-    if jax.devices()[0].platform == "cpu":  # the same relayout as loopkit's program does
-      step = loopkit.conv_layout.with_canonical_convs(step)
+    step = scan_step(w)
     self.fn = jax.jit(lambda state, chunk: jax.lax.scan(step, state, chunk),
                       donate_argnums=(0,),
                       in_shardings=(self.replicated, NamedSharding(mesh, P(None, "data"))),
@@ -496,9 +504,7 @@ class Limit(System):
     self.replicated = NamedSharding(mesh, P())
     self.data = jax.block_until_ready(
         jax.device_put(data, NamedSharding(mesh, P(None, "data"))))
-    step = wl.make_train_step(w)
-    if jax.devices()[0].platform == "cpu":  # the same relayout as loopkit's program does
-      step = loopkit.conv_layout.with_canonical_convs(step)
+    step = scan_step(w)
     self.fn = jax.jit(lambda state, d: jax.lax.scan(step, state, d), donate_argnums=(0,))
     self.steps_per_call = data["y"].shape[0]
 

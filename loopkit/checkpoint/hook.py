@@ -381,19 +381,19 @@ class CheckpointHook(Hook):
     The listing is taken again, up to ``_LIST_ATTEMPTS`` times; a step that is gone is not in
     the next one. The last attempt's error is raised as Orbax raised it.
     """
-    for attempt in range(_LIST_ATTEMPTS):
+    for _ in range(_LIST_ATTEMPTS - 1):
       try:
-        fresh = self._manager is None
-        manager = self._open()  # a new manager lists the directory as it is made
-        if not fresh:
-          manager.reload()
-        return manager
+        return self._list_once()
       except (ValueError, FileNotFoundError) as e:
-        if attempt == _LIST_ATTEMPTS - 1:
-          raise
         log.debug("listing %s again: a step went away while it was listed (%s)",
                   self.directory, e)
-    raise AssertionError("unreachable")
+    return self._list_once()
+
+  def _list_once(self) -> Any:
+    if self._manager is None:
+      return self._open()  # a new manager lists the directory as it is made
+    self._manager.reload()
+    return self._manager
 
   def all_steps(self) -> list[int]:
     """Steps of the complete checkpoints in the directory, ascending."""
