@@ -629,14 +629,32 @@ class MultiStepProgram:
       a while loop's body counted once: see the module docstring), or None before the first
       call or on a cache miss. Cached until the program compiles again.
     """
-    if self._cost is None and self._compiled_args is not None and self._jitted is not None:
-      before = lowering_count()
-      lowered = self._jitted.lower(*self._compiled_args)
-      if lowering_count() > before:  # not the cached lowering: compiling would compile again
-        self._compiled_args = None
-        return None
-      self._cost = compiled_cost(lowered.compile())
+    if self._cost is None:
+      compiled = self.compiled()
+      if compiled is not None:
+        self._cost = compiled_cost(compiled)
     return self._cost
+
+  def compiled(self) -> jax.stages.Compiled | None:
+    """The executable the last compiling call built, without compiling it again.
+
+    Found the way :meth:`cost_analysis` finds it (JAX's cached lowering and executable for that
+    call's abstract arguments). ``compiled().as_text()`` is XLA's optimized HLO of the whole
+    program: on GPU it shows whether the step loop runs inside a command buffer (a CUDA graph,
+    ``benchmarks/gpu_exactness.py``).
+
+    Returns:
+      The ``jax.stages.Compiled``, or None before the first call or on a cache miss (where JAX
+      would lower the program again).
+    """
+    if self._compiled_args is None or self._jitted is None:
+      return None
+    before = lowering_count()
+    lowered = self._jitted.lower(*self._compiled_args)
+    if lowering_count() > before:  # not the cached lowering: compiling would compile again
+      self._compiled_args = None
+      return None
+    return lowered.compile()
 
   def flops_per_step(self) -> float | None:
     """FLOPs of one train step on one device: XLA's count, corrected for inner loops.
