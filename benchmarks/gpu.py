@@ -418,7 +418,7 @@ def run_mlp(plan: Plan) -> dict:
       workloads=["mlp"], steps={("mlp", 1): plan.mlp_steps, ("mlp", 8): plan.mlp_steps},
       repeats=plan.mlp_repeats, rss_calls=0, rss_secs=0.0,
       mechanism_calls=plan.mlp_mechanism_calls, min_round_secs=plan.mlp_min_round_secs,
-      no_keras=True, verbose=False)
+      no_keras=True, verbose=False, profile_repeats=0)  # run.py's host profile: CPU runs only
   return cpu_run.worker(args)
 
 
