@@ -1,5 +1,7 @@
 """TrainLoop invariants: same result for every K, one compile, exact ledger, clear errors."""
 
+import logging
+import types
 import warnings
 
 import jax
@@ -437,3 +439,28 @@ def test_data_exhausted_with_num_epochs_names_the_epochs_and_how_to_repeat():
                           r"steps\).*repeat"):
     state = loop.run(toy.init_state(), toy.batches(6), num_epochs=2)
   assert int(state["step"]) == 6 and loop.status == "data_exhausted"
+
+
+def test_gpu_mesh_warns_once_that_k_invariance_needs_deterministic_ops(monkeypatch, caplog):
+  """On a GPU mesh TrainLoop says once how to keep the bitwise promise, unless XLA_FLAGS chose."""
+  from loopkit.core import loop as loop_mod
+
+  class FakeMesh:  # only what the check reads: the devices' platform
+    def __init__(self, platform):
+      self.devices = np.array([types.SimpleNamespace(platform=platform)] * 2)
+
+  def warnings_after(platform, flags):
+    monkeypatch.setattr(loop_mod, "_GPU_WARNED", [])
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+      loop_mod._warn_gpu_determinism(FakeMesh(platform))
+      loop_mod._warn_gpu_determinism(FakeMesh(platform))
+    return [r.getMessage() for r in caplog.records if "xla_gpu_deterministic_ops" in r.getMessage()]
+
+  got = warnings_after("gpu", "--xla_gpu_autotune_level=4")
+  assert len(got) == 1 and "XLA_FLAGS=--xla_gpu_deterministic_ops=true" in got[0]
+  assert warnings_after("cuda", "") and len(warnings_after("cuda", "")) == 1
+  assert warnings_after("gpu", "--xla_gpu_deterministic_ops=false") == []
+  assert warnings_after("gpu", "--xla_gpu_deterministic_ops=true") == []
+  assert warnings_after("cpu", "") == [] and warnings_after("tpu", "") == []

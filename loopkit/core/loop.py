@@ -40,22 +40,28 @@ __all__ = ["DataExhaustedWarning", "TrainLoop"]
 
 log = logging.getLogger("loopkit")
 
-GPU_WHILE_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+GPU_DETERMINISM_FLAG = "--xla_gpu_deterministic_ops=true"
+_GPU_WARNED: list[bool] = []
 
 
-def _warn_gpu_while_dispatch(mesh: Mesh) -> None:
-  """On GPU, says once how to keep dispatch asynchronous.
+def _warn_gpu_determinism(mesh: Mesh) -> None:
+  """On GPU, says once that K-invariance needs XLA's deterministic ops, unless the user chose.
 
-  The program's loop has a traced trip count; without XLA command buffers for
-  while loops, the GPU runtime evaluates its condition on the host, so a
-  dispatch returns only when the call has finished (docs/tuning.md). The
-  prefetch thread still hides input work; the flag restores host/device overlap.
+  Measured on one H200 (jax 0.11.2, ``benchmarks/RESULTS_gpu.md``): without
+  :data:`GPU_DETERMINISM_FLAG` the ResNet example's step ends on different bits when the same
+  executable runs twice (cuDNN's convolution kernels), and the LM example's ends on different bits
+  in another process; with it both are bitwise equal at K = 10, 3, 1 and across processes, and a
+  ResNet-50 step takes about 40% longer. ``XLA_FLAGS`` that name the flag at all (``=true`` or
+  ``=false``) silence the warning: the user has chosen.
   """
   platforms = {d.platform for d in mesh.devices.flat}
-  if "gpu" in platforms or "cuda" in platforms or "rocm" in platforms:
-    if "+WHILE" not in os.environ.get("XLA_FLAGS", ""):
-      log.warning("loopkit on GPU: set XLA_FLAGS=%s before JAX starts so device calls "
-                  "dispatch asynchronously (see docs/tuning.md)", GPU_WHILE_FLAG)
+  if platforms & {"gpu", "cuda", "rocm"}:
+    if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", "") and not _GPU_WARNED:
+      _GPU_WARNED.append(True)  # once per process
+      log.warning("loopkit on GPU: the final state is the same for every K and across a resume "
+                  "only with XLA_FLAGS=%s set before JAX starts (slower: see docs/tuning.md); "
+                  "set it to =false to keep XLA's faster nondeterministic kernels and silence "
+                  "this", GPU_DETERMINISM_FLAG)
 
 
 def _warn_logging_after_checkpoint(hooks: Sequence[Hook]) -> None:
@@ -206,7 +212,7 @@ class TrainLoop:
                              data_parallel_size=data_parallel_size, prefetch=prefetch,
                              step_of=step_of, global_batch_size=global_batch_size)
     install_default_handler()  # a plain script shows loopkit's lines (loopkit._internal.logs)
-    _warn_gpu_while_dispatch(mesh)
+    _warn_gpu_determinism(mesh)
     self._run: Run | None = None  # the current (or last) run: the only writer of run state
     self.preemption_signals = tuple(preemption_signals)
     self._preemption = PreemptionWatcher(self.preemption_signals)  # the next (or current) run's
