@@ -261,13 +261,12 @@ class ResNetBench:
                  for _ in range(plan.pool)]
     self.programs: dict[int, Any] = {}  # K -> loopkit.core.MultiStepProgram compiled here
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-    lowered = jax.jit(self.step).lower(jax.tree.map(spec, self.host_state),
-                                       jax.tree.map(spec, self.pool[0]))
-    self.lowered_flops = _flops_of(lowered.cost_analysis())
     from loopkit.core import flops as flops_lib  # noqa: PLC0415
 
-    self.jaxpr_flops = flops_lib.jaxpr_flops(jax.make_jaxpr(self.step)(
-        jax.tree.map(spec, self.host_state), jax.tree.map(spec, self.pool[0])))
+    traced = jax.jit(self.step).trace(jax.tree.map(spec, self.host_state),
+                                      jax.tree.map(spec, self.pool[0]))  # traced once for both
+    self.lowered_flops = _flops_of(traced.lower().cost_analysis())
+    self.jaxpr_flops = flops_lib.jaxpr_flops(traced.jaxpr)
 
   def source(self, n: int):
     return itertools.islice(itertools.cycle(self.pool), n)
@@ -382,8 +381,8 @@ class BoundaryClock:
   """A loopkit hook that records ``(perf_counter, end_step)`` at every boundary.
 
   Boundaries are processed one call late, so the interval between two marks is
-  one device call in steady state; :meth:`steps_per_s` leaves out the time
-  before the first mark (pipeline fill: the first chunk's stacking and transfer).
+  one device call in steady state; :meth:`steps_per_s` runs from the first mark (after
+  the pipeline fill: the first chunk's stacking and transfer) to the last but one.
   """
 
   needs_state = False
@@ -924,10 +923,11 @@ def render_report(res: dict, plan: Plan, meta: dict) -> str:
       + (f"{peak / 1e12:.0f} TFLOP/s peak dense bf16 (NVIDIA's datasheet: 1,979 TFLOPS "
          "with sparsity)" if peak else "no peak (unknown device kind; pass --peak-tflops)")
       + ". *images/s* is end to end over the timed run (loopkit: `TrainLoop.run` from the host "
-      "source, its first chunk's stacking and transfer included); *steady* leaves out the time "
-      "before the run's first boundary. Ratios are to the same flag setting's per-step loop "
-      "and limit. *host CPU s/call*: `time.process_time` (all threads) over the timed run / "
-      "calls. *dispatch* and *device wait*: the loop's ledger buckets over the timed run.",
+      "source, its first chunk's stacking and transfer included); *steady* runs from the run's "
+      "first boundary to its last but one (at least 3 calls). Ratios are to the same flag "
+      "setting's per-step loop and limit. *host CPU s/call*: `time.process_time` (all "
+      "threads) over the timed run / calls. *dispatch* and *device wait*: the loop's ledger "
+      "buckets over the timed run.",
       "",
       render_resnet(rows, plan, peak),
       "",

@@ -1,4 +1,4 @@
-"""Why a loopkit call blocks the host on a GPU: the loop's trip count, and what a chunk costs to form.
+"""Why a loopkit call blocks the host on a GPU (the loop's trip count); a chunk's cost to form.
 
 Usage (from the repository root)::
 
@@ -34,7 +34,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from benchmarks.gpu import COMMAND_BUFFER_FLAG  # noqa: E402  (stdlib-only at import)
+
 SETTINGS = {"default": [], "command-buffers": [COMMAND_BUFFER_FLAG]}
 TAG = "@@dispatch "
 

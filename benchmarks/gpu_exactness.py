@@ -1,4 +1,4 @@
-"""K-invariance on a GPU, with and without XLA's deterministic ops, and whether the loop is a CUDA graph.
+"""K-invariance on a GPU with and without XLA's deterministic ops; is the step loop a CUDA graph?
 
 Usage (from the repository root)::
 
@@ -63,8 +63,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from benchmarks import gpu  # noqa: E402  (stdlib-only at import)
+from benchmarks.gpu import COMMAND_BUFFER_FLAG  # noqa: E402
+
 DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
-COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 # name -> XLA flags; "deterministic-2" repeats "deterministic" in a second process.
 SETTINGS = {
     "default": [],
@@ -239,8 +241,8 @@ def worker(setting: str, tiny: bool, hlo_dir: str) -> int:
         del final, leaves, loop
     except Exception as e:  # noqa: BLE001  (a model's failure is a row, not the end)
       print(traceback.format_exc(), file=sys.stderr, flush=True)
-      _emit("ROW", {"setting": setting, "model": model,
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+      first = str(e).splitlines()[0][:300] if str(e) else ""
+      _emit("ROW", {"setting": setting, "model": model, "error": f"{type(e).__name__}: {first}"})
   _emit("DONE", {})
   return 0
 
@@ -381,7 +383,6 @@ def main(argv=None) -> int:
     return worker(args.worker, args.tiny, args.hlo_dir)
   if not args.out:
     p.error("--out is required")
-  from benchmarks import gpu  # noqa: PLC0415  (stdlib at import)
 
   os.makedirs(args.out, exist_ok=True)
   hlo_dir = tempfile.mkdtemp(prefix="loopkit-hlo-")  # only the tarball goes to --out
@@ -391,7 +392,8 @@ def main(argv=None) -> int:
   def one(i, s):
     results[i] = launch(s, args.tiny, hlo_dir, args.timeout_s)
 
-  threads = [threading.Thread(target=one, args=(i, s)) for i, s in enumerate(args.settings.split(","))]
+  threads = [threading.Thread(target=one, args=(i, s))
+             for i, s in enumerate(args.settings.split(","))]
   for t in threads:
     t.start()
   for t in threads:

@@ -347,28 +347,20 @@ def check_targets(rows: list[dict], profiles: dict | None = None
       out.append((f"MLP, {dev} dev: loopkit K=100 >= {TARGET_KERAS:g}x Keras "
                   "steps_per_execution=100", k100 / ker >= TARGET_KERAS,
                   f"{k100 / ker:.2f}x ({ker:,.0f} steps/s{ceiling(ker)})"))
+  # The default (prefetch=2) and the main-thread forming rows (prefetch=0), each per round.
+  variants = (("", ")"), (" prefetch=0", "; not the default)"))
   for dev in (1, 8):
-    for k in (10, 100):
-      r = round_ratio(_find(rows, "mlp", dev, f"loopkit K={k}"),
-                      _find(rows, "mlp", dev, f"hand-written K-scan K={k}"))
-      if r is not None:
-        out.append((f"MLP, {dev} dev: loopkit K={k} >= {TARGET_HANDWRITTEN} x the hand-written "
-                    "K-scan loop (median of rounds)", r[0] >= TARGET_HANDWRITTEN,
-                    f"{_fmt_round_ratio(r)} over {r[3]} rounds"))
-      r = round_ratio(_find(rows, "mlp", dev, f"loopkit K={k} prefetch=0"),
-                      _find(rows, "mlp", dev, f"hand-written K-scan K={k}"))
-      if r is not None:
-        out.append((f"MLP, {dev} dev: loopkit K={k} prefetch=0 >= {TARGET_HANDWRITTEN} x the "
-                    "hand-written K-scan loop (median of rounds; not the default)",
-                    r[0] >= TARGET_HANDWRITTEN, f"{_fmt_round_ratio(r)} over {r[3]} rounds"))
-    for suffix in ("", " prefetch=0"):
-      r = round_ratio(_find(rows, "mlp", dev, f"loopkit K=1{suffix}"),
-                      _find(rows, "mlp", dev, "per-step jit, numpy in"))
-      if r is not None:
-        out.append((f"MLP, {dev} dev: loopkit K=1{suffix} >= {TARGET_K1_STEP_MEDIAN} x the "
-                    "per-step jit loop, numpy in (median of rounds"
-                    + ("; not the default)" if suffix else ")"), r[0] >= TARGET_K1_STEP_MEDIAN,
-                    f"{_fmt_round_ratio(r)} over {r[3]} rounds"))
+    pairs = [(f"loopkit K={k}", f"hand-written K-scan K={k}", k, TARGET_HANDWRITTEN,
+              "the hand-written K-scan loop") for k in (10, 100)]
+    pairs.append(("loopkit K=1", "per-step jit, numpy in", 1, TARGET_K1_STEP_MEDIAN,
+                  "the per-step jit loop, numpy in"))
+    for system, reference, k, goal, what in pairs:
+      for suffix, close in variants:
+        r = round_ratio(_find(rows, "mlp", dev, system + suffix),
+                        _find(rows, "mlp", dev, reference))
+        if r is not None:
+          out.append((f"MLP, {dev} dev: loopkit K={k}{suffix} >= {goal} x {what} (median of "
+                      f"rounds{close}", r[0] >= goal, f"{_fmt_round_ratio(r)} over {r[3]} rounds"))
   for dev, (prof, gb_s) in sorted((profiles or {}).items()):
     for name, r in prof:
       if "prefetch=2" not in name:  # the default
