@@ -225,7 +225,7 @@ class Watchdog(Hook):
     me, count = jax.process_index(), jax.process_count()
     record: dict[str, Any] = {
         "process": me, "process_count": count, "phase": phase, "step": step,
-        "elapsed_secs": round(elapsed, 3), "deadline_secs": secs, "deadline": how,
+        "elapsed_secs": elapsed, "deadline_secs": secs, "deadline": how,
         "time": time.time(), "exit_code": self.exit_code}
     line = (f"loopkit watchdog: process {me} of {count} stuck in phase {phase!r} after step "
             f"{step}: {elapsed:.1f} s, past its deadline of {secs:g} s ({how})")
