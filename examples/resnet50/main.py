@@ -30,7 +30,10 @@ prints libtpu's errors and "Unable to initialize backend 'tpu'"); TensorFlow's
 C++ INFO lines at import ("oneDNN custom operations are on", "This TensorFlow
 binary is optimized ...", after absl's "All log messages before
 absl::InitializeLog()"), in this process and in Grain's workers, are off
-(``TF_CPP_MIN_LOG_LEVEL=1`` unless set: its warnings and errors still show);
+(``TF_CPP_MIN_LOG_LEVEL=1`` unless set: its warnings and errors still show;
+and ``TF_ENABLE_ONEDNN_OPTS=0`` unless set: on a CPU with AVX512_VNNI or AMX,
+TensorFlow 2.21 turns its oneDNN ops on and says so before any log level
+applies; off, its data-pipeline ops compute alike on every x86 CPU);
 Orbax's and TFDS's INFO lines are dropped; building the digits dataset and
 initialising the model say what they do and how long it took.
 """
@@ -41,8 +44,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 # Before TensorFlow is imported (here, by TFDS and in Grain's worker processes, which inherit
-# the environment): TF's C++ logs from WARNING up.
+# the environment): TF's C++ logs from WARNING up, and its oneDNN ops off (their INFO line
+# ignores the log level; the input pipeline's ops then round alike on every x86 CPU).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import logging as pylogging  # noqa: E402
 import time  # noqa: E402

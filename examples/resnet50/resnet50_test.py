@@ -226,8 +226,9 @@ def test_main_pins_the_cpu_config_to_the_cpu_and_quiets_tensorflow():
   """C70: a CPU config never probes for a TPU (libtpu is installed here: its probe prints
   libtpu's errors and "Unable to initialize backend 'tpu'"), and TensorFlow's C++ INFO lines
   at import ("All log messages before absl::InitializeLog()", "This TensorFlow binary is
-  optimized ...", "oneDNN custom operations are on") are off, for child processes too (the
-  environment says so). The absl filter main.py installs drops Orbax's and TFDS's INFO records
+  optimized ...", "oneDNN custom operations are on", which TF_CPP_MIN_LOG_LEVEL does not
+  stop on a CPU with AVX512_VNNI, such as an AMD EPYC here) are off, for child processes too
+  (the environment says so). The absl filter main.py installs drops Orbax's and TFDS's INFO records
   (a line per save, per dataset step) and keeps their warnings and everything else."""
   code = ("import importlib.util, logging, os\n"
           "from examples.resnet50 import main\n"
@@ -235,18 +236,20 @@ def test_main_pins_the_cpu_config_to_the_cpu_and_quiets_tensorflow():
           "main.use_platform(cpu.get_config().platform)\n"
           "import jax, tensorflow as tf\n"
           "print(jax.devices()[0].platform, float(tf.constant(1.0) + 1))\n"
-          "print(os.environ['JAX_PLATFORMS'], os.environ['TF_CPP_MIN_LOG_LEVEL'])\n"
+          "print(os.environ['JAX_PLATFORMS'], os.environ['TF_CPP_MIN_LOG_LEVEL'],\n"
+          "      os.environ['TF_ENABLE_ONEDNN_OPTS'])\n"
           "paths = [importlib.util.find_spec(m).origin for m in\n"
           "         ('orbax.checkpoint', 'tensorflow_datasets', 'loopkit.evaluation', 'grain')]\n"
           "for level in (logging.INFO, logging.WARNING):\n"
           "  print(*[main._quiet_libraries(logging.LogRecord('absl', level, path, 1, 'm', (),\n"
           "                                                None)) for path in paths])\n")
   env = {k: v for k, v in os.environ.items()
-         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS",
+                      "XLA_FLAGS")}
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.splitlines() == ["cpu 2.0", "cpu 1", "False False True True",
+  assert out.stdout.splitlines() == ["cpu 2.0", "cpu 1 0", "False False True True",
                                      "True True True True"], out.stdout
   assert out.stderr == "", out.stderr
 
@@ -712,14 +715,15 @@ def console_records(stderr: str) -> list[tuple[float, str, str]]:
 @pytest.mark.tf  # TFDS, TensorFlow in the Grain worker
 def test_a_first_run_prints_only_its_own_lines(tmp_path):
   """C70: the Quickstart's command on a fresh machine (no dataset, no JAX_PLATFORMS,
-  TF_CPP_MIN_LOG_LEVEL or XLA_FLAGS; libtpu installed here), cut to 2 steps of a small ResNet-18,
-  a checkpoint and the final evaluation: every stderr line is a log record of this example or of
-  loopkit, stdout holds only the run's summary, nothing of TFDS, the TPU probe or TensorFlow's
-  start-up shows, and each long wait is announced, in order, before it: the first call's line
+  TF_CPP_MIN_LOG_LEVEL, TF_ENABLE_ONEDNN_OPTS or XLA_FLAGS; libtpu installed here), cut to 2
+  steps of a small ResNet-18, a checkpoint and the final evaluation: every stderr line is a
+  log record of this example or of loopkit, stdout holds only the run's summary, nothing of
+  TFDS, the TPU probe or TensorFlow's start-up shows, and each long wait is announced, in order, before it: the first call's line
   before the data wait and compile that the run's goodput row counts, the eval line before the
   evaluation's seconds."""
   env = {k: v for k, v in os.environ.items()
-         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS",
+                      "XLA_FLAGS")}
   workdir = tmp_path / "run"
   out = subprocess.run(
       [sys.executable, "-m", "examples.resnet50.main", f"--workdir={workdir}",
