@@ -718,9 +718,9 @@ def test_a_first_run_prints_only_its_own_lines(tmp_path):
   TF_CPP_MIN_LOG_LEVEL, TF_ENABLE_ONEDNN_OPTS or XLA_FLAGS; libtpu installed here), cut to 2
   steps of a small ResNet-18, a checkpoint and the final evaluation: every stderr line is a
   log record of this example or of loopkit, stdout holds only the run's summary, nothing of
-  TFDS, the TPU probe or TensorFlow's start-up shows, and each long wait is announced, in order, before it: the first call's line
-  before the data wait and compile that the run's goodput row counts, the eval line before the
-  evaluation's seconds."""
+  TFDS, the TPU probe or TensorFlow's start-up shows, and each long wait is announced, in
+  order, before it: the first call's line before the data wait and compile that the run's
+  goodput row counts, the eval line before the evaluation's seconds."""
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS",
                       "XLA_FLAGS")}
