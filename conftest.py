@@ -1,5 +1,10 @@
 """Test setup for tests/, doctests and examples: 8 fake CPU devices, set before JAX initialises.
 
+On x86, XLA:CPU's generated code is capped at AVX2 (``--xla_cpu_max_isa=AVX2`` in
+``XLA_FLAGS`` unless it names a cap already): under jax 0.12 an AVX-512 CPU rounds a step inside
+loopkit's loop and under a per-step ``jit`` differently (docs/concepts.md, "AVX-512 CPUs under
+jax 0.12"), and the bitwise comparisons with ``jit`` must not depend on the machine.
+
 One persistent JAX compilation cache per session (a temporary directory, removed at the end):
 every xdist worker and every subprocess a test starts (tests/bootstrap.py copies this
 environment) loads a program that an earlier test compiled instead of compiling it again.
@@ -24,6 +29,7 @@ at collection (``pytest.importorskip``).
 
 import importlib.util
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -31,8 +37,17 @@ import tempfile
 import pytest
 
 _FLAG = "--xla_force_host_platform_device_count=8"
+ISA_FLAG = "--xla_cpu_max_isa=AVX2"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# XLA:CPU's generated code at most AVX2 on x86, whatever the machine has (subprocesses inherit
+# it): with AVX-512 code, jax 0.12 compiles a step inside loopkit's loop and the same step under
+# a per-step jit to results that differ in the last bits (4.5e-8 after 3 steps of
+# test_conv_layout's net; jax 0.10.2 does not), so the tests comparing them bitwise would depend
+# on the CI machine's CPU. tests/test_conv_layout.py::test_native_isa_* runs without the cap.
+if (platform.machine().lower() in ("x86_64", "amd64")
+    and "xla_cpu_max_isa" not in os.environ["XLA_FLAGS"]):
+  os.environ["XLA_FLAGS"] += " " + ISA_FLAG
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Set before JAX is imported (its config reads these at import) and before xdist starts its
