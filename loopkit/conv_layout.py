@@ -22,7 +22,10 @@ result back. Transposing is a pure relayout, and the canonical convolution is
 the one XLA:CPU's ``ConvCanonicalization`` runs for a top-level convolution, so
 the rewritten step gives bitwise the values of a per-step ``jit`` of the same
 step (the naive in-loop kernel sums in another order: last-bit differences),
-and the same for every K (every K runs this rewritten step).
+and the same for every K (every K runs this rewritten step). Not on an AVX-512 x86 CPU under
+jax 0.12: there the rewritten step alone, in a plain ``jit``, differs from the step's ``jit`` in
+the last bits (docs/concepts.md, "AVX-512 CPUs under jax 0.12"); every K still gives the same
+bits.
 :class:`~loopkit.core.program.MultiStepProgram` applies it when its mesh is on CPU
 devices (``canonical_convs=None``, the default).
 
