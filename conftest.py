@@ -40,11 +40,9 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 ISA_FLAG = "--xla_cpu_max_isa=AVX2"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-# XLA:CPU's generated code at most AVX2 on x86, whatever the machine has (subprocesses inherit
-# it): with AVX-512 code, jax 0.12 compiles a step inside loopkit's loop and the same step under
-# a per-step jit to results that differ in the last bits (4.5e-8 after 3 steps of
-# test_conv_layout's net; jax 0.10.2 does not), so the tests comparing them bitwise would depend
-# on the CI machine's CPU. tests/test_conv_layout.py::test_native_isa_* runs without the cap.
+# The AVX2 cap (module docstring; subprocesses inherit it): with AVX-512 code, jax 0.12 rounds
+# test_conv_layout's net 3.0e-8 off its per-step jit after 3 steps. tests/test_conv_layout.py::
+# test_native_isa_k_invariant_and_within_a_bound_of_jit runs without the cap.
 if (platform.machine().lower() in ("x86_64", "amd64")
     and "xla_cpu_max_isa" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " " + ISA_FLAG

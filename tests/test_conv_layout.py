@@ -323,6 +323,15 @@ def _net(dtype, axis=None):
   return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}, step, data
 
 
+def _per_step_jit(state, step, data, mesh):
+  """The final state (on the host) of ``step`` under a per-step ``jit`` over ``data``, the state
+  replicated and the batch on the mesh's data axis."""
+  jitted = jax.jit(step, in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))))
+  for batch in data:
+    state, _ = jitted(state, batch)
+  return jax.device_get(state)
+
+
 @FLOATS
 @pytest.mark.parametrize("ndev", [1, 4])
 def test_c51_loop_at_k1_equals_jit_bitwise_in_every_float_dtype(dtype, ndev):
@@ -331,10 +340,7 @@ def test_c51_loop_at_k1_equals_jit_bitwise_in_every_float_dtype(dtype, ndev):
   loop = loopkit.TrainLoop(step, iterations_per_loop=1, mesh=mesh, prefetch=0)
   assert loop.program.canonical_convs
   got = jax.device_get(loop.run(jax.tree.map(jnp.copy, state), iter(data), num_steps=NET_STEPS))
-  jitted = jax.jit(step, in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))))
-  for batch in data:
-    state, _ = jitted(state, batch)
-  toy.assert_bitwise(got, jax.device_get(state))
+  toy.assert_bitwise(got, _per_step_jit(state, step, data, mesh))
 
 
 @FLOATS
@@ -353,9 +359,8 @@ def test_c51_per_device_loop_at_k1_equals_pmap_bitwise_in_every_float_dtype(dtyp
 
 
 _NATIVE_ISA_CODE = """
-import json, sys
+import json
 import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 import loopkit
 from tests import test_conv_layout as t
 state, step, data = t._net(jnp.float32)
@@ -365,10 +370,7 @@ for k in (1, 3):
   loop = loopkit.TrainLoop(step, iterations_per_loop=k, mesh=mesh, prefetch=0)
   runs[k] = jax.device_get(loop.run(jax.tree.map(jnp.copy, state), iter(data),
                                     num_steps=t.NET_STEPS))
-jitted = jax.jit(step, in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))))
-for batch in data:
-  state, _ = jitted(state, batch)
-want = jax.device_get(state)
+want = t._per_step_jit(state, step, data, mesh)
 print(json.dumps({
     "k_equal": all(np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, runs.values()))),
     "diff": [[float(np.max(np.abs(a - b))), float(np.max(np.abs(b)))]
@@ -391,7 +393,6 @@ def test_native_isa_k_invariant_and_within_a_bound_of_jit():
                        cwd=ROOT, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   got = json.loads(out.stdout.splitlines()[-1])
-  print(got)
   assert got["k_equal"]
   assert len(got["diff"]) == 13  # 6 parameters, their 6 momenta, the step
   for diff, scale in got["diff"]:
