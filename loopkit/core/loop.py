@@ -30,10 +30,11 @@ from loopkit.core.hooks import Hook, check_hooks
 from loopkit.core.ledger import Bucket, Ledger
 from loopkit.core.planner import TimeBasedK, parse_duration
 from loopkit.core.preemption import DEFAULT_SIGNALS, PreemptionWatcher
-from loopkit.core.program import MultiStepProgram, StepStyle
+from loopkit.core.program import FullCallLoop, MultiStepProgram, StepStyle
 from loopkit.core.run import DataExhaustedWarning, Run, RunConfig, check_epoch_marks
 from loopkit.core.skips import check_skip_steps
 from loopkit.core.time_limit import TimeLimit, as_time_limit
+from loopkit.data.assembly import ChunkAssembly, resolve_chunk_assembly
 from loopkit.data.sources import check_epoch_length, steps_per_epoch_of
 
 __all__ = ["DataExhaustedWarning", "TrainLoop"]
@@ -151,6 +152,21 @@ class TrainLoop:
     canonical_convs: relay out the step's convolution gradients for XLA:CPU's
       fast kernels inside the loop body (:mod:`loopkit.conv_layout`); None
       (default) = on when the mesh is on CPU devices.
+    chunk_assembly: where a chunk ``[K, B, ...]`` is formed: ``"device"`` (each batch placed
+      on the mesh as it comes, in the prefetch thread, and the chunk assembled there: no host
+      array of the chunk's size), ``"host"`` (stacked in one host buffer, one transfer; on CPU
+      devices the buffer is aliased, not copied) or ``"auto"`` (default): ``"device"`` on
+      accelerators, ``"host"`` on CPU meshes (:mod:`loopkit.data.assembly`). Results are the
+      same either way. On devices that report their memory (GPU, TPU), a K whose chunks in
+      flight (``prefetch + 3``) and the state do not fit is refused before the first step.
+    full_call_loop: ``"static"``: full calls (K steps) run a second executable whose step loop
+      has a static trip count, compiled with the first before any step; ``"traced"``: every
+      call runs the one executable with a traced trip count; ``"auto"`` (default):
+      ``"static"`` on GPUs, where XLA runs a traced-count loop from the host (one predicate
+      read back per step, and a call that returns only when finished), ``"traced"`` elsewhere
+      (:class:`~loopkit.core.program.MultiStepProgram`). Results are the same either way
+      (bitwise on CPU, ``tests/test_assembly.py``); :meth:`program`'s ``compile_count()`` is 2
+      with ``"static"``.
 
   Raises:
     TypeError: a hook without the :class:`~loopkit.core.hooks.Hook` methods, or
@@ -158,7 +174,8 @@ class TrainLoop:
       ``after_call``, a misspelt ``on_run_started``; see
       :func:`~loopkit.core.hooks.check_hooks`); also at ``run`` for hooks added to
       :attr:`hooks` since.
-    ValueError: K < 1 or not an int or duration; a duration K on several
+    ValueError: K < 1 or not an int or duration; a ``chunk_assembly`` or ``full_call_loop``
+      not among its values; a duration K on several
       processes; ``max_iterations_per_loop`` with an int K;
       ``global_batch_size`` not divisible by the data-parallel size (the
       product of the data axes' sizes; the message names them); a ``data_axis``
@@ -193,13 +210,15 @@ class TrainLoop:
                steps_per_epoch: int | str | None = None, global_batch_size: int | None = None,
                prefetch: int = 2, step_of: Callable[[Any], Any] = default_step_of,
                preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
-               canonical_convs: bool | None = None, state_shardings: Any = None):
+               canonical_convs: bool | None = None, state_shardings: Any = None,
+               chunk_assembly: ChunkAssembly = "auto", full_call_loop: FullCallLoop = "auto"):
     slots, time_based_k = _slots_and_time_based_k(iterations_per_loop, max_iterations_per_loop)
     mesh, data_axis, data_parallel_size = resolve_mesh(mesh, data_axis)
     program = MultiStepProgram(train_step, iterations_per_loop=slots,  # checks the slot count
                                mesh=mesh, data_axis=data_axis, style=step_style,
                                step_of=step_of, canonical_convs=canonical_convs,
-                               state_shardings=state_shardings)
+                               state_shardings=state_shardings, full_call_loop=full_call_loop)
+    resolve_chunk_assembly(chunk_assembly, program.batch_sharding)  # checks the value now
     self._auto_steps_per_epoch = steps_per_epoch == "auto"  # from the source, at each run
     self.steps_per_epoch: int | None = _fixed_steps_per_epoch(steps_per_epoch)
     if global_batch_size is not None:
@@ -210,7 +229,8 @@ class TrainLoop:
     self._config = RunConfig(program=program, iterations_per_loop=program.iterations_per_loop,
                              time_based_k=time_based_k, mesh=mesh,
                              data_parallel_size=data_parallel_size, prefetch=prefetch,
-                             step_of=step_of, global_batch_size=global_batch_size)
+                             step_of=step_of, global_batch_size=global_batch_size,
+                             chunk_assembly=chunk_assembly)
     install_default_handler()  # a plain script shows loopkit's lines (loopkit._internal.logs)
     _warn_gpu_determinism(mesh)
     self._run: Run | None = None  # the current (or last) run: the only writer of run state

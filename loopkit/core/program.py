@@ -104,6 +104,25 @@ from loopkit._internal.mesh import batch_sharding, is_cpu_mesh, pinned_state_sha
 from loopkit.core import flops as flops_lib
 
 StepStyle = Literal["global", "per_device"]
+FullCallLoop = Literal["auto", "traced", "static"]
+FULL_CALL_LOOPS = ("auto", "traced", "static")
+
+
+def resolve_full_call_loop(full_call_loop: str, mesh: Mesh) -> str:
+  """``"traced"`` or ``"static"``: ``full_call_loop`` with ``"auto"`` decided for ``mesh``.
+
+  ``"auto"`` is ``"static"`` where the mesh's devices are GPUs (XLA:GPU drives a loop with a
+  traced trip count from the host: :class:`MultiStepProgram`), else ``"traced"``.
+
+  Raises:
+    ValueError: any other value, named.
+  """
+  if full_call_loop not in FULL_CALL_LOOPS:
+    raise ValueError(f"full_call_loop={full_call_loop!r}; expected one of {FULL_CALL_LOOPS}")
+  if full_call_loop != "auto":
+    return full_call_loop
+  platforms = {d.platform for d in mesh.devices.flat}
+  return "static" if platforms and platforms <= {"gpu", "cuda", "rocm"} else "traced"
 
 _set_xla_metadata: Callable[..., Any] | None
 try:  # public, experimental (jax 0.10.2 and 0.12 have it); set_xla_metadata(x, **attrs) tags
@@ -137,7 +156,7 @@ def pad_slots(chunk: Any) -> Any:
 
 
 def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
-              init: Any) -> Any:
+              init: Any, *, trips: int | None = None) -> Any:
   """``carry = body(i, chunk[i], carry)`` for ``i < num_steps``: the loop of every loopkit program.
 
   A ``lax.fori_loop`` with a traced trip count over a chunk's slots (so every call length
@@ -152,6 +171,10 @@ def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
     chunk: traced pytree of ``[K, B, ...]`` leaves.
     num_steps: traced int32 scalar, ``1 <= num_steps <= K``.
     init: the initial carry.
+    trips: a static trip count (a Python int, ``1 <= trips <= K``) instead of ``num_steps``
+      (then unused): the loop of a full call on GPU, which XLA:GPU runs without reading the
+      loop predicate back to the host every step (:class:`MultiStepProgram`,
+      ``full_call_loop``).
 
   Returns:
     The final carry.
@@ -162,7 +185,8 @@ def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
     return body(i, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
                                 chunk), carry)
 
-  return no_hoisting(jax.lax.fori_loop(0, num_steps, step, init))
+  upper = num_steps if trips is None else trips
+  return no_hoisting(jax.lax.fori_loop(0, upper, step, init))
 
 
 # XLA's frontend attribute that turns off its while-loop invariant code motion for one loop
@@ -380,6 +404,18 @@ class MultiStepProgram:
       ``mesh``) / None (the leaf's own); see
       :func:`loopkit._internal.mesh.pinned_state_shardings`. Checked against the state when
       the program is built (its first call, :meth:`place_state` or :meth:`lower`).
+    full_call_loop: how a full call (``length == K``, see :meth:`__call__`) runs its steps:
+      ``"traced"``, the one program's loop with a traced trip count (every call length, one
+      executable); ``"static"``, a second executable whose loop runs exactly K trips (a static
+      trip count), compiled beside the first one at the first call, before any step runs;
+      ``"auto"`` (default): ``"static"`` on GPUs, ``"traced"`` elsewhere. Why: XLA:GPU runs a
+      while loop with a traced trip count from the host, reading its predicate back every trip,
+      so the call returns only once the device has finished (benchmarks/RESULTS_gpu.md, one
+      H200: 33.8 ms to return a 34.0 ms call, about 18 us a trip; a static trip count returned in
+      0.7 ms), and the next call cannot be queued behind it. TPU and CPU run the traced loop on
+      the device. Both executables run the same loop body (:func:`run_slots`), so results are
+      bitwise equal either way on CPU (``tests/test_full_call_loop.py``); on a GPU, check with
+      ``benchmarks/gpu_exactness.py``.
 
   Attributes:
     state_shardings: the pinned ``NamedSharding`` of every state leaf (the structure of the
@@ -391,6 +427,11 @@ class MultiStepProgram:
       in the step hides its trip count.
     step_jaxpr_flops_once: the same with every inner ``scan`` body counted once (as XLA counts
       it).
+    static_full_calls: whether full calls run the static-trip executable (``full_call_loop``
+      resolved for this mesh).
+
+  Raises:
+    ValueError: a ``full_call_loop`` other than ``"auto"``, ``"traced"`` or ``"static"``.
 
   Not thread-safe; multi-host-safe (every process builds the same program).
   """
@@ -398,8 +439,10 @@ class MultiStepProgram:
   def __init__(self, train_step: Callable, *, iterations_per_loop: int, mesh: Mesh,
                data_axis: str | tuple[str, ...] = "data", style: StepStyle = "global",
                step_of: Callable[[Any], jax.Array] = default_step_of,
-               canonical_convs: bool | None = None, state_shardings: Any = None):
+               canonical_convs: bool | None = None, state_shardings: Any = None,
+               full_call_loop: FullCallLoop = "auto"):
     check_step_style(style)
+    self.static_full_calls = resolve_full_call_loop(full_call_loop, mesh) == "static"
     self.train_step = train_step
     self.iterations_per_loop = check_iterations_per_loop(iterations_per_loop)
     self.mesh = mesh
@@ -411,6 +454,7 @@ class MultiStepProgram:
     self.canonical_convs = bool(canonical_convs)
     self.trace_count = 0
     self._jitted = None
+    self._jitted_full: Any = None  # the static-trip program (static_full_calls)
     self._replica_check: Callable[[Any], Any] | None = None
     self._first_signature: list[tuple[str, tuple]] | None = None
     self._compiles = 0  # calls that compiled (lowering_count)
@@ -451,6 +495,15 @@ class MultiStepProgram:
 
   def _loop(self, state, batches, num_steps):
     """The traced body: fori_loop over the step with a dynamic trip count."""
+    return self._steps(state, batches, num_steps, None)
+
+  def _full_loop(self, state, batches, num_steps):
+    """The traced body of a full call: fori_loop over the step, K trips (static)."""
+    del num_steps  # K, always
+    return self._steps(state, batches, None, self.iterations_per_loop)
+
+  def _steps(self, state, batches, num_steps, trips):
+    """``num_steps`` (traced) or ``trips`` (static) steps of the train step over ``batches``."""
     self.trace_count += 1
     batch0 = jax.tree.map(lambda x: x[0], batches)
 
@@ -504,7 +557,7 @@ class MultiStepProgram:
       traces = jax.tree.map(lambda buf, v: buf.at[i].set(v), traces, m)
       return new_s, traces
 
-    state, traces = run_slots(body, batches, num_steps, (state, traces0))
+    state, traces = run_slots(body, batches, num_steps, (state, traces0), trips=trips)
     traces = jax.tree.map(lambda t: t[:self.iterations_per_loop], traces)
     return state, CallOutput(traces=traces,
                              nonfinite=metrics_lib.first_nonfinite(traces),
@@ -512,11 +565,13 @@ class MultiStepProgram:
 
   def _build(self, state):
     self.state_shardings = self.state_sharding_for(state)
-    self._jitted = build_program(
-        self._loop, mesh=self.mesh, data_axis=self.data_axis, style=self.style,
-        donate_argnums=(0,),
-        in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
-        out_shardings=(self.state_shardings, self.replicated))
+    kwargs = dict(mesh=self.mesh, data_axis=self.data_axis, style=self.style,
+                  donate_argnums=(0,),
+                  in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
+                  out_shardings=(self.state_shardings, self.replicated))
+    self._jitted = build_program(self._loop, **kwargs)
+    if self.static_full_calls:
+      self._jitted_full = build_program(self._full_loop, **kwargs)
 
   def place_state(self, state: Any) -> Any:
     """Puts ``state`` on the mesh with the pinned shardings (explicit transfer).
@@ -542,10 +597,19 @@ class MultiStepProgram:
         seen.add(id(x))
     return jax.tree.unflatten(treedef, leaves)
 
-  def __call__(self, state: Any, batches: Any, num_steps: jax.Array) -> tuple[Any, CallOutput]:
+  def __call__(self, state: Any, batches: Any, num_steps: jax.Array,
+               length: int | None = None) -> tuple[Any, CallOutput]:
     """Runs ``num_steps`` steps (device int32 scalar) over ``batches`` ``[K, B, ...]``.
 
     Dispatches asynchronously; ``state`` is donated.
+
+    Args:
+      state: the state pytree (donated).
+      batches: the chunk, leaves ``[max(K, 2), B, ...]``.
+      num_steps: int32 scalar on the mesh (replicated), ``1 <= num_steps <= K``.
+      length: ``num_steps`` as a Python int, where the caller knows it: a full call
+        (``length == K``) then runs the static-trip executable when
+        :attr:`static_full_calls`; None runs the traced-trip one.
 
     Warns:
       RecompileWarning: this call compiled the program again (a run should
@@ -555,8 +619,13 @@ class MultiStepProgram:
     if self._jitted is None:
       self._build(state)
     assert self._jitted is not None
+    if self._jitted_full is not None and self._first_signature is None:
+      self._compile_both(state, batches, num_steps)
+    jitted = self._jitted
+    if self._jitted_full is not None and length == self.iterations_per_loop:
+      jitted = self._jitted_full
     lowered = lowering_count()
-    out = self._jitted(state, batches, num_steps)
+    out = jitted(state, batches, num_steps)
     if lowering_count() > lowered:  # read from the (donated) arrays' metadata
       self._compiles += 1
       self._compiled_args = jax.tree.map(_abstract, (state, batches, num_steps))
@@ -569,6 +638,21 @@ class MultiStepProgram:
             f"the train program was compiled again (compilation {self._compiles}): "
             f"{signature_change(self._first_signature, signature)}"), stacklevel=2)
     return out
+
+  def _compile_both(self, state: Any, batches: Any, num_steps: Any) -> None:
+    """Compiles the traced-trip and the static-trip executables, before the first call runs.
+
+    ``jit(...).lower(...).compile()`` fills ``jit``'s own caches, so the calls that follow
+    compile nothing (``tests/test_full_call_loop.py`` counts lowerings). Counted as two
+    compilations (:meth:`compile_count`).
+    """
+    assert self._jitted is not None and self._jitted_full is not None
+    for jitted in (self._jitted, self._jitted_full):
+      jitted.lower(state, batches, num_steps).compile()
+      self._compiles += 1
+    self._compiled_args = jax.tree.map(_abstract, (state, batches, num_steps))
+    self._cost = None
+    self._first_signature = call_signature(state, batches, num_steps)
 
   def diverged_leaves(self, state: Any) -> list[str]:
     """Paths of the state's leaves whose copies differ between devices on the data axis.
@@ -682,7 +766,8 @@ class MultiStepProgram:
                                 self.step_jaxpr_flops_once)
 
   def compile_count(self) -> int:
-    """Number of times a call compiled this program (1 in a healthy run).
+    """Number of times a call compiled this program (1 in a healthy run; 2 with
+    :attr:`static_full_calls`, both at the first call).
 
     Counted from JAX's lowering events during this program's calls
     (:func:`loopkit._internal.compat.lowering_count`), not from ``jit``'s dispatch cache, which

@@ -65,6 +65,7 @@ from loopkit.core.skips import (
 )
 from loopkit.core.time_limit import TIME_LIMIT, TimeLimit
 from loopkit.core.triggers import Trigger
+from loopkit.data.assembly import check_chunk_memory, chunk_device_bytes, state_device_bytes
 from loopkit.data.feeding import Chunk, ChunkFeeder
 from loopkit.data.sources import open_source
 
@@ -143,6 +144,7 @@ class RunConfig:
     prefetch: chunks prepared ahead by the feeder's thread.
     step_of: returns the state's step counter.
     global_batch_size: the batch size to check the first batch against, or None.
+    chunk_assembly: where the feeder forms chunks (:mod:`loopkit.data.assembly`).
   """
 
   program: MultiStepProgram
@@ -153,6 +155,7 @@ class RunConfig:
   prefetch: int
   step_of: Callable[[Any], Any]
   global_batch_size: int | None
+  chunk_assembly: str = "auto"
 
 
 def check_epoch_marks(hooks: Sequence[Hook], steps_per_epoch: int | None) -> None:
@@ -443,7 +446,8 @@ class Run:
                        interrupt=self.preemption.event,
                        global_batch_size=config.global_batch_size,
                        call_places=True,  # the program pins batch_sharding
-                       skips=ledger.skip_steps, first_data_step=ledger.data_step)
+                       skips=ledger.skip_steps, first_data_step=ledger.data_step,
+                       assembly=config.chunk_assembly)
 
   def apply_restore(self, r: Restore, i: int) -> Any:
     """Takes a hook's :class:`~loopkit.core.context.Restore`: state, ledger, position, hook
@@ -587,10 +591,26 @@ class Run:
       self.checked_layout = True
       if self.config.global_batch_size is None:
         warn_if_pmap_layout(chunk.batches, self.config.data_parallel_size)
+      self.check_chunk_memory(chunk)
     if self.examples_unknown and not chunk.interrupted:
       self.examples_unknown = False
       self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
     return chunk
+
+  def check_chunk_memory(self, chunk: Chunk) -> None:
+    """Refuses, before the first step, chunks that do not fit beside the state in a device's
+    memory (:func:`loopkit.data.assembly.check_chunk_memory`; devices that report no limit,
+    CPUs, are not checked)."""
+    device = self.config.mesh.local_devices[0]
+    sharding = self.program.batch_sharding
+    leaves = jax.tree.leaves(chunk.batches)
+    spec = [((x.shape[1] // jax.process_count(),) + tuple(x.shape[2:]), x.dtype)
+            for x in leaves]
+    check_chunk_memory(
+        iterations_per_loop=self.config.iterations_per_loop,
+        chunk_bytes=chunk_device_bytes(spec, leaves[0].shape[0], sharding, jax.process_count()),
+        prefetch=self.config.prefetch, state_bytes=state_device_bytes(self.state, device),
+        device=device)
 
   def dispatch(self, state: Any, chunk: Chunk, time_due: dict[int, bool]) -> tuple[Any, Boundary]:
     """Dispatches one device call over ``chunk`` and records its :class:`Boundary`."""
@@ -607,7 +627,7 @@ class Run:
         watchdog.enter_phase("compile", start)
       else:
         watchdog.enter_phase("device_call", start, "dispatch")
-    state, out = program(state, chunk.batches, chunk.num_steps)
+    state, out = program(state, chunk.batches, chunk.num_steps, chunk.length)
     if watchdog is not None:
       watchdog.leave_phase()
     self.state, self.state_position = state, chunk.position  # its input was donated

@@ -6,7 +6,10 @@ batch on one process, the process-local part on multi-host). For each planned ca
 ``[max(K, MIN_SLOTS), B, ...]`` with zeros (padding slots are never computed on; K = 1
 chunks carry one zero slot so the program runs the K = 2 loop body without padding on
 the device, see :mod:`loopkit.core.program`) and places the chunk on the mesh with
-``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis or axes), or,
+``jax.make_array_from_process_local_data`` (batch axis sharded on the data axis or axes);
+on accelerators it instead places each batch as it comes and assembles the chunk on the
+devices (``assembly="device"``, :mod:`loopkit.data.assembly`), so no host array of the
+chunk's size is made. Or,
 for a consumer that pins the chunk's sharding on one process of CPU devices, hands it
 over as numpy for the jitted call to place (``call_places=True``,
 :func:`loopkit.data.placement.call_places_numpy`). A background thread does this
@@ -65,6 +68,7 @@ from loopkit._internal.checks import (
 )
 from loopkit._internal.mesh import check_batch_on_mesh, is_cpu_mesh
 from loopkit._internal.mesh import data_parallel_size as data_parallel_size_of
+from loopkit.data.assembly import DeviceAssembler, resolve_chunk_assembly
 from loopkit.data.placement import (
     ALIGN_MIN_BYTES,
     Placer as _Placer,
@@ -205,6 +209,10 @@ class ChunkFeeder:
       (:func:`loopkit.core.skips.cut_steps`).
     first_data_step: data steps the source has given before its first batch here
       (default ``first_step``).
+    assembly: where a chunk is formed: ``"host"`` (stacked in a host buffer, placed in one
+      transfer), ``"device"`` (each batch placed as it comes, the chunk assembled on the
+      devices), or ``"auto"``: ``"device"`` on accelerators, ``"host"`` on CPU meshes
+      (:mod:`loopkit.data.assembly`). Same chunk values either way.
 
   Thread-safety: ``next``/``close`` from one consumer thread only.
   Raises (from ``next``): ValueError for a batch whose structure, shapes or
@@ -220,7 +228,8 @@ class ChunkFeeder:
                first_step: int = 0, close_timeout_secs: float | None = None,
                interrupt: threading.Event | None = None,
                global_batch_size: int | None = None, call_places: bool = False,
-               skips: tuple[tuple[int, int], ...] = (), first_data_step: int | None = None):
+               skips: tuple[tuple[int, int], ...] = (), first_data_step: int | None = None,
+               assembly: str = "host"):
     self._close_timeout_secs = (CLOSE_TIMEOUT_SECS if close_timeout_secs is None
                                 else close_timeout_secs)
     self._interrupt = interrupt
@@ -246,7 +255,10 @@ class ChunkFeeder:
     self._spec_def: Any = None  # the first batch's structure (set by _check)
     self._nums: dict[int, jax.Array] = {}
     self._place = _Placer(batch_sharding)
-    self._hand_numpy = call_places and call_places_numpy(batch_sharding)
+    self.assembly = resolve_chunk_assembly(assembly, batch_sharding)
+    self._assembler: DeviceAssembler | None = None  # "device" assembly, from the first batch
+    self._hand_numpy = (self.assembly == "host" and call_places
+                        and call_places_numpy(batch_sharding))
     self._align = is_cpu_mesh(batch_sharding.mesh)
     self._small: dict[tuple, bool] = {}  # (leaf shape, dtype) -> np.empty is enough
     self._list_defs: dict[int, Any] = {}  # n -> structure of n first batches (_check_chunk)
@@ -406,6 +418,9 @@ class ChunkFeeder:
     if not count:
       return Chunk(None, None, 0, position, True, getattr(self, "global_batch_size", 0),
                    skipped=skipped)
+    if self.assembly == "device":  # cols: the chunk's leaves, already on the devices
+      return Chunk(jax.tree.unflatten(self._spec_def, cols), self._num_steps(count), count,
+                   position, exhausted, self.global_batch_size, skipped=skipped)
     arrays = [self._stack(xs, spec, count, fresh) for xs, spec in zip(cols, self._leaf_specs)]
     return Chunk(self._place_chunk(arrays), self._num_steps(count), count, position, exhausted,
                  self.global_batch_size, skipped=skipped)
@@ -458,6 +473,8 @@ class ChunkFeeder:
 
   def _pull_batches(self, n: int) -> tuple[list, int, bool, bool] | None:
     """:meth:`_pull` without the skipping."""
+    if self.assembly == "device":
+      return self._pull_onto_device(n)
     # Halted (closing or interrupted): the chunk being formed is dropped. Per batch only
     # the source and that check (its two lookups bound once; bool() is False: no
     # interrupt event); the batches are checked together once pulled (_check_chunk).
@@ -492,6 +509,34 @@ class ChunkFeeder:
     if stopped() or interrupted():  # checked before any JAX call (see the module docstring)
       return None
     return self._check_chunk(got, self._step) if got else [], len(got), False, exhausted
+
+  def _pull_onto_device(self, n: int) -> tuple[list, int, bool, bool] | None:
+    """:meth:`_pull_batches` for ``"device"`` assembly: each batch checked, placed and
+    written into the chunk on the devices as it comes; the chunk's leaves are returned."""
+    stopped = self._stop.is_set
+    interrupted = self._interrupt.is_set if self._interrupt is not None else bool
+    it = self._it
+    chunk: list | None = None
+    count = 0
+    exhausted = False
+    for i in range(n):
+      if stopped() or interrupted():
+        return None
+      try:
+        batch = next(it)
+      except StopIteration:
+        exhausted = True
+        break
+      leaves = self._check(batch, self._step + i)
+      if stopped() or interrupted():  # checked before any JAX call (see the module docstring)
+        return None
+      if self._assembler is None:
+        self._assembler = DeviceAssembler(self._batch_sharding, self._leaf_specs, self._slots)
+      placed = self._assembler.place([np.asarray(x) for x in leaves])
+      chunk = self._assembler.write(self._assembler.empty() if chunk is None else chunk,
+                                    placed, i)
+      count += 1
+    return (chunk or []), count, False, exhausted
 
   def _stack(self, xs: Any, spec: tuple[tuple[int, ...], np.dtype], count: int,
              fresh: bool) -> np.ndarray:
