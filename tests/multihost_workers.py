@@ -71,13 +71,13 @@ class RecordingSource:
 
 
 def train(num_steps: int = 12, iterations_per_loop: int = 5, style: str = "global", *,
-          extra_hooks=(), loops: list | None = None) -> dict:
+          extra_hooks=(), loops: list | None = None, **loop_kwargs) -> dict:
   """Trains the toy model on :class:`~loopkit.data.sources.ArraySource` batches.
 
   Every process passes the same arrays; each feeds its ``B / P`` rows of each
   global batch. Returns the final parameters, per-step losses and the example
   indices this process fed, per step. ``loops``, if given, receives the loop
-  (so hooks can reach it).
+  (so hooks can reach it); ``loop_kwargs`` go to ``TrainLoop``.
   """
   step = toy.make_global_step() if style == "global" else toy.make_per_device_step()
   src = RecordingSource(sources.ArraySource(dataset(), GLOBAL_BATCH, seed=3))
@@ -85,7 +85,8 @@ def train(num_steps: int = 12, iterations_per_loop: int = 5, style: str = "globa
   hook = loopkit.CallbackHook(lambda info, _: losses.extend(info.traces["loss"].tolist()),
                               needs_state=False)
   loop = loopkit.TrainLoop(step, iterations_per_loop=iterations_per_loop, step_style=style,
-                           hooks=[hook, *extra_hooks], steps_per_epoch=src.steps_per_epoch)
+                           hooks=[hook, *extra_hooks], steps_per_epoch=src.steps_per_epoch,
+                           **loop_kwargs)
   if loops is not None:
     loops.append(loop)
   state = loop.run(toy.init_state(), src, num_steps=num_steps)
@@ -168,16 +169,17 @@ def train_variants(variants: list[tuple], logdir: str | None = None) -> list[dic
   """Several :func:`train` runs in one process group (saves start-up time).
 
   Args:
-    variants: ``(num_steps, iterations_per_loop, style)`` tuples.
+    variants: ``(num_steps, iterations_per_loop, style)`` tuples, or with a fourth item, a
+      dict of ``TrainLoop`` keyword arguments.
     logdir: if given, the first run is :func:`train_observed` into it.
   """
   out = []
-  for i, (n, k, style) in enumerate(variants):
+  for i, (n, k, style, *kwargs) in enumerate(variants):
     if i == 0 and logdir is not None:
       assert style == "global"
       out.append(train_observed(logdir, n, k))
     else:
-      out.append(train(n, k, style))
+      out.append(train(n, k, style, **(kwargs[0] if kwargs else {})))
   return out
 
 

@@ -50,7 +50,11 @@ def assert_params_close(a, b, what):
 
 # -- training: 2 processes x 4 devices vs 1 process x 8 --------------------------------------
 
-VARIANTS = [(12, 5, "global"), (12, 1, "global"), (12, 5, "per_device")]
+# the fourth: the accelerator paths (chunks assembled on the devices from batches placed as
+# they come, full calls on the static-trip executable) forced on these CPU devices
+ACCELERATOR_PATHS = {"chunk_assembly": "device", "full_call_loop": "static"}
+VARIANTS = [(12, 5, "global"), (12, 1, "global"), (12, 5, "per_device"),
+            (12, 5, "global", ACCELERATOR_PATHS)]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,16 @@ def test_multi_process_result_does_not_depend_on_k(two_process_runs):
   k5, k1 = (two_process_runs["runs"][0][0], two_process_runs["runs"][0][1])
   assert_params_bitwise(k5["params"], k1["params"], "2 x 4: K=5 vs K=1")
   np.testing.assert_array_equal(k5["losses"], k1["losses"])
+
+
+def test_accelerator_paths_on_two_processes(two_process_runs):
+  """Device-assembled chunks and static-trip full calls: bitwise the default path's result on
+  both processes, each process feeding its own rows, both executables compiled."""
+  for runs in two_process_runs["runs"]:
+    default, accel = runs[0], runs[3]
+    assert_params_bitwise(default["params"], accel["params"], "2 x 4: accelerator paths")
+    np.testing.assert_array_equal(default["losses"], accel["losses"])
+    assert accel["seen"] == default["seen"] and accel["compiles"] == 2
 
 
 def test_training_data_order_and_per_process_halves(two_process_runs):
