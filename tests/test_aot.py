@@ -52,6 +52,7 @@ def test_resnet_smoke_compiles_for_v5e_2x2():
   # chunk [K, B/D, 32, 32, 3] uint8 + labels [K, B/D] int32, per device
   assert t.chunk_bytes == 4 * 4 * (32 * 32 * 3 + 4)
   assert t.prefetch_chunks == config.prefetch
+  assert t.device_chunk_bytes == (config.prefetch + 3) * t.chunk_bytes  # what a run checks
   # the donated state (replicated: all of it on each device) is aliased to the new state;
   # TPU layouts pad small dimensions to tiles, so on the chip it takes more than its bytes
   state = jax.eval_shape(lambda: train.create_train_state(

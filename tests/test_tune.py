@@ -46,7 +46,7 @@ def test_tiny_sweep(tmp_path):
   assert result.recommended == tune.recommend(result.rows)
   table = result.table().splitlines()
   assert table[0] == ("| K | steps/s | +- | repeats | spread | s/call | host overhead | "
-                      "compile s | input bytes/call |")
+                      "compile s | input bytes/call | device chunks |")
   assert len(table) == 2 + 3 + 2 + 1 + result.at_largest
   assert table[6].startswith(f"recommended iterations_per_loop = {result.recommended} (")
   assert table[7].startswith("warning: one measurement per K, so the noise is unknown")
@@ -60,6 +60,8 @@ def test_measure_runs_at_least_the_asked_calls():
   r = tune.measure(step, state, batches, iterations_per_loop=3, calls=4, warmup_calls=2)
   assert r.iterations_per_loop == 3
   assert r.input_bytes_per_call == 3 * (16 * 4 * 4 + 16 * 2 * 4)
+  # prefetch 2 + 3 chunks of 3 slots of one device's 2 of the 16 rows: what a run holds
+  assert r.device_chunk_bytes == 5 * 3 * (2 * 4 * 4 + 2 * 2 * 4)
   with pytest.raises(ValueError, match="ran out"):
     tune.measure(step, state, lambda: toy.batches(5), iterations_per_loop=3, calls=4)
   with pytest.raises(ValueError, match="re-iterable"):
@@ -74,7 +76,7 @@ def test_cli_on_a_user_target(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "target tests.test_tune:small_target on 8 cpu device(s)" in out
   assert ("| K | steps/s | +- | repeats | spread | s/call | host overhead | compile s | "
-          "input bytes/call |") in out
+          "input bytes/call | device chunks |") in out
   assert f"recommended iterations_per_loop = {result.recommended} (" in out
   assert all(r.repeats in (2, 3) and len(r.repeat_steps_per_sec) == r.repeats
              for r in result.rows)
@@ -149,8 +151,8 @@ def test_sweep_shows_the_noise_and_warns_when_the_largest_k_wins(monkeypatch, ca
   assert round(result.rows[2].uncertainty, 4) == 0.0692
   assert result.recommended == 4 and result.at_largest and result.ties == [4]
   table = result.table().splitlines()
-  assert table[2] == "| 1 | 90 | 14.6% | 2 | 20.0% | 0.0125 | 0.50 | 1.00 | 10 |"
-  assert table[4] == "| 4 * | 285 | 6.9% | 2 | 10.0% | 0.01481 | 0.50 | 1.00 | 40 |"
+  assert table[2] == "| 1 | 90 | 14.6% | 2 | 20.0% | 0.0125 | 0.50 | 1.00 | 10 | 0 |"
+  assert table[4] == "| 4 * | 285 | 6.9% | 2 | 10.0% | 0.01481 | 0.50 | 1.00 | 40 | 0 |"
   assert table[6] == ("recommended iterations_per_loop = 4 (the fastest: 285 steps/s +-6.9%; no "
                       "other K is within 2% or the measurement noise of it)")
   assert table[7:] == [

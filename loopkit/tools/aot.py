@@ -51,6 +51,7 @@ from loopkit._internal.checks import (
 from loopkit._internal.mesh import data_parallel_size, describe_data_axis, is_sharding_entry
 from loopkit.core.flops import step_flops
 from loopkit.core.program import MultiStepProgram, compiled_cost
+from loopkit.data.assembly import chunk_buffers_in_flight
 from loopkit.evaluation import Evaluator
 from loopkit.tools.topology import Chip, GiB, chip_of, topology_devices
 
@@ -136,6 +137,14 @@ class ProgramReport:
   compile_secs: float
   trace_count: int
   executable: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+  @property
+  def device_chunk_bytes(self) -> int:
+    """Input chunks a :class:`~loopkit.TrainLoop` holds on one device at once, in bytes:
+    :func:`loopkit.data.assembly.chunk_buffers_in_flight` (``prefetch + 3``) x
+    :attr:`chunk_bytes`, the figure a run checks against the device's memory (with the
+    state) before its first step, and the tuner's ``device chunks`` column."""
+    return chunk_buffers_in_flight(self.prefetch_chunks) * self.chunk_bytes
 
 
 @dataclasses.dataclass(frozen=True)

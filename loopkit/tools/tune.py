@@ -64,11 +64,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loopkit._internal.checks import MIN_SLOTS
 from loopkit._internal.extras import require
 from loopkit.core.context import RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.ledger import Bucket
 from loopkit.core.loop import DataExhaustedWarning, TrainLoop
+from loopkit.data.assembly import chunk_buffers_in_flight
 from loopkit.tools._targets import load_target
 
 __all__ = ["DEFAULT_KS", "TuneResult", "TuneRow", "combine", "demo_target", "main", "measure",
@@ -97,6 +99,10 @@ class TuneRow:
     compile_secs: the first dispatch (trace + compile) in seconds.
     input_bytes_per_call: bytes of input per device call (K x global batch).
     secs_per_call: steady-state wall time per device call.
+    device_chunk_bytes: device bytes of the input chunks a run holds at once, on one device:
+      :func:`loopkit.data.assembly.chunk_buffers_in_flight` (``prefetch + 3``) chunks of
+      ``max(K, 2)`` slots of the per-device batch; what a run checks against a GPU's or TPU's
+      memory before its first step.
     repeat_steps_per_sec: steps/s of every repeat at this K, in measurement
       order; empty for a single measurement.
   """
@@ -108,6 +114,7 @@ class TuneRow:
   input_bytes_per_call: int
   secs_per_call: float
   repeat_steps_per_sec: tuple[float, ...] = ()
+  device_chunk_bytes: int = 0
 
   @property
   def repeats(self) -> int:
@@ -338,13 +345,14 @@ class TuneResult:
     Columns: K, steps/s (the median of the repeats), ``+-`` (its uncertainty,
     :attr:`TuneRow.uncertainty`; ``-`` for one measurement), repeats, spread over
     repeats (``(max - min) / max``), seconds per device call, host overhead
-    fraction, compile seconds, input bytes per call. Then
+    fraction, compile seconds, input bytes per call, device bytes of the chunks in flight
+    (:attr:`TuneRow.device_chunk_bytes`). Then
     :meth:`recommendation` and :meth:`warnings`.
     """
     ties = self.ties
     lines = ["| K | steps/s | +- | repeats | spread | s/call | host overhead | compile s | "
-             "input bytes/call |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "input bytes/call | device chunks |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in self.rows:
       k = r.iterations_per_loop
       mark = " *" if k == self.recommended else " =" if k in ties else ""
@@ -352,7 +360,8 @@ class TuneResult:
       lines.append(f"| {k}{mark} | {r.steps_per_sec:,.0f} | "
                    f"{'-' if one else _pct(r.uncertainty)} | {r.repeats} | "
                    f"{'-' if one else _pct(r.spread)} | {r.secs_per_call:.4g} | "
-                   f"{r.host_overhead:.2f} | {r.compile_secs:.2f} | {r.input_bytes_per_call:,} |")
+                   f"{r.host_overhead:.2f} | {r.compile_secs:.2f} | {r.input_bytes_per_call:,} | "
+                   f"{r.device_chunk_bytes:,} |")
     lines.append("")
     lines.append(self.recommendation())
     lines.extend(self.warnings())
@@ -385,6 +394,13 @@ class _BoundaryClock(Hook):
 
 def _batch_bytes(batch: Any) -> int:
   return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))) * jax.process_count()
+
+
+def _device_chunk_bytes(loop: TrainLoop, batch_bytes: int) -> int:
+  """:attr:`TuneRow.device_chunk_bytes` of ``loop`` for a global batch of ``batch_bytes``."""
+  per_device = batch_bytes // loop.data_parallel_size
+  slots = max(loop.program.iterations_per_loop, MIN_SLOTS)
+  return chunk_buffers_in_flight(loop.prefetch) * slots * per_device
 
 
 class _Peek:
@@ -474,7 +490,8 @@ def measure(train_step: Callable, init_state: Any, batches: Any, *, iterations_p
                  host_overhead=min(max(1.0 - (w1 - w0) / wall, 0.0), 1.0),
                  compile_secs=ledger.seconds.get(Bucket.COMPILE, 0.0),
                  input_bytes_per_call=k * (source.batch_bytes or 0),
-                 secs_per_call=wall / (len(clock.marks) - warmup_calls))
+                 secs_per_call=wall / (len(clock.marks) - warmup_calls),
+                 device_chunk_bytes=_device_chunk_bytes(loop, source.batch_bytes or 0))
 
 
 def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS,
