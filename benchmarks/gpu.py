@@ -5,10 +5,11 @@ Usage (from the repository root)::
   python benchmarks/gpu.py --out benchmarks/RESULTS_gpu.md   # one H200: at most ~8 minutes
   python benchmarks/gpu.py --tiny                            # CPU smoke run, ~1-2 minutes
 
-What one run measures, each variant **with and without**
-``XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`` (XLA reads
-``XLA_FLAGS`` once, when the backend starts, so every flag setting runs in its
-own worker process):
+What one run measures, each variant **with and without** one XLA flag, by default
+``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` (the setting under which the bitwise promise
+holds on a GPU), or with ``LOOPKIT_GPU_ON_FLAG=command-buffers`` in the environment
+``--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`` (XLA reads ``XLA_FLAGS`` once, when
+the backend starts, so every flag setting runs in its own worker process):
 
 * ResNet-50 v1.5, 224x224, bfloat16 compute, global batch 256, the example's
   real train step (``examples/resnet50``: SGD Nesterov, label smoothing, uint8
@@ -19,8 +20,10 @@ own worker process):
     per step, batches placed two ahead (``benchmarks.systems.device_prefetch``,
     what ``flax.jax_utils.prefetch_to_device(it, 2)`` does for pmap), metrics
     fetched every 100 steps (``benchmarks.systems.per_step_loop``);
-  - ``K=1``, ``K=26``, ``K=100``: ``loopkit.TrainLoop`` end to end (its feeder
-    thread stacks ``[K, B, ...]`` chunks from the host source and places them);
+  - ``K=1``, ``K=26``, ``K=100``: ``loopkit.TrainLoop`` end to end with its GPU defaults
+    (``chunk_assembly="device"``: the feeder thread places each batch as it comes and the
+    chunk ``[K, B, ...]`` is assembled on the device; ``full_call_loop="static"``: full calls
+    run a static-trip executable, which XLA:GPU runs without the host);
   - ``limit``: loopkit's K=100 program alone, called back to back on one chunk
     already on the device (no input work at all: what K=100 could reach).
 
@@ -77,6 +80,23 @@ if ROOT not in sys.path:
 from benchmarks import run as cpu_run  # noqa: E402  (stdlib-only at import: no JAX here)
 
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+# the flag the "on" setting adds, by the name LOOPKIT_GPU_ON_FLAG gives (default deterministic)
+ON_FLAGS = {"deterministic": DETERMINISTIC_FLAG, "command-buffers": COMMAND_BUFFER_FLAG}
+
+
+def _flag_name() -> str:
+  """The report's name of the ``on``/``off`` column: the flag's short name."""
+  return {v: k for k, v in ON_FLAGS.items()}[on_flag()].replace("-", " ")
+
+
+def on_flag() -> str:
+  """The XLA flag of the ``on`` setting (``LOOPKIT_GPU_ON_FLAG``, default deterministic)."""
+  name = os.environ.get("LOOPKIT_GPU_ON_FLAG", "deterministic")
+  if name not in ON_FLAGS:
+    raise ValueError(f"LOOPKIT_GPU_ON_FLAG={name!r}; expected one of {sorted(ON_FLAGS)}")
+  return ON_FLAGS[name]
+
 # XLA's per-fusion autotuning results, kept in a directory that every worker of the run shares:
 # the second flag setting's compiles reuse the first's cuDNN/cuBLAS/Triton choices (shorter
 # compiles, and the same kernels with and without the flag). Dropped if XLA does not know it.
@@ -524,9 +544,10 @@ def _worker_env(plan: Plan, flag: str, autotune_dir: str | None) -> dict[str, st
   env = dict(os.environ)
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_gpu_enable_command_buffer")
+           and not f.startswith("--xla_gpu_deterministic_ops")
            and not f.startswith("--xla_force_host_platform_device_count")]
   if flag == "on":
-    flags.append(COMMAND_BUFFER_FLAG)
+    flags.append(on_flag())
   if autotune_dir:
     flags.append(f"{AUTOTUNE_CACHE_FLAG}={autotune_dir}")
   env["XLA_FLAGS"] = " ".join(flags)
@@ -640,7 +661,7 @@ def run_all(plan: Plan, flags: list[str], variants: list[str] | None,
         break
       if share_deadline - time.time() < plan.est_setup_s:
         break
-      _log(f"== worker, command buffers {flag}: {', '.join(todo)} "
+      _log(f"== worker, {_flag_name()} {flag}: {', '.join(todo)} "
            f"({share_deadline - time.time():.0f} s of {hard_deadline - time.time():.0f} s left)")
       got = launch_worker(plan, flag, todo, share_deadline, hard_deadline, estimates,
                           autotune_dir)
@@ -754,7 +775,7 @@ def _f(x: float | None, fmt: str) -> str:
 
 
 def render_resnet(rows: list[dict], plan: Plan, peak: float | None) -> str:
-  lines = ["| system | command buffers | steps (calls) | images/s | steady images/s | / per-step "
+  lines = [f"| system | {_flag_name()} | steps (calls) | images/s | steady images/s | / per-step "
            "| / limit | MFU | host CPU s/call | dispatch s | device wait s | compile + warm-up s "
            "| executables | status |", "|" + "---|" * 14]
   for e in summarize_resnet(rows, plan, peak):
@@ -790,7 +811,7 @@ def resnet_headlines(rows: list[dict], plan: Plan, peak: float | None) -> list[s
       if e:
         parts.append(f"{v} {e['images_per_s']:,.0f} images/s")
     if parts:
-      out.append(f"- command buffers {flag}: " + "; ".join(parts))
+      out.append(f"- {_flag_name()} {flag}: " + "; ".join(parts))
   return out
 
 
@@ -833,7 +854,7 @@ def render_mlp_summary(rows: list[dict]) -> str:
 
 
 def render_budget(rows: list[dict]) -> str:
-  lines = ["| command buffers | variant | expected s | took s | status |", "|---|---|---|---|---|"]
+  lines = [f"| {_flag_name()} | variant | expected s | took s | status |", "|---|---|---|---|---|"]
   for r in rows:
     status = r["status"] if r["status"] == "ok" else r["status"].replace("|", "/")
     lines.append(f"| {r['flag']} | {r['variant']} | {r.get('expected_s', '—')} | "
@@ -886,7 +907,7 @@ def render_report(res: dict, plan: Plan, meta: dict) -> str:
       "",
       "Generated by `benchmarks/gpu.py` in one run; `benchmarks/README.md` says what each "
       "system is. Every variant ran with and without "
-      f"`XLA_FLAGS={COMMAND_BUFFER_FLAG}` (column *command buffers*), each flag setting in its "
+      f"`XLA_FLAGS={on_flag()}` (*on* / *off*), each flag setting in its "
       "own worker process.",
       "",
       f"- date: {meta['date']}",
@@ -938,10 +959,10 @@ def render_report(res: dict, plan: Plan, meta: dict) -> str:
   for flag in FLAG_SETTINGS:
     mrows, mech = mlp_rows(rows, flag)
     if mrows:
-      parts += [f"### MLP, command buffers {flag}: every system", "",
+      parts += [f"### MLP, {_flag_name()} {flag}: every system", "",
                 cpu_run.render_table(mrows), ""]
     if mech:
-      parts += [f"Tail/event mechanism, command buffers {flag} (loopkit's `fori_loop` with a "
+      parts += [f"Tail/event mechanism, {_flag_name()} {flag} (loopkit's `fori_loop` with a "
                 "traced trip count against an unmasked `lax.scan` of K steps, chunk on device):",
                 "", cpu_run.render_mechanism(mech), ""]
   parts += ["## Budget", "",

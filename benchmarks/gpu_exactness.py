@@ -64,9 +64,8 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from benchmarks import gpu  # noqa: E402  (stdlib-only at import)
-from benchmarks.gpu import COMMAND_BUFFER_FLAG  # noqa: E402
+from benchmarks.gpu import COMMAND_BUFFER_FLAG, DETERMINISTIC_FLAG  # noqa: E402
 
-DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
 # name -> XLA flags; "deterministic-2" repeats "deterministic" in a second process.
 SETTINGS = {
     "default": [],

@@ -67,7 +67,7 @@ def test_ratios_and_mfu_come_from_the_measured_rows():
   assert len(table) == 2 + 5 and all(line.count("|") == 15 for line in table)
   assert table[3].endswith("| failed: RuntimeError: boom |")  # per-step off, after on
   lines = gpu.resnet_headlines(rows, plan, 989e12)
-  assert lines[0].startswith("- command buffers on: K=100 4,267 images/s = 1.33x per-step, "
+  assert lines[0].startswith("- deterministic on: K=100 4,267 images/s = 1.33x per-step, "
                              "0.92x the limit, MFU 10.1%")
 
 
@@ -103,7 +103,7 @@ def test_the_accelerator_plan_on_a_cpu_fails_its_variants_at_once():
   got = gpu.launch_worker(gpu.H200, "on", ["mlp", "per-step"], deadline=t0 + 100,
                           hard_deadline=t0 + 120, estimates=None)
   assert got.done and got.meta["platform"] == "cpu"
-  assert gpu.COMMAND_BUFFER_FLAG in got.meta["xla_flags"].split()
+  assert gpu.DETERMINISTIC_FLAG in got.meta["xla_flags"].split()  # the "on" flag by default
   assert [r["status"] for r in got.rows] == [
       "failed: no accelerator: JAX sees only cpu devices (plan h200)"] * 2
 
