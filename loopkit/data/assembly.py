@@ -172,7 +172,9 @@ class DeviceAssembler:
     self._replicated = NamedSharding(sharding.mesh, P())
     self._spec = list(batch_spec)
     shapes = [(slots, s[0] * self._processes) + tuple(s[1:]) for s, _ in self._spec]
-    dtypes = [np.dtype(d) for _, d in self._spec]
+    # the dtype a placed batch gets (float64 is float32 without jax_enable_x64, as the host
+    # path's device_put makes it)
+    dtypes = [jax.dtypes.canonicalize_dtype(d) for _, d in self._spec]
     shardings = [sharding] * len(shapes)
 
     def zeros():
