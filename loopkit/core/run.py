@@ -65,7 +65,7 @@ from loopkit.core.skips import (
 )
 from loopkit.core.time_limit import TIME_LIMIT, TimeLimit
 from loopkit.core.triggers import Trigger
-from loopkit.data.assembly import check_chunk_memory, chunk_device_bytes, state_device_bytes
+from loopkit.data.assembly import check_chunk_memory, chunk_device_bytes
 from loopkit.data.feeding import Chunk, ChunkFeeder
 from loopkit.data.sources import open_source
 
@@ -609,7 +609,7 @@ class Run:
     check_chunk_memory(
         iterations_per_loop=self.config.iterations_per_loop,
         chunk_bytes=chunk_device_bytes(spec, leaves[0].shape[0], sharding, jax.process_count()),
-        prefetch=self.config.prefetch, state_bytes=state_device_bytes(self.state, device),
+        prefetch=self.config.prefetch, state=self.state,
         device=device)
 
   def dispatch(self, state: Any, chunk: Chunk, time_due: dict[int, bool]) -> tuple[Any, Boundary]:

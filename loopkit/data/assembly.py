@@ -106,24 +106,26 @@ def device_memory_limit(device: Any) -> int | None:
 
 
 def state_device_bytes(state: Any, device: Any) -> int:
-  """Bytes of ``state``'s shards on ``device`` (placed ``jax.Array`` leaves; others count 0)."""
+  """Bytes of ``state``'s shards on ``device``: for every ``jax.Array`` leaf whose sharding
+  covers the device, its shard shape (``sharding.shard_shape``) times the item size; other
+  leaves count 0. Reads shardings only (no shard is touched)."""
   total = 0
   for x in jax.tree.leaves(state):
-    for shard in getattr(x, "addressable_shards", ()):
-      if shard.device == device:
-        total += shard.data.nbytes
+    sharding = getattr(x, "sharding", None)
+    if isinstance(x, jax.Array) and sharding is not None and device in sharding.device_set:
+      total += math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
   return total
 
 
 def check_chunk_memory(*, iterations_per_loop: int, chunk_bytes: int, prefetch: int,
-                       state_bytes: int, device: Any) -> None:
+                       state: Any, device: Any) -> None:
   """Refuses chunks that do not fit beside the state in ``device``'s memory.
 
   Args:
     iterations_per_loop: K (for the message).
     chunk_bytes: one chunk on one device (:func:`chunk_device_bytes`).
     prefetch: the feeder's prefetch (:func:`chunk_buffers_in_flight`).
-    state_bytes: the state on that device (:func:`state_device_bytes`).
+    state: the placed state (its bytes on ``device``: :func:`state_device_bytes`).
     device: the device (:func:`device_memory_limit`; not checked where it reports none).
 
   Raises:
@@ -134,6 +136,7 @@ def check_chunk_memory(*, iterations_per_loop: int, chunk_bytes: int, prefetch: 
   limit = device_memory_limit(device)
   if limit is None:
     return
+  state_bytes = state_device_bytes(state, device)
   buffers = chunk_buffers_in_flight(prefetch)
   need = buffers * chunk_bytes + state_bytes
   if need > limit:
