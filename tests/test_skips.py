@@ -6,6 +6,13 @@ rewinds to checkpoint 30 and skips data steps 31..40 (margin 3); run B is given
 skip_steps=[(31, 40)] and watches nothing. They must end bitwise equal.
 """
 
+import io
+import json
+import logging
+import re
+import time
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import toy
@@ -13,6 +20,10 @@ import toy
 import loopkit
 from loopkit.checkpoint import CheckpointHook, LossSpikeError, LossSpikeHook
 from loopkit.core import skips
+from loopkit.observe import goodput
+from loopkit.observe.goodput import GoodputHook
+from loopkit.observe.writers import JsonlWriter
+from loopkit.training import EarlyStopping
 
 TRUE_W = np.random.default_rng(1).normal(size=(4, 2)).astype(np.float32)
 SPIKE = 37  # the data step whose batch blows the loss up
@@ -327,3 +338,139 @@ def test_two_processes_rewind_together_when_one_sees_the_spike(tmp_path):
     assert p["b"]["ledger"][:4] == (50, 10, ((31, 40),), 13)  # cut at 30 only
     assert (p["a"]["ledger"][4], p["b"]["ledger"][4]) == (10, 0)
     assert p["a"]["saved"] == [10, 20, 30, 40, 50]
+
+
+# -- C71, C79, C80: a rewind is a resume inside the process -------------------------------------
+
+C71_BAD = 23  # the data step whose batch is bad (x1e3, or NaN)
+SLEEP = 0.01  # seconds a productive hook takes per step (the time a rewind throws away)
+RESTORE_SECS = 1.0  # added to the rewind's restore
+
+
+class Bad(Steps):
+  """Data step 23 scaled by 1e3 (``how="x1e3"``) or NaN (``how="nan"``)."""
+
+  def __init__(self, how):
+    super().__init__(spike_at=None)
+    self.how = how
+
+  def batch_at(self, i):
+    b = super().batch_at(i)
+    if i + 1 == C71_BAD:
+      scale = np.float32(1e3 if self.how == "x1e3" else "nan")
+      b = {"x": b["x"] * scale, "y": b["y"] * scale}
+    return b
+
+
+class Busy(loopkit.Hook):
+  """Productive host time (the ``hooks`` bucket): ``SLEEP`` seconds per step of each call;
+  keeps goodput's job time at every boundary."""
+
+  needs_state = False
+
+  def __init__(self):
+    super().__init__()
+    self.job_secs = []
+
+  def on_run_start(self, ctx, state):
+    self.ctx = ctx
+
+  def after_each_call(self, info):
+    time.sleep(SLEEP * info.num_steps)
+    self.job_secs.append(goodput.summarize(self.ctx.ledger).job_secs)
+
+
+class SlowRestore(LossSpikeHook):
+  """A restore that takes RESTORE_SECS longer (its time belongs in the checkpoint bucket)."""
+
+  def rewind(self, ctx, request, like):
+    time.sleep(RESTORE_SECS)
+    return super().rewind(ctx, request, like)
+
+
+def eval_loss(state, batch):
+  pred = batch["x"] @ state["params"]["w"] + state["params"]["b"]
+  return {"loss": jnp.mean((pred - batch["y"]) ** 2, axis=-1)}
+
+
+def observed(directory, *, k, how="x1e3", skip_steps=None):
+  """The C71 run: 40 steps, a checkpoint every 5, an evaluation every 2 (and EarlyStopping
+  on it), per-step and every-4 rows into metrics.jsonl, goodput rows every 2 steps into
+  goodput.jsonl, plain progress lines; with ``skip_steps`` None a LossSpikeHook(factor=10,
+  window=5, margin=2) watches the loss, else the run is given the range from the start."""
+  writer = JsonlWriter(directory / "metrics.jsonl", flush_secs=0)
+  goodput_rows = JsonlWriter(directory / "goodput.jsonl", flush_secs=0)
+  logging_hook = loopkit.LoggingHook(writer, every_steps=4, throughput=False, per_step=True)
+  evals = loopkit.EvalHook(loopkit.Evaluator(eval_loss), [batch(i) for i in range(100, 102)],
+                           every_steps=2, writer=writer)
+  stop = EarlyStopping(evals, "loss", patience=1000)
+  progress = loopkit.ProgressHook(stream=io.StringIO(), log_every_secs=0.0, clock=lambda: 0.0)
+  goodput = GoodputHook(goodput_rows, workdir=directory, every_steps=2, log_summary=False)
+  ckpt = CheckpointHook(directory / "ckpt", every_steps=5, async_save=False)
+  hooks = [Busy(), logging_hook, evals, stop, progress, goodput, ckpt]
+  if skip_steps is None:
+    hooks.append(SlowRestore(ckpt, factor=10, window=5, margin=2))
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=hooks)
+  t0 = time.perf_counter()
+  state = loop.run(toy.init_state(), Bad(how), num_steps=40, skip_steps=skip_steps)
+  wall = time.perf_counter() - t0
+  writer.close()
+  goodput_rows.close()
+  return {"loop": loop, "state": state, "wall": wall, "logging": logging_hook, "evals": evals,
+          "stop": stop, "progress": progress, "hooks": hooks,
+          "rows": (directory / "metrics.jsonl").read_text().splitlines(),
+          "goodput_steps": [json.loads(line)["step"] for line in
+                            (directory / "goodput.jsonl").read_text().splitlines()]}
+
+
+@pytest.mark.parametrize("k, how", [(1, "x1e3"), (3, "x1e3"), (7, "nan")])
+@pytest.mark.filterwarnings("ignore::loopkit.NonFiniteWarning")  # the NaN case warns too
+def test_after_a_rewind_every_row_record_and_history_is_the_skip_runs(tmp_path, caplog, k, how):
+  """C71, C79, C80: the rewind to 20 skipping (21, 25) leaves what the run given
+  skip_steps=[(21, 25)] from the start holds: metrics.jsonl line for line (train, per-step
+  and eval rows), LoggingHook.records, EvalHook.results, EarlyStopping.history, the goodput
+  rows' steps; the time of the thrown-away steps is lost, and one log line says it all."""
+  with caplog.at_level(logging.WARNING, logger="loopkit"):
+    a = observed(tmp_path / "a", k=k, how=how)
+  b = observed(tmp_path / "b", k=k, how=how, skip_steps=[(21, 25)])
+  toy.assert_bitwise(a["state"], b["state"])
+  la, lb = a["loop"].ledger, b["loop"].ledger
+  assert same_ledger(la, lb) and la.skip_steps == ((21, 25),), (la, lb)
+  spike = a["hooks"][-1]
+  assert [(r["step"], r["restored_step"]) for r in spike.rewinds] == [(23, 20)]
+  # the rows: each step once, with the skip run's values (bitwise: the same JSON text)
+  assert a["rows"] == b["rows"]
+  steps = [json.loads(line)["step"] for line in a["rows"]]
+  assert steps.count(22) == 2 and steps.count(23) == 1  # per-step + eval at 22; per-step at 23
+  assert a["logging"].records == b["logging"].records
+  assert a["logging"].first_steps == b["logging"].first_steps
+  assert [s for s, _ in a["logging"].records] == list(range(4, 41, 4))
+  assert [(s, r.metrics) for s, r in a["evals"].results] == [
+      (s, r.metrics) for s, r in b["evals"].results]
+  assert [s for s, _ in a["evals"].results] == list(range(2, 41, 2))
+  assert a["stop"].history == b["stop"].history and len(a["stop"].history) == 20
+  assert a["goodput_steps"] == b["goodput_steps"] == list(range(2, 41, 2))
+  # C79: the steps trained past 20 and their time are lost; the restore is checkpoint time
+  assert la.lost_steps == 4  # 21..24: the call after the spike's was dispatched (K=1: 24)
+  ga, gb = goodput.summarize(la), goodput.summarize(lb)
+  assert (gb.lost_secs, gb.lost_steps, ga.lost_steps) == (0.0, 0, 4)
+  assert ga.lost_secs >= SLEEP * 3  # at least the hooks of steps 21..23 ran before the rewind
+  assert ga.checkpoint_secs - gb.checkpoint_secs > RESTORE_SECS / 2, (ga, gb)
+  assert ga.productive_secs - gb.productive_secs < RESTORE_SECS / 2, (ga, gb)
+  job = a["hooks"][0].job_secs  # goodput's job time never goes back, and is the wall time
+  assert job == sorted(job) and ga.job_secs <= a["wall"], (job, a["wall"])
+  # C80: one line with the spike's step, the restored step and the range
+  lines = [r.getMessage() for r in caplog.records if "rewinding" in r.getMessage()]
+  assert len(lines) == 1, lines
+  assert re.search(r"^SlowRestore: loss \S+ at step 23 \(data step 23\) .*; rewinding to step "
+                   r"20, the newest checkpoint before step 23, and skipping data steps 21\.\.25 "
+                   r"\(skip_steps now \[\(21, 25\)\]\); \d+ steps trained past step 20 are "
+                   r"thrown away$", lines[0]), lines[0]
+  # the progress lines: those of the skip run, with the thrown-away ones and a rewind between
+  pa, pb = a["progress"].lines, b["progress"].lines
+  at = next(i for i, line in enumerate(pa) if "rewound" in line)
+  assert re.fullmatch(r"step 20/40: rewound from step (\d+) to step 20 \(skip_steps "
+                      r"\[\(21, 25\)\]\)", pa[at]), pa[at]
+  upto20 = pb.index(next(line for line in pb if line.startswith("step 20/40 ")))
+  assert pa[:upto20 + 1] == pb[:upto20 + 1] and pa[at + 1:] == pb[upto20 + 1:]
+  assert all(int(line.split()[1].split("/")[0]) in range(21, 29) for line in pa[upto20 + 1:at])

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopkit.core.context import RunContext
-from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.hooks import Hook, LoopInfo, drop_after
 
 __all__ = ["EARLY_STOPPED", "EarlyStopping", "ReduceLROnPlateau"]
 
@@ -234,7 +234,9 @@ class EarlyStopping(Hook):
   def adjust_ledger(self, ctx: RunContext) -> None:
     """A run that continues an early-stopped one (its state restored) stops at once; a run
     that starts before the last evaluation judged (a fresh state, no saved counters of this
-    hook) starts counting afresh."""
+    hook) starts counting afresh. :attr:`history` past the step the run continues from goes
+    (a rewind, a rerun from an earlier checkpoint: those evaluations are judged again)."""
+    drop_after(self.history, ctx.ledger.step)
     if self._watch.rewound(ctx.ledger.step):
       self.stopped_step, self._best_state, self._best_state_step = None, None, None
     if self.stopped_step is not None and ctx.ledger.step >= self.stopped_step:
@@ -388,7 +390,9 @@ class ReduceLROnPlateau(Hook):
 
   def adjust_ledger(self, ctx: RunContext) -> None:
     """A run that starts before the last evaluation judged (a fresh state, no saved counters
-    of this hook) starts counting afresh."""
+    of this hook) starts counting afresh; :attr:`reductions` past the step the run continues
+    from go (a rewind, a rerun from an earlier checkpoint)."""
+    drop_after(self.reductions, ctx.ledger.step)
     if self._watch.rewound(ctx.ledger.step):
       self.cooldown_left = 0
     return None
