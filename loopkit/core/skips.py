@@ -26,8 +26,10 @@ A hook may *rewind* the run (:class:`RewindRequest`): at a boundary it asks, the
 agree (:mod:`loopkit.core.agreement`), it returns a :class:`~loopkit.core.context.Restore` of
 an earlier checkpoint, and the run continues from there with a new skip range from the data
 step after that checkpoint through the request's ``skip_through``
-(:class:`loopkit.checkpoint.LossSpikeHook` does this at loss spikes). Pure host functions;
-thread-safe.
+(:class:`loopkit.checkpoint.LossSpikeHook` does this at loss spikes). A rewind is a resume
+inside the process: the ledger is the checkpoint's with the thrown-away work booked as lost
+(:func:`rewound_ledger`), and every hook's ``adjust_ledger`` is called as at a run's start,
+so rows, records and histories past the restored step go. Pure host functions; thread-safe.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ by the hook's ``time_bucket`` (``checkpoint``, ``eval``, or ``hooks``),
 last call's hooks, outside the hooks' own buckets: placing the initial state,
 opening the source, the generic hooks' ``on_run_start`` / ``on_run_end``,
 closing the feeder) and ``total``. The ledger is saved in checkpoints, so the buckets add up over
-resumes. :class:`GoodputHook` adds *work lost to restarts*: steps trained past
+resumes. A rewind (:mod:`loopkit.core.skips`) books the time it threw away in
+``lost`` itself. :class:`GoodputHook` adds *work lost to restarts*: steps trained past
 the last checkpoint by an attempt that then died, and redone; and keeps the
 time an attempt spent after its last checkpoint at that step (an eval that runs
 after the final save, the end of the run) when a later run resumes from it.
