@@ -6,10 +6,12 @@ rewinds to checkpoint 30 and skips data steps 31..40 (margin 3); run B is given
 skip_steps=[(31, 40)] and watches nothing. They must end bitwise equal.
 """
 
+import glob
 import io
 import json
 import logging
 import re
+import struct
 import time
 
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from loopkit.checkpoint import CheckpointHook, LossSpikeError, LossSpikeHook
 from loopkit.core import skips
 from loopkit.observe import goodput
 from loopkit.observe.goodput import GoodputHook
-from loopkit.observe.writers import JsonlWriter
+from loopkit.observe.writers import JsonlWriter, create_default_writer
 from loopkit.training import EarlyStopping
 
 TRUE_W = np.random.default_rng(1).normal(size=(4, 2)).astype(np.float32)
@@ -393,12 +395,32 @@ def eval_loss(state, batch):
   return {"loss": jnp.mean((pred - batch["y"]) ** 2, axis=-1)}
 
 
+def tensorboard_scalars(logdir):
+  """{tag: [(step, value)]} as TensorBoard shows the event files in ``logdir``: read record by
+  record (tensorboardX's Event proto, no TensorFlow), a ``SessionLog.START`` at step ``s``
+  (a purge_step) hiding the earlier events at steps ``>= s``."""
+  from tensorboardX.proto import event_pb2
+  out: dict = {}
+  for path in sorted(glob.glob(f"{logdir}/events*")):
+    data, i = open(path, "rb").read(), 0
+    while i < len(data):  # TFRecord: length (u64), its crc, the record, its crc
+      n = struct.unpack("<Q", data[i:i + 8])[0]
+      e = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 16 + n
+      if e.HasField("session_log") and e.session_log.status == e.session_log.START:
+        out = {tag: [(s, v) for s, v in rows if s < e.step] for tag, rows in out.items()}
+      for v in e.summary.value:
+        out.setdefault(v.tag, []).append((e.step, v.simple_value))
+  return out
+
+
 def observed(directory, *, k, how="x1e3", skip_steps=None):
   """The C71 run: 40 steps, a checkpoint every 5, an evaluation every 2 (and EarlyStopping
-  on it), per-step and every-4 rows into metrics.jsonl, goodput rows every 2 steps into
+  on it), per-step and every-4 rows into create_default_writer's files (metrics.jsonl and
+  TensorBoard's, written on a background thread), goodput rows every 2 steps into
   goodput.jsonl, plain progress lines; with ``skip_steps`` None a LossSpikeHook(factor=10,
   window=5, margin=2) watches the loss, else the run is given the range from the start."""
-  writer = JsonlWriter(directory / "metrics.jsonl", flush_secs=0)
+  writer = create_default_writer(directory, console=False)  # TensorBoard + metrics.jsonl
   goodput_rows = JsonlWriter(directory / "goodput.jsonl", flush_secs=0)
   logging_hook = loopkit.LoggingHook(writer, every_steps=4, throughput=False, per_step=True)
   evals = loopkit.EvalHook(loopkit.Evaluator(eval_loss), [batch(i) for i in range(100, 102)],
@@ -417,7 +439,7 @@ def observed(directory, *, k, how="x1e3", skip_steps=None):
   writer.close()
   goodput_rows.close()
   return {"loop": loop, "state": state, "wall": wall, "logging": logging_hook, "evals": evals,
-          "stop": stop, "progress": progress, "hooks": hooks,
+          "stop": stop, "progress": progress, "hooks": hooks, "tensorboard": tensorboard_scalars(directory),
           "rows": (directory / "metrics.jsonl").read_text().splitlines(),
           "goodput_steps": [json.loads(line)["step"] for line in
                             (directory / "goodput.jsonl").read_text().splitlines()]}
@@ -440,6 +462,7 @@ def test_after_a_rewind_every_row_record_and_history_is_the_skip_runs(tmp_path, 
   assert [(r["step"], r["restored_step"]) for r in spike.rewinds] == [(23, 20)]
   # the rows: each step once, with the skip run's values (bitwise: the same JSON text)
   assert a["rows"] == b["rows"]
+  assert a["tensorboard"] == b["tensorboard"] and a["tensorboard"]["eval/loss"][10][0] == 22
   steps = [json.loads(line)["step"] for line in a["rows"]]
   assert steps.count(22) == 2 and steps.count(23) == 1  # per-step + eval at 22; per-step at 23
   assert a["logging"].records == b["logging"].records
