@@ -345,8 +345,7 @@ def test_two_processes_rewind_together_when_one_sees_the_spike(tmp_path):
 # -- C71, C79, C80: a rewind is a resume inside the process -------------------------------------
 
 C71_BAD = 23  # the data step whose batch is bad (x1e3, or NaN)
-SLEEP = 0.01  # seconds a productive hook takes per step (the time a rewind throws away)
-RESTORE_SECS = 1.0  # added to the rewind's restore
+RESTORE_SECS = 100.0  # what the rewind's restore takes on the run's clock (Clock)
 
 
 class Bad(Steps):
@@ -364,29 +363,45 @@ class Bad(Steps):
     return b
 
 
+class Clock:
+  """The run's clock (``loopkit.core.run.time`` in the test): ``perf_counter`` reads ``t``,
+  which only :class:`Busy` and :class:`SlowRestore` move, so every time bucket is exact."""
+
+  def __init__(self):
+    self.t = 0.0
+
+  def perf_counter(self):
+    return self.t
+
+
 class Busy(loopkit.Hook):
-  """Productive host time (the ``hooks`` bucket): ``SLEEP`` seconds per step of each call;
+  """Productive host time (the ``hooks`` bucket): 1 s on the clock per step of each call;
   keeps goodput's job time at every boundary."""
 
   needs_state = False
 
-  def __init__(self):
+  def __init__(self, clock):
     super().__init__()
+    self.clock = clock
     self.job_secs = []
 
   def on_run_start(self, ctx, state):
     self.ctx = ctx
 
   def after_each_call(self, info):
-    time.sleep(SLEEP * info.num_steps)
+    self.clock.t += info.num_steps
     self.job_secs.append(goodput.summarize(self.ctx.ledger).job_secs)
 
 
 class SlowRestore(LossSpikeHook):
-  """A restore that takes RESTORE_SECS longer (its time belongs in the checkpoint bucket)."""
+  """A restore that takes RESTORE_SECS on the clock (time of the checkpoint bucket)."""
+
+  def __init__(self, clock, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.clock = clock
 
   def rewind(self, ctx, request, like):
-    time.sleep(RESTORE_SECS)
+    self.clock.t += RESTORE_SECS
     return super().rewind(ctx, request, like)
 
 
@@ -414,7 +429,7 @@ def tensorboard_scalars(logdir):
   return out
 
 
-def observed(directory, *, k, how="x1e3", skip_steps=None):
+def observed(directory, clock, *, k, how="x1e3", skip_steps=None):
   """The C71 run: 40 steps, a checkpoint every 5, an evaluation every 2 (and EarlyStopping
   on it), per-step and every-4 rows into create_default_writer's files (metrics.jsonl and
   TensorBoard's, written on a background thread), goodput rows every 2 steps into
@@ -429,17 +444,18 @@ def observed(directory, *, k, how="x1e3", skip_steps=None):
   progress = loopkit.ProgressHook(stream=io.StringIO(), log_every_secs=0.0, clock=lambda: 0.0)
   goodput = GoodputHook(goodput_rows, workdir=directory, every_steps=2, log_summary=False)
   ckpt = CheckpointHook(directory / "ckpt", every_steps=5, async_save=False)
-  hooks = [Busy(), logging_hook, evals, stop, progress, goodput, ckpt]
+  hooks = [Busy(clock), logging_hook, evals, stop, progress, goodput, ckpt]
   if skip_steps is None:
-    hooks.append(SlowRestore(ckpt, factor=10, window=5, margin=2))
+    hooks.append(SlowRestore(clock, ckpt, factor=10, window=5, margin=2))
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=hooks)
-  t0 = time.perf_counter()
+  clock.t = 0.0
   state = loop.run(toy.init_state(), Bad(how), num_steps=40, skip_steps=skip_steps)
-  wall = time.perf_counter() - t0
+  wall = clock.t
   writer.close()
   goodput_rows.close()
   return {"loop": loop, "state": state, "wall": wall, "logging": logging_hook, "evals": evals,
-          "stop": stop, "progress": progress, "hooks": hooks, "tensorboard": tensorboard_scalars(directory),
+          "stop": stop, "progress": progress, "hooks": hooks,
+          "tensorboard": tensorboard_scalars(directory),
           "rows": (directory / "metrics.jsonl").read_text().splitlines(),
           "goodput_steps": [json.loads(line)["step"] for line in
                             (directory / "goodput.jsonl").read_text().splitlines()]}
@@ -447,14 +463,19 @@ def observed(directory, *, k, how="x1e3", skip_steps=None):
 
 @pytest.mark.parametrize("k, how", [(1, "x1e3"), (3, "x1e3"), (7, "nan")])
 @pytest.mark.filterwarnings("ignore::loopkit.NonFiniteWarning")  # the NaN case warns too
-def test_after_a_rewind_every_row_record_and_history_is_the_skip_runs(tmp_path, caplog, k, how):
+def test_after_a_rewind_every_row_record_and_history_is_the_skip_runs(tmp_path, caplog,
+                                                                     monkeypatch, k, how):
   """C71, C79, C80: the rewind to 20 skipping (21, 25) leaves what the run given
-  skip_steps=[(21, 25)] from the start holds: metrics.jsonl line for line (train, per-step
-  and eval rows), LoggingHook.records, EvalHook.results, EarlyStopping.history, the goodput
-  rows' steps; the time of the thrown-away steps is lost, and one log line says it all."""
+  skip_steps=[(21, 25)] from the start holds: metrics.jsonl and TensorBoard line for line
+  (train, per-step and eval rows), LoggingHook.records, EvalHook.results,
+  EarlyStopping.history, the goodput rows' steps; on the run's clock (Clock) the time of the
+  thrown-away steps is exactly goodput's lost, the restore's its checkpoint, and the
+  productive time the skip run's; one log line says it all."""
+  clock = Clock()
+  monkeypatch.setattr(loopkit.core.run, "time", clock)
   with caplog.at_level(logging.WARNING, logger="loopkit"):
-    a = observed(tmp_path / "a", k=k, how=how)
-  b = observed(tmp_path / "b", k=k, how=how, skip_steps=[(21, 25)])
+    a = observed(tmp_path / "a", clock, k=k, how=how)
+  b = observed(tmp_path / "b", clock, k=k, how=how, skip_steps=[(21, 25)])
   toy.assert_bitwise(a["state"], b["state"])
   la, lb = a["loop"].ledger, b["loop"].ledger
   assert same_ledger(la, lb) and la.skip_steps == ((21, 25),), (la, lb)
@@ -473,22 +494,29 @@ def test_after_a_rewind_every_row_record_and_history_is_the_skip_runs(tmp_path, 
   assert [s for s, _ in a["evals"].results] == list(range(2, 41, 2))
   assert a["stop"].history == b["stop"].history and len(a["stop"].history) == 20
   assert a["goodput_steps"] == b["goodput_steps"] == list(range(2, 41, 2))
-  # C79: the steps trained past 20 and their time are lost; the restore is checkpoint time
-  assert la.lost_steps == 4  # 21..24: the call after the spike's was dispatched (K=1: 24)
+  # C79: the steps trained past 20 and their time are lost; the restore is checkpoint time.
+  # The spike's call ends at `end` (its hooks ran), the next call was dispatched (to 24).
+  end = int(re.search(r"rewound from step (\d+)", "".join(a["progress"].lines)).group(1))
+  assert la.lost_steps == 4 and end in (23, 24)
   ga, gb = goodput.summarize(la), goodput.summarize(lb)
-  assert (gb.lost_secs, gb.lost_steps, ga.lost_steps) == (0.0, 0, 4)
-  assert ga.lost_secs >= SLEEP * 3  # at least the hooks of steps 21..23 ran before the rewind
-  assert ga.checkpoint_secs - gb.checkpoint_secs > RESTORE_SECS / 2, (ga, gb)
-  assert ga.productive_secs - gb.productive_secs < RESTORE_SECS / 2, (ga, gb)
-  job = a["hooks"][0].job_secs  # goodput's job time never goes back, and is the wall time
-  assert job == sorted(job) and ga.job_secs <= a["wall"], (job, a["wall"])
+  assert (gb.job_secs, gb.productive_secs, gb.lost_secs, gb.checkpoint_secs) == (40, 40, 0, 0)
+  # The checkpoint at 20 holds the total ticked before its boundary's hooks: Busy's seconds
+  # of the call that ended at 20 (1 step at K=1, else 2: the evaluations cut calls at even
+  # steps) are in its `hooks`, not in its `total`; the lost time counts from that total, as
+  # a resume's job time does (a crash's resume misses those seconds in its job time).
+  stale = 1 if k == 1 else 2
+  assert (ga.lost_secs, ga.lost_steps, ga.checkpoint_secs) == (
+      end - 20 + stale, 4, RESTORE_SECS)
+  assert ga.job_secs == a["wall"] == 40 + (end - 20) + RESTORE_SECS
+  assert ga.productive_secs == gb.productive_secs - stale
+  job = a["hooks"][0].job_secs  # goodput's job time never goes back
+  assert job == sorted(job), job
   # C80: one line with the spike's step, the restored step and the range
   lines = [r.getMessage() for r in caplog.records if "rewinding" in r.getMessage()]
   assert len(lines) == 1, lines
-  assert re.search(r"^SlowRestore: loss \S+ at step 23 \(data step 23\) .*; rewinding to step "
-                   r"20, the newest checkpoint before step 23, and skipping data steps 21\.\.25 "
-                   r"\(skip_steps now \[\(21, 25\)\]\); \d+ steps trained past step 20 are "
-                   r"thrown away$", lines[0]), lines[0]
+  assert re.search(r"^SlowRestore: loss \S+ at step 23 \(data step 23\) .*; rewinding from step 23 "
+                   r"to step 20, skipping data steps 21\.\.25 \(skip_steps now \[\(21, 25\)\]\); "
+                   r"the 4 steps trained past step 20 are thrown away$", lines[0]), lines[0]
   # the progress lines: those of the skip run, with the thrown-away ones and a rewind between
   pa, pb = a["progress"].lines, b["progress"].lines
   at = next(i for i, line in enumerate(pa) if "rewound" in line)

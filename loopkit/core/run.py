@@ -774,11 +774,10 @@ class Run:
                             restore_secs=restore_secs)
     self.set_ledger(ledger)
     self.t_mark = t0  # the restore and what follows go to the total at the next tick
-    log.warning("%s: %s; rewinding to step %d, the newest checkpoint before step %d, and "
-                "skipping data steps %d..%d (skip_steps now %s); %d steps trained past step "
-                "%d are thrown away", name, request.reason, ledger.step, request.before_step,
-                first, request.skip_through, list(ledger.skip_steps), before.step - ledger.step,
-                ledger.step)
+    log.warning("%s: %s; rewinding from step %d to step %d, skipping data steps %d..%d "
+                "(skip_steps now %s); the %d steps trained past step %d are thrown away", name,
+                request.reason, request.before_step, ledger.step, first, request.skip_through,
+                list(ledger.skip_steps), before.step - ledger.step, ledger.step)
     self.state_position = self.data_position
     self.last = self.last_info = None
     self.status = None  # a data_exhausted warned on the thrown-away calls no longer holds

@@ -143,12 +143,15 @@ def rewound_ledger(restored: Ledger, before: Ledger, *, skip_through: int, total
 
   The new skip range runs from the restored data step + 1 through ``skip_through``, joined
   to the ranges in force before the rewind and the checkpoint's. The steps trained past
-  the checkpoint add to ``lost_steps``; the wall time spent since the checkpoint's ledger
-  was saved (whatever its bucket then: the thrown-away steps, their rows, evaluations and
+  the checkpoint add to ``lost_steps``; the wall time spent since the checkpoint's
+  ``total`` (whatever its bucket then: the thrown-away steps, their rows, evaluations and
   waits) goes to ``seconds["lost"]``, out of ``total``, and the restore to
   ``seconds["checkpoint"]``, so ``total + lost`` (goodput's job time) goes on counting the
   wall time and nothing the rewind threw away is productive
-  (:func:`loopkit.observe.goodput.summarize`).
+  (:func:`loopkit.observe.goodput.summarize`). A checkpoint's ``total`` is the one ticked at
+  the start of the boundary it was saved at, so the hooks' time at that boundary before
+  the save, in the checkpoint's buckets already, counts in ``lost`` too (a resume after a
+  crash leaves it out of the job time instead).
 
   Args:
     restored: the checkpoint's ledger (not changed).
