@@ -533,8 +533,8 @@ class EvalHook(Hook):
 
   Attributes:
     evaluator: the evaluator given.
-    results: ``[(step, EvalResult)]`` in firing order (at each run's start, those past
-      the step it continues from are dropped, as the writer's rows).
+    results: ``[(step, EvalResult)]`` in firing order (at each run's start and after a
+      rewind, those past the step it continues from are dropped, as the writer's rows).
 
   Raises:
     ValueError: ``batches`` is a one-shot iterator (it would be empty at the

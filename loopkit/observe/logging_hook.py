@@ -115,8 +115,8 @@ class LoggingHook(Hook):
   written past it (:func:`~loopkit.observe.writers.keep_rows_through`).
 
   Attributes:
-    records: ``[(step, scalars)]`` of every row, in order (at each run's start, those
-      past the step it continues from are dropped, as the writer's rows).
+    records: ``[(step, scalars)]`` of every row, in order (at each run's start and after
+      a rewind, those past the step it continues from are dropped, as the writer's rows).
     first_steps: for each row, the first step its averages cover (the row at
       ``step`` covers ``first_steps[i]..step``). The accumulator is saved with
       checkpoints (:meth:`checkpoint_state`), so a resumed run's first row

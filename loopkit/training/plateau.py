@@ -187,7 +187,9 @@ class EarlyStopping(Hook):
       its first boundary (training ended there); use a new hook with another ``hook_name``
       to train on. A run that starts before the last evaluation this hook judged (a fresh
       state, with no saved counters of this hook) counts afresh.
-    history: ``[(step, value, improved)]`` of the evaluations judged by this object.
+    history: ``[(step, value, improved)]`` of the evaluations judged by this object; a run
+      that continues from an earlier step (a rewind, a rerun from an earlier checkpoint)
+      drops those past it, so it holds each step once.
 
   Not thread-safe. Multi-host: every process judges the same values (module docstring).
   """
@@ -346,7 +348,8 @@ class ReduceLROnPlateau(Hook):
       ``hyperparam`` (naming what it found).
 
   Attributes:
-    reductions: ``[(step, old_lr, new_lr)]`` made by this object.
+    reductions: ``[(step, old_lr, new_lr)]`` made by this object; a run that continues from
+      an earlier step (a rewind, a rerun from an earlier checkpoint) drops those past it.
 
   Not thread-safe. Multi-host: every process takes the same decision (module docstring).
   """
