@@ -62,7 +62,7 @@ from loopkit._internal.checks import (
 )
 from loopkit._internal.compat import lowering_count
 from loopkit._internal.mesh import batch_sharding, check_batch_on_mesh, resolve_mesh
-from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.hooks import Hook, LoopInfo, drop_after
 from loopkit.core.ledger import Bucket
 from loopkit.core.program import build_program, run_slots
 from loopkit.data.device_data import DeviceDataState
@@ -533,8 +533,8 @@ class EvalHook(Hook):
 
   Attributes:
     evaluator: the evaluator given.
-    results: ``[(step, EvalResult)]`` in firing order (at each run's start, those past
-      the step it continues from are dropped, as the writer's rows).
+    results: ``[(step, EvalResult)]`` in firing order (at each run's start and after a
+      rewind, those past the step it continues from are dropped, as the writer's rows).
 
   Raises:
     ValueError: ``batches`` is a one-shot iterator (it would be empty at the
@@ -602,8 +602,7 @@ class EvalHook(Hook):
     drops the :attr:`results` past it."""
     if self.writer is not None:
       keep_rows_through(self.writer, ctx.ledger.step)
-    while self.results and self.results[-1][0] > ctx.ledger.step:
-      self.results.pop()
+    drop_after(self.results, ctx.ledger.step)
 
   def on_trigger(self, info: LoopInfo, state: Any) -> None:
     batches = self.batches() if callable(self.batches) else self.batches

@@ -283,3 +283,35 @@ def test_rate_meter_weighs_intervals_by_time():
   assert total.rates() == (20.0, 20.0)
   with pytest.raises(ValueError, match="smoothing must be in \\[0, 1\\], got 1.5"):
     loopkit.ProgressHook(smoothing=1.5)
+
+
+@pytest.mark.parametrize("use_bar", [False, True], ids=["plain", "bar"])
+def test_a_rewind_is_shown_not_a_silent_step_back(tmp_path, use_bar):
+  """C80: K=3, a spike at step 13 rewinds to checkpoint 10 and skips data steps 11..15; the
+  display says so in one line (plain: among the lines; bar: above the bar, whose next frame
+  is at step 10 and says it rewound) before it shows step 13 again."""
+  from loopkit.checkpoint import CheckpointHook, LossSpikeHook
+  from tests.test_skips import Steps
+  out = TtyStream() if use_bar else io.StringIO()
+  hook = loopkit.ProgressHook(stream=out, log_every_secs=0.0, clock=FakeClock())
+  ckpt = CheckpointHook(tmp_path, every_steps=5, async_save=False)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=3, hooks=[
+      hook, ckpt, LossSpikeHook(ckpt, factor=10, window=5, margin=2)])
+  loop.run(toy.init_state(), Steps(spike_at=13), num_steps=20)
+  rewound = "step 10/20: rewound from step 13 to step 10 (skip_steps [(11, 15)])"
+  assert rewound in hook.lines
+  text = out.getvalue()
+  if not use_bar:
+    assert text.splitlines()[1:] == [
+        f"step {s}/20 ({5 * s:.1f}%): ? steps/s, ? examples/s, ETA ?" for s in (3, 5, 8, 10, 13)
+    ] + [rewound] + [f"step {s}/20 ({5 * s:.1f}%): ? steps/s, ? examples/s, ETA ?"
+                     for s in (13, 15, 18)] + [
+        "step 20/20 (100.0%): ? steps/s, ? examples/s, ETA 0:00:00"]
+    return
+  before, after = text.split(rewound + "\n")
+  assert before.endswith("\r") and "loss=" in before.rsplit("step 13/20", 1)[1]
+  frames = [f for f in after.replace("\n", "\r").split("\r") if f.startswith("step ")]
+  steps = [int(f.split()[1].split("/")[0]) for f in frames]
+  # tqdm redraws the frame it had under the line, then the bar is at 10 and goes on from there
+  assert steps[:2] == [13, 10] and steps[1:] == sorted(steps[1:]) and steps[-1] == 20, frames
+  assert frames[1].rstrip().endswith("|  50%, rewound from step 13"), frames

@@ -6,6 +6,15 @@ rewinds to checkpoint 30 and skips data steps 31..40 (margin 3); run B is given
 skip_steps=[(31, 40)] and watches nothing. They must end bitwise equal.
 """
 
+import glob
+import io
+import json
+import logging
+import re
+import struct
+import time
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import toy
@@ -13,6 +22,10 @@ import toy
 import loopkit
 from loopkit.checkpoint import CheckpointHook, LossSpikeError, LossSpikeHook
 from loopkit.core import skips
+from loopkit.observe import goodput
+from loopkit.observe.goodput import GoodputHook
+from loopkit.observe.writers import JsonlWriter, create_default_writer
+from loopkit.training import EarlyStopping
 
 TRUE_W = np.random.default_rng(1).normal(size=(4, 2)).astype(np.float32)
 SPIKE = 37  # the data step whose batch blows the loss up
@@ -327,3 +340,188 @@ def test_two_processes_rewind_together_when_one_sees_the_spike(tmp_path):
     assert p["b"]["ledger"][:4] == (50, 10, ((31, 40),), 13)  # cut at 30 only
     assert (p["a"]["ledger"][4], p["b"]["ledger"][4]) == (10, 0)
     assert p["a"]["saved"] == [10, 20, 30, 40, 50]
+
+
+# -- C71, C79, C80: a rewind is a resume inside the process -------------------------------------
+
+C71_BAD = 23  # the data step whose batch is bad (x1e3, or NaN)
+RESTORE_SECS = 100.0  # what the rewind's restore takes on the run's clock (Clock)
+
+
+class Bad(Steps):
+  """Data step 23 scaled by 1e3 (``how="x1e3"``) or NaN (``how="nan"``)."""
+
+  def __init__(self, how):
+    super().__init__(spike_at=None)
+    self.how = how
+
+  def batch_at(self, i):
+    b = super().batch_at(i)
+    if i + 1 == C71_BAD:
+      scale = np.float32(1e3 if self.how == "x1e3" else "nan")
+      b = {"x": b["x"] * scale, "y": b["y"] * scale}
+    return b
+
+
+class Clock:
+  """The run's clock (``loopkit.core.run.time`` in the test): ``perf_counter`` reads ``t``,
+  which only :class:`Busy` and :class:`SlowRestore` move, so every time bucket is exact."""
+
+  def __init__(self):
+    self.t = 0.0
+
+  def perf_counter(self):
+    return self.t
+
+
+class Busy(loopkit.Hook):
+  """Productive host time (the ``hooks`` bucket): 1 s on the clock per step of each call;
+  keeps goodput's job time at every boundary."""
+
+  needs_state = False
+
+  def __init__(self, clock):
+    super().__init__()
+    self.clock = clock
+    self.job_secs = []
+
+  def on_run_start(self, ctx, state):
+    self.ctx = ctx
+
+  def after_each_call(self, info):
+    self.clock.t += info.num_steps
+    self.job_secs.append(goodput.summarize(self.ctx.ledger).job_secs)
+
+
+class SlowRestore(LossSpikeHook):
+  """A restore that takes RESTORE_SECS on the clock (time of the checkpoint bucket)."""
+
+  def __init__(self, clock, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.clock = clock
+
+  def rewind(self, ctx, request, like):
+    self.clock.t += RESTORE_SECS
+    return super().rewind(ctx, request, like)
+
+
+def eval_loss(state, batch):
+  pred = batch["x"] @ state["params"]["w"] + state["params"]["b"]
+  return {"loss": jnp.mean((pred - batch["y"]) ** 2, axis=-1)}
+
+
+def tensorboard_scalars(logdir):
+  """{tag: [(step, value)]} as TensorBoard shows the event files in ``logdir``: read record by
+  record (tensorboardX's Event proto, no TensorFlow), a ``SessionLog.START`` at step ``s``
+  (a purge_step) hiding the earlier events at steps ``>= s``."""
+  from tensorboardX.proto import event_pb2
+  out: dict = {}
+  for path in sorted(glob.glob(f"{logdir}/events*")):
+    data, i = open(path, "rb").read(), 0
+    while i < len(data):  # TFRecord: length (u64), its crc, the record, its crc
+      n = struct.unpack("<Q", data[i:i + 8])[0]
+      e = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 16 + n
+      if e.HasField("session_log") and e.session_log.status == e.session_log.START:
+        out = {tag: [(s, v) for s, v in rows if s < e.step] for tag, rows in out.items()}
+      for v in e.summary.value:
+        out.setdefault(v.tag, []).append((e.step, v.simple_value))
+  return out
+
+
+def observed(directory, clock, *, k, how="x1e3", skip_steps=None):
+  """The C71 run: 40 steps, a checkpoint every 5, an evaluation every 2 (and EarlyStopping
+  on it), per-step and every-4 rows into create_default_writer's files (metrics.jsonl and
+  TensorBoard's, written on a background thread), goodput rows every 2 steps into
+  goodput.jsonl, plain progress lines; with ``skip_steps`` None a LossSpikeHook(factor=10,
+  window=5, margin=2) watches the loss, else the run is given the range from the start."""
+  writer = create_default_writer(directory, console=False)  # TensorBoard + metrics.jsonl
+  goodput_rows = JsonlWriter(directory / "goodput.jsonl", flush_secs=0)
+  logging_hook = loopkit.LoggingHook(writer, every_steps=4, throughput=False, per_step=True)
+  evals = loopkit.EvalHook(loopkit.Evaluator(eval_loss), [batch(i) for i in range(100, 102)],
+                           every_steps=2, writer=writer)
+  stop = EarlyStopping(evals, "loss", patience=1000)
+  progress = loopkit.ProgressHook(stream=io.StringIO(), log_every_secs=0.0, clock=lambda: 0.0)
+  goodput = GoodputHook(goodput_rows, workdir=directory, every_steps=2, log_summary=False)
+  ckpt = CheckpointHook(directory / "ckpt", every_steps=5, async_save=False)
+  hooks = [Busy(clock), logging_hook, evals, stop, progress, goodput, ckpt]
+  if skip_steps is None:
+    hooks.append(SlowRestore(clock, ckpt, factor=10, window=5, margin=2))
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=hooks)
+  clock.t = 0.0
+  state = loop.run(toy.init_state(), Bad(how), num_steps=40, skip_steps=skip_steps)
+  wall = clock.t
+  writer.close()
+  goodput_rows.close()
+  return {"loop": loop, "state": state, "wall": wall, "logging": logging_hook, "evals": evals,
+          "stop": stop, "progress": progress, "hooks": hooks,
+          "tensorboard": tensorboard_scalars(directory),
+          "rows": (directory / "metrics.jsonl").read_text().splitlines(),
+          "goodput_steps": [json.loads(line)["step"] for line in
+                            (directory / "goodput.jsonl").read_text().splitlines()]}
+
+
+@pytest.mark.parametrize("k, how", [(1, "x1e3"), (3, "x1e3"), (7, "nan")])
+@pytest.mark.filterwarnings("ignore::loopkit.NonFiniteWarning")  # the NaN case warns too
+def test_after_a_rewind_every_row_record_and_history_is_the_skip_runs(tmp_path, caplog,
+                                                                     monkeypatch, k, how):
+  """C71, C79, C80: the rewind to 20 skipping (21, 25) leaves what the run given
+  skip_steps=[(21, 25)] from the start holds: metrics.jsonl and TensorBoard line for line
+  (train, per-step and eval rows), LoggingHook.records, EvalHook.results,
+  EarlyStopping.history, the goodput rows' steps; on the run's clock (Clock) the time of the
+  thrown-away steps is exactly goodput's lost, the restore's its checkpoint, and the
+  productive time the skip run's; one log line says it all."""
+  clock = Clock()
+  monkeypatch.setattr(loopkit.core.run, "time", clock)
+  with caplog.at_level(logging.WARNING, logger="loopkit"):
+    a = observed(tmp_path / "a", clock, k=k, how=how)
+  b = observed(tmp_path / "b", clock, k=k, how=how, skip_steps=[(21, 25)])
+  toy.assert_bitwise(a["state"], b["state"])
+  la, lb = a["loop"].ledger, b["loop"].ledger
+  assert same_ledger(la, lb) and la.skip_steps == ((21, 25),), (la, lb)
+  spike = a["hooks"][-1]
+  assert [(r["step"], r["restored_step"]) for r in spike.rewinds] == [(23, 20)]
+  # the rows: each step once, with the skip run's values (bitwise: the same JSON text)
+  assert a["rows"] == b["rows"]
+  assert a["tensorboard"] == b["tensorboard"] and a["tensorboard"]["eval/loss"][10][0] == 22
+  steps = [json.loads(line)["step"] for line in a["rows"]]
+  assert steps.count(22) == 2 and steps.count(23) == 1  # per-step + eval at 22; per-step at 23
+  assert a["logging"].records == b["logging"].records
+  assert a["logging"].first_steps == b["logging"].first_steps
+  assert [s for s, _ in a["logging"].records] == list(range(4, 41, 4))
+  assert [(s, r.metrics) for s, r in a["evals"].results] == [
+      (s, r.metrics) for s, r in b["evals"].results]
+  assert [s for s, _ in a["evals"].results] == list(range(2, 41, 2))
+  assert a["stop"].history == b["stop"].history and len(a["stop"].history) == 20
+  assert a["goodput_steps"] == b["goodput_steps"] == list(range(2, 41, 2))
+  # C79: the steps trained past 20 and their time are lost; the restore is checkpoint time.
+  # The spike's call ends at `end` (its hooks ran), the next call was dispatched (to 24).
+  end = int(re.search(r"rewound from step (\d+)", "".join(a["progress"].lines)).group(1))
+  assert la.lost_steps == 4 and end in (23, 24)
+  ga, gb = goodput.summarize(la), goodput.summarize(lb)
+  assert (gb.job_secs, gb.productive_secs, gb.lost_secs, gb.checkpoint_secs) == (40, 40, 0, 0)
+  # The checkpoint at 20 holds the total ticked before its boundary's hooks: Busy's seconds
+  # of the call that ended at 20 (1 step at K=1, else 2: the evaluations cut calls at even
+  # steps) are in its `hooks`, not in its `total`; the lost time counts from that total, as
+  # a resume's job time does (a crash's resume misses those seconds in its job time).
+  stale = 1 if k == 1 else 2
+  assert (ga.lost_secs, ga.lost_steps, ga.checkpoint_secs) == (
+      end - 20 + stale, 4, RESTORE_SECS)
+  assert ga.job_secs == a["wall"] == 40 + (end - 20) + RESTORE_SECS
+  assert ga.productive_secs == gb.productive_secs - stale
+  job = a["hooks"][0].job_secs  # goodput's job time never goes back
+  assert job == sorted(job), job
+  # C80: one line with the spike's step, the restored step and the range
+  lines = [r.getMessage() for r in caplog.records if "rewinding" in r.getMessage()]
+  assert len(lines) == 1, lines
+  assert re.search(r"^SlowRestore: loss \S+ at step 23 \(data step 23\) .*; rewinding from step 23 "
+                   r"to step 20, skipping data steps 21\.\.25 \(skip_steps now \[\(21, 25\)\]\); "
+                   r"the 4 steps trained past step 20 are thrown away$", lines[0]), lines[0]
+  # the progress lines: those of the skip run, with the thrown-away ones and a rewind between
+  pa, pb = a["progress"].lines, b["progress"].lines
+  at = next(i for i, line in enumerate(pa) if "rewound" in line)
+  assert re.fullmatch(r"step 20/40: rewound from step (\d+) to step 20 \(skip_steps "
+                      r"\[\(21, 25\)\]\)", pa[at]), pa[at]
+  upto20 = pb.index(next(line for line in pb if line.startswith("step 20/40 ")))
+  assert pa[:upto20 + 1] == pb[:upto20 + 1] and pa[at + 1:] == pb[upto20 + 1:]
+  assert all(int(line.split()[1].split("/")[0]) in range(21, 29) for line in pa[upto20 + 1:at])

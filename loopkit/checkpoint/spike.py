@@ -10,7 +10,10 @@ state is written), and the hook restores its :class:`~loopkit.checkpoint.Checkpo
 newest checkpoint before the spike. The run goes on from there with the data steps from the
 one after that checkpoint through the spike's data step plus ``margin`` skipped
 (``ledger.skip_steps``, saved with every later checkpoint), exactly as a run started with
-``skip_steps=[(first, last)]`` would (:mod:`loopkit.core.skips`).
+``skip_steps=[(first, last)]`` would (:mod:`loopkit.core.skips`): the run calls every hook's
+``adjust_ledger`` after the restore, as a resumed run does at its start, so the rows, records
+and histories of the thrown-away steps go, and their time is goodput's ``lost``. The rewind is
+logged in one line (the spike's step, the restored step, the range skipped).
 
 A run stopped between a rewind and its next checkpoint resumes from the checkpoint before
 the spike without the new range, meets the spike again and takes the same decision.

@@ -214,7 +214,12 @@ class Hook:
     """
 
   def adjust_ledger(self, ctx: RunContext) -> LedgerAdjustment | None:
-    """Called once per ``run`` after every ``on_run_start`` (restores applied).
+    """Called once per ``run`` after every ``on_run_start`` (restores applied), and again
+    after every rewind (:mod:`loopkit.core.skips`): the run continues from
+    ``ctx.ledger.step``. A hook that keeps rows (a writer:
+    :func:`~loopkit.observe.writers.keep_rows_through`) or per-step entries
+    (:func:`drop_after`) drops those past that step here, so after a resume and after a
+    rewind it holds what a run that never went past it holds.
 
     Returns:
       None or a :class:`~loopkit.core.context.LedgerAdjustment` for the loop to
@@ -272,6 +277,31 @@ _SIGNATURES = {"after_each_call": "after_each_call(info)",
 _HOOK_LIKE = ("on_", "after_", "before_")
 _REQUIRED = ("trigger", "needs_state", "on_run_start", "after_each_call", "on_trigger",
              "on_run_end")
+
+
+def drop_after(rows: list[Any], step: int) -> int:
+  """Drops the entries past global step ``step`` from the end of ``rows``, in place.
+
+  What a hook keeping per-step entries (``records``, ``results``, a ``history``) does in
+  its ``adjust_ledger(ctx)`` with ``ctx.ledger.step``: after a resume or a rewind to an
+  earlier step it then holds what a run that never went past that step holds.
+
+  Args:
+    rows: entries in step order, each a sequence whose first item is its step (int).
+    step: the step the run continues from.
+
+  Returns:
+    How many entries were dropped.
+
+  Example:
+    >>> rows = [(10, "a"), (20, "b"), (22, "c")]
+    >>> drop_after(rows, 20), rows
+    (1, [(10, 'a'), (20, 'b')])
+  """
+  n = len(rows)
+  while rows and rows[-1][0] > step:
+    rows.pop()
+  return n - len(rows)
 
 
 def check_hooks(hooks: Sequence[Any]) -> None:

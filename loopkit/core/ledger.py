@@ -30,7 +30,7 @@ class Bucket:
   CHECKPOINT = "checkpoint"  # checkpoint hooks
   EVAL = "eval"  # evaluation hooks
   REPLICA_CHECK = "replica_check"  # per-device style: comparing the devices' state copies
-  LOST = "lost"  # work redone after restarts (loopkit.observe.goodput)
+  LOST = "lost"  # work redone after restarts (loopkit.observe.goodput), or a rewind threw away
   SETUP = "setup"  # a run's start and end outside the calls (see Ledger.seconds)
 
   # The loop's own buckets; every other bucket holds hooks' time (a hook's time_bucket).
@@ -83,7 +83,9 @@ class Ledger:
       the last call's hooks: the time no other bucket took then, and the
       ``hooks`` bucket's time then; so a run that trains nothing adds only
       to ``setup``, ``data_wait``, ``checkpoint``, ``eval`` and ``total``),
-      and ``lost`` (time of work redone after restarts, see :mod:`loopkit.observe.goodput`).
+      and ``lost`` (time of work redone after restarts, see :mod:`loopkit.observe.goodput`,
+      and the time since the restored checkpoint that a rewind threw away, see
+      :func:`loopkit.core.skips.rewound_ledger`).
     lost_steps: steps redone after restarts (trained past the last
       checkpoint, then lost), or after rewinds (:mod:`loopkit.core.skips`).
     skipped_steps: data steps passed over without an update (:mod:`loopkit.core.skips`):

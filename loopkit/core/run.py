@@ -62,6 +62,7 @@ from loopkit.core.skips import (
   covered,
   cut_steps,
   merge_ranges,
+  rewound_ledger,
 )
 from loopkit.core.time_limit import TIME_LIMIT, TimeLimit
 from loopkit.core.triggers import Trigger
@@ -387,6 +388,15 @@ class Run:
               f"ledger is at step {self.ledger.step}: to restore, return "
               "loopkit.core.Restore(state, ledger, data_position)")
         self.state = state
+    self.adjust_hooks()
+    return state
+
+  def adjust_hooks(self) -> None:
+    """Every hook's ``adjust_ledger(ctx)``, applying the
+    :class:`~loopkit.core.context.LedgerAdjustment` it returns: the one call that tells the
+    hooks the step the run continues from (``ctx.ledger.step``, restores applied), at the
+    start of every run and after every rewind (:meth:`rewind`), so rows, records and
+    histories past it go the same way after a resume and after a rewind."""
     for i, h in enumerate(self.hooks):
       adjust = getattr(h, "adjust_ledger", None)
       if adjust is not None:
@@ -396,7 +406,6 @@ class Run:
             raise TypeError(f"{type(h).__name__}.adjust_ledger returned {change!r}, not a "
                             "loopkit.core.LedgerAdjustment or None")
           change.apply_to(self.ledger)
-    return state
 
   def settle_skips(self) -> None:
     """The skip ranges in force: the restored ledger's and those given to ``run``.
@@ -742,13 +751,16 @@ class Run:
   def rewind(self, i: int, request: RewindRequest) -> Any:
     """Applies an agreed rewind: hook ``i``'s restore, a new skip range, the accounting.
 
-    The hook's ``rewind(ctx, request, like)`` returns a
-    :class:`~loopkit.core.context.Restore` at a step below ``request.before_step``; it is
-    applied as a restore at the start (state, ledger, data position, the other hooks'
-    states), then the skip range from the restored data step + 1 through
-    ``request.skip_through`` joins the ranges in force (with those of the ledger before
-    the rewind). Wall time does not rewind (the ledger keeps its ``seconds``); the steps
-    thrown away add to ``lost_steps``. No hook fires at this boundary, and the call
+    A rewind is a resume inside the process. The hook's ``rewind(ctx, request, like)``
+    returns a :class:`~loopkit.core.context.Restore` at a step below
+    ``request.before_step``; it is applied as a restore at the start (state, ledger, data
+    position, the other hooks' states), the ledger is the one
+    :func:`loopkit.core.skips.rewound_ledger` makes of it (the skip range from the restored
+    data step + 1 through ``request.skip_through`` joined to the ranges in force, the steps
+    thrown away in ``lost_steps``, the wall time since the checkpoint in ``seconds["lost"]``
+    and the restore's in ``seconds["checkpoint"]``), and every hook's ``adjust_ledger`` is
+    called as at a run's start (:meth:`adjust_hooks`): writers, records and histories drop
+    what they hold past the restored step. No hook fires at this boundary, and the call
     dispatched after it is dropped with the state it produces.
 
     Returns:
@@ -761,8 +773,10 @@ class Run:
     """
     name = self.names[i]
     before = self.ledger.copy()
+    t0 = time.perf_counter()
     restore = self.call_hook(i, getattr(self.hooks[i], "rewind"), self.contexts[i], request,
                              self.state)
+    restore_secs = time.perf_counter() - t0
     if not isinstance(restore, Restore):
       raise TypeError(f"{name}.rewind returned {restore!r}, not a loopkit.core.Restore")
     if not isinstance(restore.ledger, Ledger) or restore.ledger.step >= request.before_step:
@@ -770,22 +784,24 @@ class Run:
       raise ValueError(f"{name}.rewind restored step {got}, not a step before "
                        f"{request.before_step} (the request's before_step)")
     state = self.apply_restore(restore, i)
-    ledger = self.ledger
-    first = ledger.data_step + 1
+    first = self.ledger.data_step + 1
     if request.skip_through < first:
       raise ValueError(f"{name} asked to skip through data step {request.skip_through}, "
                        f"before data step {first}, the first after the restored step "
-                       f"{ledger.step}")
-    ledger.skip_steps = merge_ranges(ledger.skip_steps, before.skip_steps,
-                                     [(first, request.skip_through)])
-    ledger.seconds = before.seconds
-    ledger.lost_steps = before.lost_steps + max(before.step - ledger.step, 0)
-    log.warning("%s: %s; rewound from step %d to step %d and skipping data steps %d..%d "
-                "(skip_steps now %s)", name, request.reason, before.step, ledger.step, first,
-                request.skip_through, list(ledger.skip_steps))
+                       f"{self.ledger.step}")
+    ledger = rewound_ledger(self.ledger, before, skip_through=request.skip_through,
+                            total_secs=before.seconds.get(Bucket.TOTAL, 0.0) + t0 - self.t_mark,
+                            restore_secs=restore_secs)
+    self.set_ledger(ledger)
+    self.t_mark = t0  # the restore and what follows go to the total at the next tick
+    log.warning("%s: %s; rewinding from step %d to step %d, skipping data steps %d..%d "
+                "(skip_steps now %s); the %d steps trained past step %d are thrown away", name,
+                request.reason, request.before_step, ledger.step, first, request.skip_through,
+                list(ledger.skip_steps), before.step - ledger.step, ledger.step)
     self.state_position = self.data_position
     self.last = self.last_info = None
     self.status = None  # a data_exhausted warned on the thrown-away calls no longer holds
+    self.adjust_hooks()  # as at a resume: the hooks continue from the restored step
     if self.config.time_based_k is not None:
       self.config.time_based_k.start()
     self.rewound = True

@@ -26,8 +26,10 @@ A hook may *rewind* the run (:class:`RewindRequest`): at a boundary it asks, the
 agree (:mod:`loopkit.core.agreement`), it returns a :class:`~loopkit.core.context.Restore` of
 an earlier checkpoint, and the run continues from there with a new skip range from the data
 step after that checkpoint through the request's ``skip_through``
-(:class:`loopkit.checkpoint.LossSpikeHook` does this at loss spikes). Pure host functions;
-thread-safe.
+(:class:`loopkit.checkpoint.LossSpikeHook` does this at loss spikes). A rewind is a resume
+inside the process: the ledger is the checkpoint's with the thrown-away work booked as lost
+(:func:`rewound_ledger`), and every hook's ``adjust_ledger`` is called as at a run's start,
+so rows, records and histories past the restored step go. Pure host functions; thread-safe.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
+from loopkit.core.ledger import Bucket, Ledger
 from loopkit.data.feeding import skip_count
 
 __all__ = ["RewindRequest", "check_reopenable", "check_skip_steps", "cut_steps", "merge_ranges",
-           "skip_count"]
+           "rewound_ledger", "skip_count"]
 
 SkipRanges = tuple[tuple[int, int], ...]
 """Skip ranges ``((first, last), ...)`` in data steps, inclusive, disjoint and ascending."""
@@ -132,6 +135,50 @@ def merge_ranges(*lists: Iterable[Sequence[int]]) -> SkipRanges:
 def covered(ranges: SkipRanges, first: int, last: int) -> bool:
   """Whether data steps ``first..last`` all lie in ``ranges`` (merged, :func:`merge_ranges`)."""
   return any(a <= first and last <= b for a, b in ranges)
+
+
+def rewound_ledger(restored: Ledger, before: Ledger, *, skip_through: int, total_secs: float,
+                   restore_secs: float) -> Ledger:
+  """The ledger a rewind leaves: the restored checkpoint's, as after a crash and a resume.
+
+  The new skip range runs from the restored data step + 1 through ``skip_through``, joined
+  to the ranges in force before the rewind and the checkpoint's. The steps trained past
+  the checkpoint add to ``lost_steps``; the wall time spent since the checkpoint's
+  ``total`` (whatever its bucket then: the thrown-away steps, their rows, evaluations and
+  waits) goes to ``seconds["lost"]``, out of ``total``, and the restore to
+  ``seconds["checkpoint"]``, so ``total + lost`` (goodput's job time) goes on counting the
+  wall time and nothing the rewind threw away is productive
+  (:func:`loopkit.observe.goodput.summarize`). A checkpoint's ``total`` is the one ticked at
+  the start of the boundary it was saved at, so the hooks' time at that boundary before
+  the save, in the checkpoint's buckets already, counts in ``lost`` too (a resume after a
+  crash leaves it out of the job time instead).
+
+  Args:
+    restored: the checkpoint's ledger (not changed).
+    before: the run's ledger when the rewind began.
+    skip_through: the last data step to skip (>= ``restored.data_step + 1``).
+    total_secs: ``before``'s ``seconds["total"]`` brought up to the rewind's start (s).
+    restore_secs: the restore's wall time (s), added to ``seconds["checkpoint"]``.
+
+  Returns:
+    A new :class:`~loopkit.core.ledger.Ledger`.
+
+  Example:
+    >>> r = Ledger(step=20, seconds={"total": 10.0, "checkpoint": 1.0})
+    >>> b = Ledger(step=24, seconds={"total": 12.5, "checkpoint": 1.2}, lost_steps=3)
+    >>> n = rewound_ledger(r, b, skip_through=25, total_secs=13.0, restore_secs=0.5)
+    >>> n.skip_steps, n.lost_steps, n.seconds
+    (((21, 25),), 7, {'total': 10.0, 'checkpoint': 1.5, 'lost': 3.0})
+  """
+  ledger = restored.copy()
+  ledger.skip_steps = merge_ranges(restored.skip_steps, before.skip_steps,
+                                   [(restored.data_step + 1, skip_through)])
+  ledger.lost_steps = before.lost_steps + max(before.step - restored.step, 0)
+  seconds = ledger.seconds
+  seconds[Bucket.LOST] = before.seconds.get(Bucket.LOST, 0.0) + max(
+      total_secs - restored.seconds.get(Bucket.TOTAL, 0.0), 0.0)
+  seconds[Bucket.CHECKPOINT] = seconds.get(Bucket.CHECKPOINT, 0.0) + restore_secs
+  return ledger
 
 
 def cut_steps(ranges: SkipRanges, step: int, data_step: int) -> list[int]:

@@ -10,7 +10,8 @@ by the hook's ``time_bucket`` (``checkpoint``, ``eval``, or ``hooks``),
 last call's hooks, outside the hooks' own buckets: placing the initial state,
 opening the source, the generic hooks' ``on_run_start`` / ``on_run_end``,
 closing the feeder) and ``total``. The ledger is saved in checkpoints, so the buckets add up over
-resumes. :class:`GoodputHook` adds *work lost to restarts*: steps trained past
+resumes. A rewind (:mod:`loopkit.core.skips`) books the time it threw away in
+``lost`` itself. :class:`GoodputHook` adds *work lost to restarts*: steps trained past
 the last checkpoint by an attempt that then died, and redone; and keeps the
 time an attempt spent after its last checkpoint at that step (an eval that runs
 after the final save, the end of the run) when a later run resumes from it.
@@ -161,7 +162,9 @@ class GoodputHook(Hook):
   the hook runs one call late). At most one row is written per step, and rows
   move forward: a step that already has a row (written earlier in the run, or
   by an earlier attempt when ``workdir`` is set) gets none again, e.g. when a
-  resumed run finds nothing left to train.
+  resumed run finds nothing left to train. Rows past the step a run continues
+  from (a resume from an earlier checkpoint, a rewind) are dropped by the file
+  writers (:func:`~loopkit.observe.writers.keep_rows_through`) and written again.
 
   Lost work: at every boundary process 0 records the step reached (the *high
   water mark*) in ``workdir/goodput.json`` (atomic rename; well under a
@@ -260,9 +263,13 @@ class GoodputHook(Hook):
     self._ctx = ctx
 
   def adjust_ledger(self, ctx: RunContext) -> LedgerAdjustment | None:
-    """Reads the previous attempt's record and accounts for the restart (once per run).
+    """Reads the previous attempt's record and accounts for the restart.
 
-    Called by the loop after every ``on_run_start`` (a restore by any hook included).
+    Called by the loop after every ``on_run_start`` (a restore by any hook included), and
+    after every rewind: the steps a rewind threw away and their time are in the ledger
+    already (:func:`loopkit.core.skips.rewound_ledger`), so only the record is brought
+    back to the restored step. The ``goodput/*`` rows past the step the run continues
+    from are dropped (``keep_rows_through``) and written again.
 
     Returns:
       The work lost to a restart (``lost_steps`` and ``seconds["lost"]``), or
@@ -274,6 +281,7 @@ class GoodputHook(Hook):
       keep_rows_through(self.writer, ctx.ledger.step)
     restored, self._restored_step = self._restored_step, None
     if self.path is None or jax.process_index() != 0:
+      self._row_step = min(self._row_step, ctx.ledger.step)
       return None
     try:
       with open(self.path) as f:
@@ -281,10 +289,16 @@ class GoodputHook(Hook):
     except FileNotFoundError:
       return None
     start_step = ctx.ledger.step
-    self._row_step = max(self._row_step, int(prev.get("row_step", -1)))
+    # the rows past the start were dropped (keep_rows_through): they are written again
+    self._row_step = min(max(self._row_step, int(prev.get("row_step", -1))), start_step)
     hung = self._hung_secs(int(prev.get("hangs_counted", 0)))
-    if prev["step"] > start_step:
-      redone = int(prev["step"]) - start_step
+    redone = int(prev["step"]) - start_step
+    if redone > 0 and ctx.ledger.lost_steps >= int(prev["lost_steps"]) + redone:
+      # A rewind in this process (loopkit.core.skips.rewound_ledger) counted those steps
+      # and their time already; the record now says where the run continues.
+      self._write_record(ctx.ledger, start_step)
+      return LedgerAdjustment(add_seconds={Bucket.LOST: hung}) if hung else None
+    if redone > 0:
       # The record of the attempt that died is newer than the restored checkpoint.
       lost_steps = int(prev["lost_steps"]) + redone
       log.warning("goodput: this run starts at step %d but an earlier attempt reached step "

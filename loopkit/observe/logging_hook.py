@@ -19,7 +19,7 @@ import jax
 
 from loopkit import metrics as metrics_lib
 from loopkit.core.context import RunContext
-from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.hooks import Hook, LoopInfo, drop_after
 from loopkit.core.ledger import hook_seconds
 from loopkit.observe import goodput, peaks
 from loopkit.observe.writers import as_writer, keep_rows_through, prints_to_console
@@ -115,8 +115,8 @@ class LoggingHook(Hook):
   written past it (:func:`~loopkit.observe.writers.keep_rows_through`).
 
   Attributes:
-    records: ``[(step, scalars)]`` of every row, in order (at each run's start, those
-      past the step it continues from are dropped, as the writer's rows).
+    records: ``[(step, scalars)]`` of every row, in order (at each run's start and after
+      a rewind, those past the step it continues from are dropped, as the writer's rows).
     first_steps: for each row, the first step its averages cover (the row at
       ``step`` covers ``first_steps[i]..step``). The accumulator is saved with
       checkpoints (:meth:`checkpoint_state`), so a resumed run's first row
@@ -166,7 +166,9 @@ class LoggingHook(Hook):
     Tells the writer (``keep_rows_through``: a resumed run's file writers keep
     the earlier rows up to ``S``), drops :attr:`records` past ``S``, and starts
     a new window when the one held does not end at ``S`` (a second run of the
-    same hook from another state, without a restore of its window).
+    same hook from another state, without a restore of its window). Also called
+    after a rewind (the run went back to ``S``): the throughput is measured
+    afresh from the next call.
     """
     step = ctx.ledger.step
     if self.writer is not None:
@@ -174,9 +176,11 @@ class LoggingHook(Hook):
     if self._end_step is not None and self._end_step != step:
       self._acc, self._first_step = {}, None
     self._end_step = step
-    while self.records and self.records[-1][0] > step:
-      self.records.pop()
-      self.first_steps.pop()
+    if self._mark is not None and self._mark[1] > step:  # a rewind: throughput starts again
+      self._mark = None
+      self._loop_secs.clear()
+    drop_after(self.records, step)
+    del self.first_steps[len(self.records):]
 
   def after_each_call(self, info: LoopInfo) -> None:
     self._end_step = info.end_step

@@ -205,6 +205,30 @@ class ProgressHook(Hook):
               else f"step {loop.ledger.step}")
       self._emit(f"{head}: {FIRST_CALL}")
 
+  def adjust_ledger(self, ctx: Any) -> None:
+    """Says so when the run went back (a rewind, :mod:`loopkit.core.skips`): one line
+    ``step S/N: rewound from step E to step S (skip_steps [...])`` (plain mode: among the
+    lines; bar mode: above the bar, which then shows step ``S`` and ``rewound from step E``
+    until the next boundary); the rates leave the restore's time out. At a run's start it
+    does nothing."""
+    if not self._enabled or self._last_step is None or ctx.ledger.step >= self._last_step:
+      return None
+    step, ledger = ctx.ledger.step, ctx.ledger
+    head = f"step {step}/{self._total}" if self._total else f"step {step}"
+    line = (f"{head}: rewound from step {self._last_step} to step {step} "
+            f"(skip_steps {list(ledger.skip_steps)})")
+    self.lines.append(line)
+    if self._bar is not None:
+      self._bar.write(line, file=self._stream)  # above the bar, which stays open
+      self._bar.n = step
+      self._bar.set_postfix_str(f"rewound from step {self._last_step}", refresh=True)
+    else:
+      self._emit(line)
+    now = self.clock()  # the next interval starts here: the restore says nothing of the speed
+    self._prev, self._line_time = (now, self._compile_secs()), now
+    self._last_step = self._logged_step = step
+    return None
+
   def after_each_call(self, info: LoopInfo) -> None:
     if not self._enabled:
       return

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopkit.core.context import RunContext
-from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.hooks import Hook, LoopInfo, drop_after
 
 __all__ = ["EARLY_STOPPED", "EarlyStopping", "ReduceLROnPlateau"]
 
@@ -187,7 +187,9 @@ class EarlyStopping(Hook):
       its first boundary (training ended there); use a new hook with another ``hook_name``
       to train on. A run that starts before the last evaluation this hook judged (a fresh
       state, with no saved counters of this hook) counts afresh.
-    history: ``[(step, value, improved)]`` of the evaluations judged by this object.
+    history: ``[(step, value, improved)]`` of the evaluations judged by this object; a run
+      that continues from an earlier step (a rewind, a rerun from an earlier checkpoint)
+      drops those past it, so it holds each step once.
 
   Not thread-safe. Multi-host: every process judges the same values (module docstring).
   """
@@ -234,7 +236,9 @@ class EarlyStopping(Hook):
   def adjust_ledger(self, ctx: RunContext) -> None:
     """A run that continues an early-stopped one (its state restored) stops at once; a run
     that starts before the last evaluation judged (a fresh state, no saved counters of this
-    hook) starts counting afresh."""
+    hook) starts counting afresh. :attr:`history` past the step the run continues from goes
+    (a rewind, a rerun from an earlier checkpoint: those evaluations are judged again)."""
+    drop_after(self.history, ctx.ledger.step)
     if self._watch.rewound(ctx.ledger.step):
       self.stopped_step, self._best_state, self._best_state_step = None, None, None
     if self.stopped_step is not None and ctx.ledger.step >= self.stopped_step:
@@ -344,7 +348,8 @@ class ReduceLROnPlateau(Hook):
       ``hyperparam`` (naming what it found).
 
   Attributes:
-    reductions: ``[(step, old_lr, new_lr)]`` made by this object.
+    reductions: ``[(step, old_lr, new_lr)]`` made by this object; a run that continues from
+      an earlier step (a rewind, a rerun from an earlier checkpoint) drops those past it.
 
   Not thread-safe. Multi-host: every process takes the same decision (module docstring).
   """
@@ -388,7 +393,9 @@ class ReduceLROnPlateau(Hook):
 
   def adjust_ledger(self, ctx: RunContext) -> None:
     """A run that starts before the last evaluation judged (a fresh state, no saved counters
-    of this hook) starts counting afresh."""
+    of this hook) starts counting afresh; :attr:`reductions` past the step the run continues
+    from go (a rewind, a rerun from an earlier checkpoint)."""
+    drop_after(self.reductions, ctx.ledger.step)
     if self._watch.rewound(ctx.ledger.step):
       self.cooldown_left = 0
     return None
