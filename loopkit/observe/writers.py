@@ -82,7 +82,7 @@ from loopkit.observe.tensorboard_writer import TensorBoardWriter
 
 __all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
            "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer",
-           "format_row", "keep_rows_through", "prints_to_console"]
+           "format_row", "keep_rows_through", "mark_run_outcome", "prints_to_console"]
 
 log = logging.getLogger("loopkit")
 
@@ -354,6 +354,42 @@ def keep_rows_through(writer: Any, step: int) -> None:
     fn(int(step))
 
 
+OUTCOMES = ("completed", "interrupted", "failed")
+
+
+def mark_run_outcome(writer: Any, *, status: str | None = None,
+                     error: BaseException | None = None) -> str:
+  """Tells ``writer`` how a ``run`` of the loop ended, so a tracker marks its run.
+
+  The outcome is ``"completed"`` (training ended: ``loop.status`` ``"completed"``,
+  ``"data_exhausted"``, ``"stopped"``, ``"early stopped"``...), ``"interrupted"`` (a
+  preemption or a time limit, which a resume continues, or a ``KeyboardInterrupt``) or
+  ``"failed"`` (any other exception). A writer with ``mark_outcome(outcome)`` takes it
+  (:class:`~loopkit.observe.MlflowWriter`: ``FINISHED`` / ``KILLED`` / ``FAILED``;
+  :class:`~loopkit.observe.WandbWriter`: the exit code of ``run.finish``);
+  :class:`MultiWriter` and :class:`AsyncWriter` pass it on; other writers are left alone.
+  :class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook` call it from ``on_run_end``
+  (with ``ctx.status``) and ``on_run_error`` (with the error).
+
+  Args:
+    writer: a metric writer, or None.
+    status: the run's status (``ctx.status``), when it returned.
+    error: the exception that ended it, when it raised.
+
+  Returns:
+    The outcome.
+  """
+  if error is not None:
+    outcome = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+  else:
+    from loopkit.core.run import RESUMABLE_STOPS  # pylint: disable=g-import-not-at-top
+    outcome = "interrupted" if status in RESUMABLE_STOPS else "completed"
+  fn = getattr(writer, "mark_outcome", None)
+  if callable(fn):
+    fn(outcome)
+  return outcome
+
+
 def prints_to_console(writer: Any) -> bool:
   """Whether a row written to ``writer`` now is also printed on the console.
 
@@ -459,6 +495,13 @@ class MultiWriter:
     for w in self.writers:
       keep_rows_through(w, step)
 
+  def mark_outcome(self, outcome: str) -> None:
+    """The ``mark_outcome`` of each writer that has one (:func:`mark_run_outcome`)."""
+    for w in self.writers:
+      fn = getattr(w, "mark_outcome", None)
+      if callable(fn):
+        fn(outcome)
+
   def prints_to_console(self) -> bool:
     """Whether one of the writers prints its rows (:func:`prints_to_console`)."""
     return any(prints_to_console(w) for w in self.writers)
@@ -524,6 +567,12 @@ class AsyncWriter:
   def keep_through(self, step: int) -> None:
     """:func:`keep_rows_through` of the wrapped writer, in order with the queued writes."""
     self._put("keep_through", step)
+
+  def mark_outcome(self, outcome: str) -> None:
+    """The wrapped writer's ``mark_outcome`` (:func:`mark_run_outcome`), in order with the
+    queued writes."""
+    if callable(getattr(self.writer, "mark_outcome", None)):
+      self._put("mark_outcome", outcome)
 
   def prints_to_console(self) -> bool:
     """Whether the wrapped writer prints its rows (:func:`prints_to_console`)."""
