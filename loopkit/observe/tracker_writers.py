@@ -104,8 +104,8 @@ class MlflowWriter(_TextOnly):
   strings, and set once: a second value for the same name is MLflow's error).
 
   Which run: ``run`` (an ``mlflow.entities.Run`` or a run id), else, with ``dir``, the run
-  whose id ``dir/mlflow-run-id`` keeps (a restarted job continues its run), else the active
-  run of ``mlflow.start_run()`` if there is one (and no ``experiment`` is given), else a new
+  whose id ``dir/mlflow-run-id`` keeps (a restarted job continues its run), else (without
+  ``dir`` and ``experiment``) the active run of ``mlflow.start_run()`` if there is one, else a new
   run in ``experiment`` (made if missing; None: MLflow's default experiment) named
   ``run_name``, whose id is then kept in ``dir/mlflow-run-id``. One training run is one MLflow
   run across kills and restarts when every process is given the same ``dir`` (the workdir
@@ -124,8 +124,8 @@ class MlflowWriter(_TextOnly):
   ``KeyboardInterrupt`` (the resume continues it) and ``FAILED`` when ``run`` raises: the
   :class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook` writing to it tell it
   (:meth:`mark_outcome`), at once. :meth:`close` ends it too: with the outcome told, else
-  ``FAILED`` if an exception is being handled (``close`` in a ``finally``), else
-  ``FINISHED``. This holds for a run the writer made or continued and one given as ``run``;
+  ``FAILED`` if an exception is being handled (``close`` in a ``finally``; ``KILLED`` for a
+  ``KeyboardInterrupt``), else ``FINISHED``. This holds for a run the writer made or continued and one given as ``run``;
   the active run of ``mlflow.start_run()`` is left to its ``with`` block.
 
   Every write has reached the tracking store when it returns: :meth:`flush` has nothing to
@@ -281,7 +281,8 @@ class MlflowWriter(_TextOnly):
     if not self._enabled:
       return
     for key, text in texts.items():
-      self.client.log_text(self._run_id, str(text), f"texts/{mlflow_name(key)}/step_{int(step)}.txt")
+      self.client.log_text(self._run_id, str(text),
+                           f"texts/{mlflow_name(key)}/step_{int(step)}.txt")
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if not self._enabled:

@@ -32,7 +32,10 @@ the rows a checkpoint covers are on disk before a kill can lose them. When a
 file writer opens a directory or file that already holds rows (a resumed run),
 its first write at step ``s`` drops the old rows at steps ``>= s`` (JSONL:
 rewritten atomically; TensorBoard: a ``purge_step``), so after a kill and a
-resume every step appears once.
+resume every step appears once. The trackers (:class:`~loopkit.observe.MlflowWriter`,
+:class:`~loopkit.observe.WandbWriter`), which cannot take a point back, keep the first point
+of a step instead, and :func:`mark_run_outcome` tells them how a run ended
+(docs/observability.md, "Every writer across a kill").
 
 =================  ===========  ===========  =========  ====  ===========
 method             TensorBoard  JSONL        console    Null  Multi/Async
