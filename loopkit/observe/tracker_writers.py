@@ -37,8 +37,10 @@ from typing import Any
 
 from loopkit._internal.extras import require
 from loopkit.observe.metric_writer import _hparam_value, _is_writer_process, _to_python
-from loopkit.observe.writers import JsonlWriter
-from loopkit.observe.writers import _TextOnly  # texts as rows; images, histograms skipped
+from loopkit.observe.writers import (
+  JsonlWriter,
+  _TextOnly,  # texts as rows; images, histograms skipped
+)
 
 __all__ = ["MlflowWriter", "WandbWriter", "mlflow_name"]
 
@@ -125,8 +127,9 @@ class MlflowWriter(_TextOnly):
   :class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook` writing to it tell it
   (:meth:`mark_outcome`), at once. :meth:`close` ends it too: with the outcome told, else
   ``FAILED`` if an exception is being handled (``close`` in a ``finally``; ``KILLED`` for a
-  ``KeyboardInterrupt``), else ``FINISHED``. This holds for a run the writer made or continued and one given as ``run``;
-  the active run of ``mlflow.start_run()`` is left to its ``with`` block.
+  ``KeyboardInterrupt``), else ``FINISHED``. This holds for a run the writer made or continued
+  and one given as ``run``; the active run of ``mlflow.start_run()`` is left to its ``with``
+  block.
 
   Every write has reached the tracking store when it returns: :meth:`flush` has nothing to
   make durable.
@@ -187,8 +190,8 @@ class MlflowWriter(_TextOnly):
     else:
       experiment_id = "0"
       if experiment is not None:
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = (found.experiment_id if found is not None
+        named = self.client.get_experiment_by_name(experiment)
+        experiment_id = (named.experiment_id if named is not None
                          else self.client.create_experiment(experiment))
       self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
       self._ends_run = True
@@ -592,7 +595,7 @@ def _history_steps(path: str) -> list[int]:
     buf = chunk if kind in (1, 2) else buf + chunk
     pos += 7 + n
     if kind in (1, 4):
-      record = wandb_internal_pb2.Record()
+      record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
       try:
         record.ParseFromString(buf)
       except Exception:  # pylint: disable=broad-except  # a damaged record: stop there
