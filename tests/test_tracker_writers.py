@@ -5,6 +5,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -339,6 +340,37 @@ def test_trackers_hold_each_step_once_after_a_rerun_in_the_same_process(
   journal = [json.loads(line) for line in (tmp_path / "work" / JOURNAL_FILE).read_text().split(
       "\n") if line]
   assert journal == rows  # the rows file is metrics.jsonl's twin
+
+
+def test_a_restarted_wandb_writer_sends_only_the_rows_its_run_lacks(tmp_path, wandb_offline):
+  """A preempted process (rows 2..6, "interrupted": exit code 1) and its restart from step 6
+  (rows 8, 10) in the same dir: the restart reads the first offline directory's file (it holds
+  2..6), so the rows file's rows there are not sent again; the W&B run's directories hold each
+  step once. With the first directory's file gone (as a kill leaves it: no row), the restart
+  sends the rows file's rows through 6 first."""
+  first = loopkit.observe.WandbWriter(**wandb_offline)
+  for s in (2, 4, 6):
+    first.write_scalars(s, {"loss": float(s)})
+  writers_lib.mark_run_outcome(first, status="preempted")
+  first.close()
+  _wandb_history(glob.glob(f"{tmp_path}/work/wandb/offline-run-*-{first.run.id}")[0])
+  for lost in (False, True):
+    if lost:  # no second attempt, and the first attempt's file as a kill leaves it
+      first_dir, second_dir = sorted(  # offline-run-TIME-ID: the attempts in order
+          glob.glob(f"{tmp_path}/work/wandb/offline-run-*-{first.run.id}"))
+      shutil.rmtree(second_dir)
+      with open(glob.glob(f"{first_dir}/*.wandb")[0], "r+b") as f:
+        f.truncate(7)
+    again = loopkit.observe.WandbWriter(**wandb_offline)
+    assert again.run.id == first.run.id
+    writers_lib.keep_rows_through(again, 6)
+    for s in (8, 10):
+      again.write_scalars(s, {"loss": float(s)})
+    again.close()
+    _wandb_history(sorted(glob.glob(f"{tmp_path}/work/wandb/offline-run-*-{first.run.id}"))[-1])
+    points, exits = _wandb_points(tmp_path / "work", first.run.id)
+    assert points == {(s, "loss"): float(s) for s in (2, 4, 6, 8, 10)}
+    assert exits == ([0] if lost else [1, 0])
 
 
 def test_mlflow_writer_marks_how_training_ended(tmp_path, monkeypatch):
