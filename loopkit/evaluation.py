@@ -67,7 +67,12 @@ from loopkit.core.ledger import Bucket
 from loopkit.core.program import build_program, run_slots
 from loopkit.data.device_data import DeviceDataState
 from loopkit.data.feeding import ChunkFeeder
-from loopkit.observe.writers import as_writer, keep_rows_through, prints_to_console
+from loopkit.observe.writers import (
+  as_writer,
+  keep_rows_through,
+  mark_run_outcome,
+  prints_to_console,
+)
 
 log = logging.getLogger("loopkit")
 
@@ -595,6 +600,19 @@ class EvalHook(Hook):
     flush = getattr(self.writer, "flush", None)
     if flush is not None:
       flush()
+
+  def on_run_end(self, ctx: Any, state: Any) -> None:
+    """Tells the writer how the run ended (:func:`~loopkit.observe.writers.mark_run_outcome`:
+    a tracker marks its run)."""
+    del state
+    if self.writer is not None:
+      mark_run_outcome(self.writer, status=ctx.status)
+
+  def on_run_error(self, ctx: Any, error: BaseException) -> None:
+    """Tells the writer the run failed or was interrupted (``mark_run_outcome``)."""
+    del ctx
+    if self.writer is not None:
+      mark_run_outcome(self.writer, error=error)
 
   def adjust_ledger(self, ctx: Any) -> None:
     """Tells the writer the step the run continues from (restores applied), so a resumed

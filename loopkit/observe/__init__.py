@@ -32,6 +32,7 @@ from loopkit.observe.writers import (
   create_default_writer,
   format_row,
   keep_rows_through,
+  mark_run_outcome,
   prints_to_console,
 )
 
@@ -56,5 +57,6 @@ __all__ = [
     "create_default_writer",
     "format_row",
     "keep_rows_through",
+    "mark_run_outcome",
     "prints_to_console",
 ]

@@ -22,7 +22,12 @@ from loopkit.core.context import RunContext
 from loopkit.core.hooks import Hook, LoopInfo, drop_after
 from loopkit.core.ledger import hook_seconds
 from loopkit.observe import goodput, peaks
-from loopkit.observe.writers import as_writer, keep_rows_through, prints_to_console
+from loopkit.observe.writers import (
+  as_writer,
+  keep_rows_through,
+  mark_run_outcome,
+  prints_to_console,
+)
 
 log = logging.getLogger("loopkit")
 
@@ -206,9 +211,20 @@ class LoggingHook(Hook):
       flush()
 
   def on_run_end(self, ctx: RunContext, state: Any) -> None:
-    """Flushes the writer: the run's last rows are on disk even if the writer is never closed."""
-    del ctx, state
+    """Flushes the writer: the run's last rows are on disk even if the writer is never closed;
+    tells it how the run ended (:func:`~loopkit.observe.writers.mark_run_outcome`: a tracker
+    marks its run)."""
+    del state
     self.flush()
+    if self.writer is not None:
+      mark_run_outcome(self.writer, status=ctx.status)
+
+  def on_run_error(self, ctx: RunContext, error: BaseException) -> None:
+    """Tells the writer the run failed or was interrupted
+    (:func:`~loopkit.observe.writers.mark_run_outcome`); the loop flushed it just before."""
+    del ctx
+    if self.writer is not None:
+      mark_run_outcome(self.writer, error=error)
 
   def checkpoint_state(self) -> dict[str, Any]:
     """The running accumulator (metrics merged since the last row), for checkpoints.

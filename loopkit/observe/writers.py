@@ -32,7 +32,10 @@ the rows a checkpoint covers are on disk before a kill can lose them. When a
 file writer opens a directory or file that already holds rows (a resumed run),
 its first write at step ``s`` drops the old rows at steps ``>= s`` (JSONL:
 rewritten atomically; TensorBoard: a ``purge_step``), so after a kill and a
-resume every step appears once.
+resume every step appears once. The trackers (:class:`~loopkit.observe.MlflowWriter`,
+:class:`~loopkit.observe.WandbWriter`), which cannot take a point back, keep the first point
+of a step instead, and :func:`mark_run_outcome` tells them how a run ended
+(docs/observability.md, "Every writer across a kill").
 
 =================  ===========  ===========  =========  ====  ===========
 method             TensorBoard  JSONL        console    Null  Multi/Async
@@ -82,7 +85,7 @@ from loopkit.observe.tensorboard_writer import TensorBoardWriter
 
 __all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
            "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer",
-           "format_row", "keep_rows_through", "prints_to_console"]
+           "format_row", "keep_rows_through", "mark_run_outcome", "prints_to_console"]
 
 log = logging.getLogger("loopkit")
 
@@ -354,6 +357,42 @@ def keep_rows_through(writer: Any, step: int) -> None:
     fn(int(step))
 
 
+OUTCOMES = ("completed", "interrupted", "failed")
+
+
+def mark_run_outcome(writer: Any, *, status: str | None = None,
+                     error: BaseException | None = None) -> str:
+  """Tells ``writer`` how a ``run`` of the loop ended, so a tracker marks its run.
+
+  The outcome is ``"completed"`` (training ended: ``loop.status`` ``"completed"``,
+  ``"data_exhausted"``, ``"stopped"``, ``"early stopped"``...), ``"interrupted"`` (a
+  preemption or a time limit, which a resume continues, or a ``KeyboardInterrupt``) or
+  ``"failed"`` (any other exception). A writer with ``mark_outcome(outcome)`` takes it
+  (:class:`~loopkit.observe.MlflowWriter`: ``FINISHED`` / ``KILLED`` / ``FAILED``;
+  :class:`~loopkit.observe.WandbWriter`: the exit code of ``run.finish``);
+  :class:`MultiWriter` and :class:`AsyncWriter` pass it on; other writers are left alone.
+  :class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook` call it from ``on_run_end``
+  (with ``ctx.status``) and ``on_run_error`` (with the error).
+
+  Args:
+    writer: a metric writer, or None.
+    status: the run's status (``ctx.status``), when it returned.
+    error: the exception that ended it, when it raised.
+
+  Returns:
+    The outcome.
+  """
+  if error is not None:
+    outcome = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+  else:
+    from loopkit.core.run import RESUMABLE_STOPS  # pylint: disable=g-import-not-at-top
+    outcome = "interrupted" if status in RESUMABLE_STOPS else "completed"
+  fn = getattr(writer, "mark_outcome", None)
+  if callable(fn):
+    fn(outcome)
+  return outcome
+
+
 def prints_to_console(writer: Any) -> bool:
   """Whether a row written to ``writer`` now is also printed on the console.
 
@@ -459,6 +498,13 @@ class MultiWriter:
     for w in self.writers:
       keep_rows_through(w, step)
 
+  def mark_outcome(self, outcome: str) -> None:
+    """The ``mark_outcome`` of each writer that has one (:func:`mark_run_outcome`)."""
+    for w in self.writers:
+      fn = getattr(w, "mark_outcome", None)
+      if callable(fn):
+        fn(outcome)
+
   def prints_to_console(self) -> bool:
     """Whether one of the writers prints its rows (:func:`prints_to_console`)."""
     return any(prints_to_console(w) for w in self.writers)
@@ -524,6 +570,12 @@ class AsyncWriter:
   def keep_through(self, step: int) -> None:
     """:func:`keep_rows_through` of the wrapped writer, in order with the queued writes."""
     self._put("keep_through", step)
+
+  def mark_outcome(self, outcome: str) -> None:
+    """The wrapped writer's ``mark_outcome`` (:func:`mark_run_outcome`), in order with the
+    queued writes."""
+    if callable(getattr(self.writer, "mark_outcome", None)):
+      self._put("mark_outcome", outcome)
 
   def prints_to_console(self) -> bool:
     """Whether the wrapped writer prints its rows (:func:`prints_to_console`)."""
