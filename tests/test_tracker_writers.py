@@ -361,6 +361,9 @@ def test_a_restarted_wandb_writer_sends_only_the_rows_its_run_lacks(tmp_path, wa
       shutil.rmtree(second_dir)
       with open(glob.glob(f"{first_dir}/*.wandb")[0], "r+b") as f:
         f.truncate(7)
+    # W&B names an offline directory offline-run-YYYYmmdd_HHMMSS-ID: an attempt started in the
+    # same second as the last one would share its directory (flaky here under load, 1 in 3)
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)
     again = loopkit.observe.WandbWriter(**wandb_offline)
     assert again.run.id == first.run.id
     writers_lib.keep_rows_through(again, 6)
