@@ -73,7 +73,7 @@ import numpy as np  # noqa: E402
 
 import loopkit  # noqa: E402
 from benchmarks import systems as sy, workloads as wl  # noqa: E402
-from loopkit.core import ledger as ledger_lib, program as program_lib, run as run_lib  # noqa: E402
+from loopkit.core import boundary as boundary_lib, ledger as ledger_lib, program as program_lib  # noqa: E402
 from loopkit.data import feeding  # noqa: E402
 
 PHASES = ("form", "place", "handoff", "agree", "dispatch", "finish",
@@ -118,9 +118,9 @@ class Phases:
     self.patch(feeding.ChunkFeeder, "next", "handoff")
     self.patch(feeding.ChunkFeeder, "_form", "form")
     self.patch(feeding._Placer, "__call__", "place")
-    self.patch(run_lib.Run, "agree", "agree")
+    self.patch(boundary_lib, "agree", "agree")
     self.patch(program_lib.MultiStepProgram, "__call__", "dispatch")
-    self.patch(run_lib.Run, "finish_call", "finish")
+    self.patch(boundary_lib, "finish_call", "finish")
     self.patch(ledger_lib.Ledger, "advance", "ledger")
     self.patch(ledger_lib.Ledger, "add_time", "ledger")
 

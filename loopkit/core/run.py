@@ -4,21 +4,31 @@ A :class:`Run` lives for one call of :meth:`loopkit.TrainLoop.run`. It takes the
 loop's :class:`RunConfig` (not the loop), owns the ledger, the data position,
 the status, the stop reason, the preemption watcher's use and the per-run
 bookkeeping (the train state's spec, the replica check, the hooks' names and
-contexts), and goes through three named steps:
+contexts). This module is the conductor (:meth:`Run.execute`, :meth:`Run.calls`), the
+ledger's writes and the doors of a state (:meth:`Run.admit`, :meth:`Run.apply_restore`);
+the run's steps are functions of the run in rooms of their own, which a batch's call
+enters in order:
 
-* :meth:`Run.dispatch`: the processes' agreement (:mod:`loopkit.core.agreement`)
-  already taken, one device call, the ledger advanced, a :class:`Boundary`
-  recorded;
-* :meth:`Run.finish_call`: the call's outputs fetched (one ``device_get``, one
-  call late unless a firing hook needs the state), a
-  :class:`~loopkit.core.hooks.LoopInfo` built, hooks see it and fire;
-* :meth:`Run.stop`: the status, the ``at_end`` hooks that did not fire on the
-  last call, ``on_run_end``.
+* :mod:`loopkit.core.start_end`: before the first call, every hook's ``on_run_start``
+  (restores applied), the skip ranges and the feeder; after the last, the status, the
+  ``at_end`` hooks still due and ``on_run_end`` (:func:`~loopkit.core.start_end.stop`),
+  or, when the run raises, the work kept and ``on_run_error``;
+* :mod:`loopkit.core.calls`: the feeder's next chunk, then one device call over it
+  (:func:`~loopkit.core.calls.dispatch`: the ledger advanced, a
+  :class:`~loopkit.core.boundary.Boundary` recorded);
+* :mod:`loopkit.core.boundary`: the processes' agreement before each dispatch
+  (:func:`~loopkit.core.boundary.agree`), and after it the call's outputs fetched (one
+  ``device_get``, one call late unless a firing hook needs the state), a
+  :class:`~loopkit.core.hooks.LoopInfo` built, hooks see it and fire
+  (:func:`~loopkit.core.boundary.finish_call`);
+* :mod:`loopkit.core.rewind`: a hook with ``rewind_request`` may ask, at a call's boundary,
+  to go back to an earlier checkpoint and skip data (:mod:`loopkit.core.skips`); agreed
+  across processes, the run applies the hook's restore, drops the call dispatched meanwhile
+  and opens the source again at the restored position (a resume inside the process).
 
-A hook with ``rewind_request`` may ask, at a call's boundary, to go back to an earlier
-checkpoint and skip data (:mod:`loopkit.core.skips`); agreed across processes, the run
-applies the hook's restore (:meth:`Run.rewind`), drops the call dispatched meanwhile and
-opens the source again at the restored position.
+The rooms import each other without a circle (calls imports boundary, and start_end for the
+end-of-data warning; boundary imports rewind; start_end imports boundary) and this module
+only under ``TYPE_CHECKING``.
 
 Hooks read a :class:`~loopkit.core.context.RunContext` and return what they change
 (:mod:`loopkit.core.context`); only this module applies it. Not thread-safe.
@@ -27,109 +37,43 @@ Hooks read a :class:`~loopkit.core.context.RunContext` and return what they chan
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
-import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import numpy as np
 
-from loopkit import metrics as metrics_lib
-from loopkit._internal.checks import check_not_nnx_objects, tree_mismatch, warn_if_pmap_layout
+from loopkit._internal.checks import check_not_nnx_objects, tree_mismatch
 from loopkit._internal.mesh import is_cpu_mesh
-from loopkit.core.agreement import agree_with_reason
+from loopkit.core import boundary, calls, start_end
+from loopkit.core.boundary import Boundary, StepCounterError as StepCounterError
 from loopkit.core.context import LedgerAdjustment, Restore, RunContext
 from loopkit.core.hook_state import collect_hook_states, give_hook_states, hook_names
 from loopkit.core.hooks import (
-  CallRecord,
   Hook,
   LoopInfo,
-  NonFiniteWarning,
   check_hooks,
-  record_fields,
 )
-from loopkit.core.ledger import Bucket, Ledger, LedgerView, epoch_of
+from loopkit.core.ledger import Bucket, Ledger, LedgerView
 from loopkit.core.planner import TimeBasedK, plan_calls
 from loopkit.core.preemption import PreemptionWatcher
 from loopkit.core.program import MultiStepProgram
 from loopkit.core.skips import (
-  RewindRequest,
   SkipRanges,
-  check_reopenable,
-  covered,
   cut_steps,
-  merge_ranges,
-  rewound_ledger,
 )
-from loopkit.core.time_limit import TIME_LIMIT, TimeLimit
+from loopkit.core.start_end import (
+  RESUMABLE_STOPS as RESUMABLE_STOPS,
+  DataExhaustedWarning as DataExhaustedWarning,
+  check_epoch_marks as check_epoch_marks,
+)
+from loopkit.core.time_limit import TimeLimit
 from loopkit.core.triggers import Trigger
-from loopkit.data.assembly import check_chunk_memory, chunk_device_bytes
-from loopkit.data.feeding import Chunk, ChunkFeeder
+from loopkit.data.feeding import ChunkFeeder
 from loopkit.data.sources import open_source
 
 log = logging.getLogger("loopkit")
-
-RESUMABLE_STOPS = ("preempted", TIME_LIMIT)
-"""Statuses of a run stopped to be resumed (a preemption, a ``max_time`` budget): at its
-stop only the ``at_end`` hooks whose ``fires_at_preemption`` is true fire."""
-
-
-class DataExhaustedWarning(UserWarning):
-  """The batch iterator ran out before ``num_steps``; the run stopped at the last full step."""
-
-
-class StepCounterError(ValueError):
-  """The state's step counter did not advance by exactly one per step in a device call.
-
-  Attributes:
-    counter: the counter after the call.
-    start_step: the loop's step before the call (the counter's value then).
-    end_step: the loop's step after the call.
-    loop_index: the call's index.
-  """
-
-  def __init__(self, message: str, *, counter: int, start_step: int, end_step: int,
-               loop_index: int):
-    super().__init__(message)
-    self.counter = counter
-    self.start_step = start_step
-    self.end_step = end_step
-    self.loop_index = loop_index
-
-
-def _fetch(tree: Any, copy_async: bool) -> Any:
-  """``jax.device_get`` of a pytree of ``jax.Array``: numpy copies that own their memory.
-
-  ``copy_async`` starts every leaf's host copy before reading any (as
-  ``jax.device_get``: it overlaps transfers on accelerators, but costs about
-  10-30 us per leaf on CPU devices, whose buffers the host reads directly).
-  """
-  leaves, treedef = jax.tree.flatten(tree)
-  if copy_async:
-    for x in leaves:
-      x.copy_to_host_async()
-  # np.array, not np.asarray: on CPU devices asarray is a view that keeps the
-  # device buffer alive for as long as a hook keeps the value.
-  return jax.tree.unflatten(treedef, [np.array(x) for x in leaves])
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Boundary(CallRecord):
-  """The end of one device call, as the run records it: a
-  :class:`~loopkit.core.hooks.CallRecord` (``is_last``: the run's planned last
-  call, target reached or data exhausted) and what the run still has to do.
-
-  Attributes:
-    out: the call's device outputs (state step, reduced metrics, traces), not
-      fetched until :meth:`Run.finish_call`.
-    firing: indices (into the loop's hooks) of the hooks whose trigger fired.
-  """
-
-  out: Any
-  firing: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,19 +103,6 @@ class RunConfig:
   chunk_assembly: str = "auto"
 
 
-def check_epoch_marks(hooks: Sequence[Hook], steps_per_epoch: int | None) -> None:
-  """Every hook's marks are whole steps for ``steps_per_epoch``.
-
-  Raises:
-    ValueError: naming the hook, ``every_epochs`` and ``steps_per_epoch``.
-  """
-  for h in hooks:
-    try:
-      h.trigger.epoch_period(steps_per_epoch)
-    except ValueError as e:
-      raise ValueError(f"{type(h).__name__}: {e}") from None
-
-
 class Run:
   """One run of a :class:`~loopkit.core.loop.TrainLoop` (created by ``TrainLoop.run``).
 
@@ -195,7 +126,7 @@ class Run:
     data_position: source position after the last consumed call.
     state: the latest state (the output of the latest dispatched call, or a
       hook's replacement), at the ledger's step; what ``TrainLoop.last_state``
-      hands back when ``run`` raises (:meth:`fail`).
+      hands back when ``run`` raises (:func:`loopkit.core.start_end.fail`).
     status: None until the run ends; then ``"completed"``, ``"data_exhausted"``
       or the stop reason.
     stop_reason: the reason of a requested (or agreed) stop, or None.
@@ -273,7 +204,10 @@ class Run:
     self.pending: dict[str, float] = {}  # "start": the time for the ledger of the first tick
     self.bucketed = 0.0  # outside "calls": seconds add_time gave to buckets since the last tick
 
-  # -- ledger writes --------------------------------------------------------
+  def now(self) -> float:
+    """``time.perf_counter()``: the clock of every room of the run (a test's fake
+    clock replaces this module's ``time``)."""
+    return time.perf_counter()
 
   def set_ledger(self, ledger: Ledger, *, examples_unknown: bool = False) -> None:
     """Makes ``ledger`` the run's; ``examples_unknown``: its ``examples_seen`` is
@@ -342,60 +276,11 @@ class Run:
       if watchdog is not None:
         watchdog.leave_phase()
 
-  # -- start ----------------------------------------------------------------
-
-  def start(self, state: Any, batches: Iterable) -> tuple[Any, ChunkFeeder]:
-    """``on_run_start`` of every hook (applying restores), then the plan and the feeder.
-
-    Args:
-      state: the admitted initial state, at the ledger's step.
-      batches: the source.
-
-    Returns:
-      ``(state, feeder)``.
-    """
-    state = self.start_hooks(state)
-    self.settle_skips()
-    for i in self.rewinders:
-      check_reopenable(batches, self.names[i])
-    step0 = self.ledger.step  # a restore's step, else the state's
-    if step0 > self.target:  # after restores: a checkpoint past the target too
-      log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
-                  self.target)
-    elif step0 == self.target:  # a finished run run again (it only evaluates): not a mistake
-      log.info("nothing to train: the state is already at num_steps=%d; the at_end hooks "
-               "run once", step0)
-    check_epoch_marks(self.hooks, self.steps_per_epoch)
-    for h in self.hooks:
-      h.trigger.start_clock()
-    return state, self.open_feeder(batches, step0)
-
-  def start_hooks(self, state: Any) -> Any:
-    """Every hook's ``on_run_start`` (applying what it returns), then ``adjust_ledger``."""
-    for i, h in enumerate(self.hooks):
-      self.started = i + 1
-      new = self.call_hook(i, h.on_run_start, self.contexts[i], state)
-      if new is None:
-        continue
-      if isinstance(new, Restore):
-        state = self.apply_restore(new, i)
-      else:  # a state (e.g. a hook that edits the state before training)
-        state = self.admit(new, i)
-        step = int(jax.device_get(self.config.step_of(state)))
-        if step != self.ledger.step:
-          raise ValueError(
-              f"{type(h).__name__}.on_run_start returned a state at step {step} but the "
-              f"ledger is at step {self.ledger.step}: to restore, return "
-              "loopkit.core.Restore(state, ledger, data_position)")
-        self.state = state
-    self.adjust_hooks()
-    return state
-
   def adjust_hooks(self) -> None:
     """Every hook's ``adjust_ledger(ctx)``, applying the
     :class:`~loopkit.core.context.LedgerAdjustment` it returns: the one call that tells the
     hooks the step the run continues from (``ctx.ledger.step``, restores applied), at the
-    start of every run and after every rewind (:meth:`rewind`), so rows, records and
+    start of every run and after every rewind (:func:`loopkit.core.rewind.rewind`), so rows, records and
     histories past it go the same way after a resume and after a rewind."""
     for i, h in enumerate(self.hooks):
       adjust = getattr(h, "adjust_ledger", None)
@@ -406,25 +291,6 @@ class Run:
             raise TypeError(f"{type(h).__name__}.adjust_ledger returned {change!r}, not a "
                             "loopkit.core.LedgerAdjustment or None")
           change.apply_to(self.ledger)
-
-  def settle_skips(self) -> None:
-    """The skip ranges in force: the restored ledger's and those given to ``run``.
-
-    Raises:
-      ValueError: a given range that is not in the ledger's and starts at or before the
-        data step the run is at (its first batches were trained on already).
-    """
-    ledger = self.ledger
-    data_step = ledger.data_step
-    for first, last in self.skip_steps:
-      if first <= data_step and not covered(ledger.skip_steps, first, last):
-        raise ValueError(
-            f"skip_steps entry ({first}, {last}) starts at or before data step {data_step}, "
-            f"where the run is (step {ledger.step} + {ledger.skipped_steps} skipped): "
-            f"the batches of data steps {first}..{min(last, data_step)} were trained on "
-            f"already. A skip range must start after data step {data_step} (rewind to an "
-            "earlier checkpoint to skip those)")
-    ledger.skip_steps = merge_ranges(ledger.skip_steps, self.skip_steps)
 
   def open_feeder(self, batches: Iterable, step0: int) -> ChunkFeeder:
     """Opens the source at the run's data position and plans the calls from ``step0``.
@@ -484,21 +350,19 @@ class Run:
     """For ``ctx.hook_states()``: flushes the other hooks, collects their states by name."""
     return collect_hook_states(self.hooks, self.names, caller)
 
-  # -- the run --------------------------------------------------------------
-
   def execute(self, state: Any, batches: Iterable) -> Any:
     """Runs to the target (or a stop); returns the final state.
 
     If it raises, :attr:`state` is the work kept and the hooks whose
-    ``on_run_start`` was called get ``on_run_error`` (:meth:`fail`).
+    ``on_run_start`` was called get ``on_run_error`` (:func:`loopkit.core.start_end.fail`).
     """
     self.state = state
     self.batches = batches
     try:
-      state, self.feeder = self.start(state, batches)
+      state, self.feeder = start_end.start(self, state, batches)
     except BaseException as error:
       self.tick_total()
-      self.fail(error)
+      start_end.fail(self, error)
       raise
     self.state_position = self.data_position
     returning = False  # False while an exception propagates: close without waiting
@@ -507,11 +371,11 @@ class Run:
       state = self.call_until_done(state)
       self.tick_total()  # the calls' time up to their last hook
       self.phase = "end"
-      state = self.stop(state)
+      state = start_end.stop(self, state)
       returning = True
     except BaseException as error:
       self.data_position = self.state_position  # the position of the state kept
-      self.fail(error)
+      start_end.fail(self, error)
       raise
     finally:
       self.preemption.uninstall()
@@ -524,7 +388,7 @@ class Run:
   def call_until_done(self, state: Any) -> Any:
     """Dispatches device calls until the target, a stop or the end of data; finishes each.
 
-    After a rewind (:meth:`rewind`) the feeder is closed and opened again at the restored
+    After a rewind (:func:`loopkit.core.rewind.rewind`) the feeder is closed and opened again at the restored
     position, and the calls go on from the restored step.
 
     Returns:
@@ -547,471 +411,35 @@ class Run:
     while True:
       if self.stop_reason is not None and jax.process_count() == 1:
         break  # a hook asked to stop: no need to form (or wait for) another chunk
-      chunk = self.next_chunk(feeder)
+      chunk = calls.next_chunk(self, feeder)
       if chunk is None:
         break
-      stop, time_due = self.agree()  # one agreement per call, all processes alike
+      stop, time_due = boundary.agree(self)  # one agreement per call, all processes alike
       if stop is not None:  # stop before dispatching: at_end hooks fire
         self.stop_reason = stop  # with this boundary's state (see stop)
         break
       if chunk.interrupted:  # only when this process's flag is set, so the stop is agreed
         raise RuntimeError("loopkit: a chunk was abandoned without a preemption")
-      state, b = self.dispatch(state, chunk, time_due)
+      state, b = calls.dispatch(self, state, chunk, time_due)
       if pending is not None:  # one call late: the next call is already dispatched
-        restored = self.finish_call(pending, None)
+        restored = boundary.finish_call(self, pending, None)
         if self.rewound:  # call b ran on from the state the rewind threw away
           return restored
       pending = b
       if b.firing and any(self.hooks[i].needs_state for i in b.firing):  # before the next
         # call donates it
-        state = self.finish_call(b, state)
+        state = boundary.finish_call(self, b, state)
         pending = None
         if self.rewound:
           return state
       if chunk.exhausted:
-        self.warn_exhausted(stacklevel=5)
+        start_end.warn_exhausted(self, stacklevel=5)
         break
       if b.is_last:
         break
     if pending is not None:  # the run's last boundary
-      state = self.finish_call(pending, state)
+      state = boundary.finish_call(self, pending, state)
     return state
-
-  def next_chunk(self, feeder: ChunkFeeder) -> Chunk | None:
-    """The feeder's next chunk (its wait timed as data wait), or None when the data ran out.
-
-    The first chunk that was not interrupted settles an unknown ``examples_seen``
-    and, without a ``global_batch_size`` (else the feeder checked the batch),
-    warns about a pmap-looking layout.
-    """
-    watchdog = self.watchdog
-    if watchdog is not None:
-      watchdog.enter_phase("data", self.ledger.step)
-    t0 = time.perf_counter()
-    chunk = feeder.next()
-    self.add_time(Bucket.DATA_WAIT, time.perf_counter() - t0)
-    if watchdog is not None:
-      watchdog.leave_phase()
-    if chunk is None or (chunk.length == 0 and not chunk.interrupted):
-      if chunk is not None:
-        self.warn_exhausted(stacklevel=6)
-      return None
-    if not self.checked_layout and not chunk.interrupted:
-      self.checked_layout = True
-      if self.config.global_batch_size is None:
-        warn_if_pmap_layout(chunk.batches, self.config.data_parallel_size)
-      self.check_chunk_memory(chunk)
-    if self.examples_unknown and not chunk.interrupted:
-      self.examples_unknown = False
-      self.ledger.examples_seen = self.ledger.step * chunk.global_batch_size
-    return chunk
-
-  def check_chunk_memory(self, chunk: Chunk) -> None:
-    """Refuses, before the first step, chunks that do not fit beside the state in a device's
-    memory (:func:`loopkit.data.assembly.check_chunk_memory`; devices that report no limit,
-    CPUs, are not checked)."""
-    device = self.config.mesh.local_devices[0]
-    sharding = self.program.batch_sharding
-    leaves = jax.tree.leaves(chunk.batches)
-    spec = [((x.shape[1] // jax.process_count(),) + tuple(x.shape[2:]), x.dtype)
-            for x in leaves]
-    check_chunk_memory(
-        iterations_per_loop=self.config.iterations_per_loop,
-        chunk_bytes=chunk_device_bytes(spec, leaves[0].shape[0], sharding, jax.process_count()),
-        prefetch=self.config.prefetch, state=self.state,
-        device=device)
-
-  def dispatch(self, state: Any, chunk: Chunk, time_due: dict[int, bool]) -> tuple[Any, Boundary]:
-    """Dispatches one device call over ``chunk`` and records its :class:`Boundary`."""
-    if self.phase == "start":  # the run's start ends at its first dispatch
-      self.tick_total()
-      self.phase = "calls"
-    ledger, program = self.ledger, self.program
-    start = ledger.step
-    t0 = time.perf_counter()
-    first_call = program.compile_count() == 0
-    watchdog = self.watchdog
-    if watchdog is not None:
-      if first_call:
-        watchdog.enter_phase("compile", start)
-      else:
-        watchdog.enter_phase("device_call", start, "dispatch")
-    state, out = program(state, chunk.batches, chunk.num_steps, chunk.length)
-    if watchdog is not None:
-      watchdog.leave_phase()
-    self.state, self.state_position = state, chunk.position  # its input was donated
-    ledger.add_time(Bucket.COMPILE if first_call else Bucket.DISPATCH, time.perf_counter() - t0)
-    ledger.advance(chunk.length, chunk.global_batch_size)
-    ledger.skipped_steps += chunk.skipped
-    end = ledger.step
-    if first_call:
-      self.check_replicas(state, f"after the first device call (steps {start + 1}..{end})")
-    is_last = end >= self.target or chunk.exhausted
-    epoch, in_epoch = epoch_of(end, self.steps_per_epoch)
-    return state, Boundary(start_step=start, end_step=end, loop_index=ledger.loop_index - 1,
-                           epoch=epoch, step_in_epoch=in_epoch,
-                           examples_seen=ledger.examples_seen, is_last=is_last,
-                           data_position=chunk.position, skipped_steps=ledger.skipped_steps,
-                           out=out,
-                           firing=self.firing(start, end, is_last, time_due))
-
-  def finish_call(self, b: Boundary, state: Any) -> Any:
-    """Fetches a call's outputs (one device_get) and runs its hooks.
-
-    Args:
-      b: the call's :class:`Boundary`.
-      state: the state after the call when a firing hook needs it, else None.
-
-    Returns:
-      The state, possibly replaced by a hook.
-    """
-    hooks, ledger, watchdog = self.hooks, self.ledger, self.watchdog
-    if watchdog is not None:
-      watchdog.enter_phase("device_call", b.start_step)
-    t0 = time.perf_counter()
-    if not hooks:  # nobody reads the metrics: only the step counter and the non-finite flags
-      if self.copy_async:  # (as _fetch, without its tree walk: a few us per call)
-        b.out.step.copy_to_host_async()
-        b.out.nonfinite.copy_to_host_async()
-      out_step, nonfinite = np.asarray(b.out.step), np.asarray(b.out.nonfinite)
-    else:
-      out = _fetch(b.out, self.copy_async)
-      out_step, nonfinite = out.step, out.nonfinite
-    ledger.add_time(Bucket.DEVICE_WAIT, time.perf_counter() - t0)
-    if watchdog is not None:
-      watchdog.leave_phase()
-    if int(out_step) != b.end_step:
-      raise StepCounterError(
-          f"the state's step counter is {int(out_step)} after device call {b.loop_index} "
-          f"(steps {b.start_step + 1}..{b.end_step}); train_step must increment it by exactly "
-          f"1 per step, and it must equal the loop's step {b.end_step}",
-          counter=int(out_step), start_step=b.start_step, end_step=b.end_step,
-          loop_index=b.loop_index)
-    self.data_position = b.data_position
-    self.tick_total()
-    self.last, self.last_info = b, None
-    time_based_k = self.config.time_based_k
-    if not hooks:  # no LoopInfo to build: no hook observes, fires or fires at the end
-      self.warn_nonfinite(b, nonfinite)
-      if time_based_k is not None:
-        time_based_k.record(b.end_step)
-      return state
-    info = self.last_info = self.loop_info(b, out)
-    buckets = self.buckets
-    if watchdog is not None:
-      watchdog.enter_phase(Bucket.HOOKS, b.end_step)
-    for i, h in enumerate(hooks):  # call_hook inlined: every hook, every call
-      t0 = time.perf_counter()
-      try:
-        h.after_each_call(info)
-      finally:
-        ledger.add_time(buckets[i], time.perf_counter() - t0)
-    if watchdog is not None:
-      watchdog.leave_phase()
-    self.warn_nonfinite(b, nonfinite)  # after after_each_call: a NanCheckHook raises first
-    if self.rewinders:  # before any hook fires here: a checkpoint must not save this state
-      request = self.agreed_rewind(info)
-      if request is not None:
-        return self.rewind(*request)
-    state = self.fire(b.firing, info, state)
-    if time_based_k is not None:
-      time_based_k.record(b.end_step)
-    return state
-
-  def agreed_rewind(self, info: LoopInfo) -> tuple[int, RewindRequest] | None:
-    """Asks every hook that may rewind (``rewind_request(info)``); the first request, agreed.
-
-    On several processes the request goes through one agreement
-    (:func:`loopkit.core.agreement.agree_with_reason`, the request as its reason), so every
-    process rewinds at the same boundary in the same way: the lowest-index process's
-    request, if any process made one.
-
-    Returns:
-      ``(hook index, request)`` or None.
-    """
-    local: tuple[int, RewindRequest] | None = None
-    for i in self.rewinders:
-      request = self.call_hook(i, getattr(self.hooks[i], "rewind_request"), info)
-      if request is None:
-        continue
-      if not isinstance(request, RewindRequest):
-        raise TypeError(f"{self.names[i]}.rewind_request returned {request!r}, not a "
-                        "loopkit.core.skips.RewindRequest or None")
-      if local is None:
-        local = (i, request)
-    if self.single_process:
-      return local
-    text = None if local is None else json.dumps([local[0], dataclasses.asdict(local[1])])
-    _, text = agree_with_reason([local is not None], text)
-    if text is None:
-      return None
-    index, fields = json.loads(text)
-    return int(index), RewindRequest(**fields)
-
-  def rewind(self, i: int, request: RewindRequest) -> Any:
-    """Applies an agreed rewind: hook ``i``'s restore, a new skip range, the accounting.
-
-    A rewind is a resume inside the process. The hook's ``rewind(ctx, request, like)``
-    returns a :class:`~loopkit.core.context.Restore` at a step below
-    ``request.before_step``; it is applied as a restore at the start (state, ledger, data
-    position, the other hooks' states), the ledger is the one
-    :func:`loopkit.core.skips.rewound_ledger` makes of it (the skip range from the restored
-    data step + 1 through ``request.skip_through`` joined to the ranges in force, the steps
-    thrown away in ``lost_steps``, the wall time since the checkpoint in ``seconds["lost"]``
-    and the restore's in ``seconds["checkpoint"]``), and every hook's ``adjust_ledger`` is
-    called as at a run's start (:meth:`adjust_hooks`): writers, records and histories drop
-    what they hold past the restored step. No hook fires at this boundary, and the call
-    dispatched after it is dropped with the state it produces.
-
-    Returns:
-      The restored state (:attr:`rewound` is then True).
-
-    Raises:
-      TypeError: the hook returned no Restore.
-      ValueError: a Restore at or after ``request.before_step``, or a ``skip_through``
-        before the restored data step.
-    """
-    name = self.names[i]
-    before = self.ledger.copy()
-    t0 = time.perf_counter()
-    restore = self.call_hook(i, getattr(self.hooks[i], "rewind"), self.contexts[i], request,
-                             self.state)
-    restore_secs = time.perf_counter() - t0
-    if not isinstance(restore, Restore):
-      raise TypeError(f"{name}.rewind returned {restore!r}, not a loopkit.core.Restore")
-    if not isinstance(restore.ledger, Ledger) or restore.ledger.step >= request.before_step:
-      got = restore.ledger.step if isinstance(restore.ledger, Ledger) else restore.ledger
-      raise ValueError(f"{name}.rewind restored step {got}, not a step before "
-                       f"{request.before_step} (the request's before_step)")
-    state = self.apply_restore(restore, i)
-    first = self.ledger.data_step + 1
-    if request.skip_through < first:
-      raise ValueError(f"{name} asked to skip through data step {request.skip_through}, "
-                       f"before data step {first}, the first after the restored step "
-                       f"{self.ledger.step}")
-    ledger = rewound_ledger(self.ledger, before, skip_through=request.skip_through,
-                            total_secs=before.seconds.get(Bucket.TOTAL, 0.0) + t0 - self.t_mark,
-                            restore_secs=restore_secs)
-    self.set_ledger(ledger)
-    self.t_mark = t0  # the restore and what follows go to the total at the next tick
-    log.warning("%s: %s; rewinding from step %d to step %d, skipping data steps %d..%d "
-                "(skip_steps now %s); the %d steps trained past step %d are thrown away", name,
-                request.reason, request.before_step, ledger.step, first, request.skip_through,
-                list(ledger.skip_steps), before.step - ledger.step, ledger.step)
-    self.state_position = self.data_position
-    self.last = self.last_info = None
-    self.status = None  # a data_exhausted warned on the thrown-away calls no longer holds
-    self.adjust_hooks()  # as at a resume: the hooks continue from the restored step
-    if self.config.time_based_k is not None:
-      self.config.time_based_k.start()
-    self.rewound = True
-    return state
-
-  def loop_info(self, b: Boundary, out: Any) -> LoopInfo:
-    """The hooks' :class:`~loopkit.core.hooks.LoopInfo` of call ``b``, from its fetched
-    outputs ``out``."""
-    n = b.num_steps
-    steps = (out.traces if n == self.config.iterations_per_loop else  # the call's steps, [n]
-             {k: jax.tree.map(lambda x: x[:n], v) for k, v in out.traces.items()})
-    values = {k: metrics_lib.fold_steps(v) for k, v in steps.items()}  # in step order
-    return LoopInfo(**record_fields(b),
-                    metrics={k: metrics_lib.compute(v) for k, v in values.items()},
-                    metric_values=values,
-                    traces={k: metrics_lib.compute_traces(v) for k, v in steps.items()},
-                    step_values=steps)
-
-  def fire(self, firing: list[int], info: LoopInfo, state: Any) -> Any:
-    """Calls ``on_trigger`` of the hooks ``firing``; admits the states they return."""
-    readers = [type(self.hooks[i]).__name__ for i in firing if self.hooks[i].needs_state]
-    if state is not None and readers:
-      self.check_replicas(state, f"at step {info.end_step}, before the state goes to "
-                          f"{', '.join(readers)},")
-    for i in firing:
-      h = self.hooks[i]
-      new = self.call_hook(i, h.on_trigger, info, state if h.needs_state else None)
-      if new is not None and h.needs_state:
-        state = self.state = self.admit(new, i)
-    return state
-
-  def stop(self, state: Any) -> Any:
-    """Sets the status, fires the ``at_end`` hooks still due, then ``on_run_end``."""
-    if self.stop_reason is not None:
-      self.status = self.stop_reason
-      if self.status == TIME_LIMIT and self.time_limit is not None:
-        log.info("max_time of %g s reached at step %d (%.1f s since run started): stopping "
-                 "there to be resumed", self.time_limit.seconds, self.ledger.step,
-                 self.time_limit.elapsed())
-    elif self.status is None:
-      if self.ledger.step < self.target:  # invariant: "completed" means the target was reached
-        raise RuntimeError(
-            f"loopkit: the run ended at step {self.ledger.step} without reaching its target "
-            f"step {self.target} and without a stop, preemption or end of data; this is a "
-            "bug, please report it with the TrainLoop arguments")
-      self.status = "completed"
-    state = self.fire_at_end(state)
-    for i, h in enumerate(self.hooks):
-      self.tick_total()  # seconds["total"] is current for each on_run_end (a summary)
-      new = self.call_hook(i, h.on_run_end, self.contexts[i], state)
-      if new is not None:
-        state = self.state = self.admit(new, i)
-    return state
-
-  # -- errors ----------------------------------------------------------------
-
-  def fail(self, error: BaseException) -> None:
-    """When the run raises ``error``: keeps the work done, then ``on_run_error``.
-
-    Keeps :attr:`state` for ``TrainLoop.last_state``: it is the
-    state of the last completed boundary, the output of the latest dispatched
-    call (or a hook's replacement of it), at the ledger's step, which no later
-    call has consumed. It is not waited for here (an interrupt is not held up
-    by the device): it is ready once that call finishes, and if the call itself
-    failed, reading it raises the call's error. A state whose buffers were
-    deleted (a call that failed while taking its donated input) is dropped:
-    :attr:`state` becomes None.
-
-    Then, for every hook whose ``on_run_start`` was called, the one that
-    raised included, in hook order: its ``flush()`` if it has one (the rows
-    its writer took before the error are on disk, as at a checkpoint save or
-    ``on_run_end``), then its ``on_run_error`` (invariant 5: no save left in
-    flight). Their own failures are logged; ``error`` propagates.
-    """
-    leaves = jax.tree.leaves(self.state)
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
-      self.state = None
-    for i, h in enumerate(self.hooks[:self.started]):
-      for method, args in (("flush", ()), ("on_run_error", (self.contexts[i], error))):
-        fn = getattr(h, method, None)
-        if not callable(fn):
-          continue
-        try:
-          fn(*args)
-        except Exception:  # pylint: disable=broad-except  # the run's own error propagates
-          log.exception("%s.%s failed while the run raised %s", type(h).__name__, method,
-                        type(error).__name__)
-
-  # -- boundary helpers ----------------------------------------------------
-
-  def warn_exhausted(self, stacklevel: int) -> None:
-    """Sets the status ``"data_exhausted"`` and warns; ``stacklevel`` points at the caller of
-    ``TrainLoop.run``."""
-    self.status = "data_exhausted"
-    target, spe = self.target, self.steps_per_epoch
-    asked = (f"num_epochs={self.num_epochs} (x steps_per_epoch={spe} = {target} steps)"
-             if self.num_epochs is not None else f"num_steps={target}")
-    warnings.warn(
-        f"the batch iterator ran out at step {self.ledger.step} before {asked}; stopping after "
-        "the last full step. The batches are read once, as one stream: for more epochs repeat "
-        "them (itertools.chain.from_iterable(itertools.repeat(batches, n)), tf.data's "
-        ".repeat(), or loopkit.ArraySource)", DataExhaustedWarning, stacklevel=stacklevel)
-
-  def warn_nonfinite(self, b: Boundary, nonfinite: np.ndarray) -> None:
-    """Warns, once per run, naming the first step whose metric had a NaN or Inf.
-
-    Args:
-      b: the call's boundary.
-      nonfinite: its fetched :attr:`~loopkit.core.program.CallOutput.nonfinite` (int32 ``[M]``).
-    """
-    if self.nonfinite_step is not None or not any(nonfinite.tobytes()):
-      return  # all zeros: every metric finite (cheaper than nonfinite.any() for a few bytes)
-    first = int(nonfinite[nonfinite > 0].min())
-    names = [repr(k) for k, i in zip(sorted(b.out.traces), nonfinite.tolist()) if i == first]
-    self.nonfinite_step = b.start_step + first
-    warnings.warn(NonFiniteWarning(
-        f"metric{'s' * (len(names) > 1)} {', '.join(names)} "
-        f"{'are' if len(names) > 1 else 'is'} NaN or infinite at step {self.nonfinite_step}, the "
-        f"first such step of this run (device call {b.loop_index} ran steps "
-        f"{b.start_step + 1}..{b.end_step}); training goes on and the state may hold NaNs: add "
-        "loopkit.NanCheckHook() to stop there"), stacklevel=6)
-
-  def agree(self) -> tuple[str | None, dict[int, bool]]:
-    """Takes every host-local decision of one boundary, agreed across processes.
-
-    Once before each dispatch: this process's preemption flag, its ``max_time``
-    budget (:class:`~loopkit.core.time_limit.TimeLimit`), a requested stop (its
-    reason) and each ``every_secs`` clock go into one
-    :func:`loopkit.core.agreement.agree_with_reason`. A time mark read here counts for
-    the call about to be dispatched.
-
-    Returns:
-      ``(stop, time_due)``: the stop reason, the same on every process (a
-      requested one: the lowest-index requesting process's reason,
-      :func:`loopkit.core.agreement.agree_with_reason`; else ``"preempted"``, else
-      ``"time limit"``) or None to go on; and ``{hook index: bool}`` for the hooks
-      with ``every_secs``.
-    """
-    timed = self.timed
-    over = self.time_limit is not None and self.time_limit.expired()
-    if self.single_process:  # agree_with_reason's answer on one process: the local one
-      preempted = self.preemption.requested
-      time_due = self.each_timed_hook(
-          {i: bool(self.hooks[i].trigger.time_due()) for i in timed}) if timed else {}
-      if self.stop_reason is not None:
-        return self.stop_reason, time_due
-      return ("preempted" if preempted else TIME_LIMIT if over else None), time_due
-    watchdog = self.watchdog
-    if watchdog is not None:
-      watchdog.enter_phase("agreement", self.ledger.step)
-    agreed, reason = agree_with_reason(
-        [self.preemption.requested, over] + [self.hooks[i].trigger.time_due() for i in timed],
-        self.stop_reason)
-    if watchdog is not None:
-      watchdog.leave_phase()
-    time_due = self.each_timed_hook(dict(zip(timed, agreed[2:])))
-    if reason is not None:
-      return reason, time_due
-    return ("preempted" if agreed[0] else TIME_LIMIT if agreed[1] else None), time_due
-
-  def each_timed_hook(self, due: dict[int, bool]) -> dict[int, bool]:
-    """``{hook index: due}`` for every hook with ``every_secs``, from the answers ``due`` of
-    the first hook of each trigger object."""
-    return {i: due[j] for i, j in self.timed_same.items()}
-
-  def firing(self, start: int, end: int, is_last: bool, time_due: dict[int, bool]) -> list[int]:
-    """The hooks that fire after the call ``(start, end]``; records their firing."""
-    if not self.hooks:
-      return []
-    spe = self.steps_per_epoch
-    firing = [i for i, h in enumerate(self.hooks)
-              if h.trigger.should_fire(start, end, steps_per_epoch=spe, is_last=is_last,
-                                       time_due=time_due.get(i, False))]
-    for i in firing:
-      self.hooks[i].trigger.fired()
-    return firing
-
-  def fire_at_end(self, state: Any) -> Any:
-    """Fires the ``at_end`` hooks with a mark that did not fire on the run's last call.
-
-    After an early stop, with the last call's info (``is_last=True``); after no
-    call at all, once with an empty :class:`LoopInfo` at the current step (see
-    :mod:`loopkit.core.hooks`: a preempted run still saves, a finished run re-run
-    still evaluates once). After a preemption or a ``max_time`` stop
-    (:data:`RESUMABLE_STOPS`) only the hooks whose ``fires_at_preemption`` is
-    true (default) fire: such a stop is not the end of training, and a row
-    written there would be one the uninterrupted run does not have
-    (:class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook` do not fire;
-    their windows continue after the resume).
-    """
-    last = self.last
-    preempted = self.status in RESUMABLE_STOPS
-    due = [i for i, h in enumerate(self.hooks) if h.trigger.at_end and not h.trigger.every_call
-           and (not preempted or getattr(h, "fires_at_preemption", True))]
-    if last is None or self.last_info is None:
-      if last is not None:  # no hooks: nothing fires
-        return state
-      step = self.ledger.step
-      epoch, in_epoch = epoch_of(step, self.steps_per_epoch)
-      info = LoopInfo(start_step=step, end_step=step, loop_index=self.ledger.loop_index - 1,
-                      epoch=epoch, step_in_epoch=in_epoch,
-                      examples_seen=self.ledger.examples_seen, metrics={}, metric_values={},
-                      traces={}, is_last=True, data_position=self.data_position,
-                      skipped_steps=self.ledger.skipped_steps)
-    elif last.is_last:
-      return state
-    else:
-      info = dataclasses.replace(self.last_info, is_last=True)
-      due = [i for i in due if i not in last.firing]
-    return self.fire(due, info, state)
 
   def check_replicas(self, state: Any, when: str) -> None:
     """For per-device steps: every device's copy of the state must agree.
