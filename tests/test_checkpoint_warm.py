@@ -294,3 +294,50 @@ def test_a_resume_into_a_changed_model_points_to_init_from(source):
       "state. To start a changed model from it (fine-tuning), give the run a new directory "
       f"with init_from=loopkit.checkpoint.WarmStart('{directory}', ...) "
       "(docs/checkpointing.md, Warm start)")
+
+
+def test_every_state_the_loop_takes_flax_train_state_python_scalars_nnx(source, tmp_path):
+  """``TrainState.create`` sets ``step=0``, a Python int; a dict may hold a Python float; an
+  NNX state a Variable of a Python int. warm_start reads into each (a chosen Python scalar
+  comes back an array of the loop's dtype, a kept one as it was), the loop trains the result,
+  and CheckpointHook.restore takes the fresh TrainState as its ``like``."""
+  from flax import nnx
+  from flax.training import train_state
+  directory, saved = source
+  fresh = init()
+  ts = train_state.TrainState.create(apply_fn=None, params=fresh["params"], tx=TX)
+  assert ts.step == 0 and type(ts.step) is int
+  got = warm_start(ts, directory, select="params")
+  assert_equal(got.params, saved["params"])
+  assert_equal(got.opt_state, ts.opt_state)
+  assert got.step == 0 and type(got.step) is int  # kept as it was
+  got = warm_start(ts, directory, select=("params", "step"))
+  assert got.step.dtype == jnp.int32 and int(got.step) == 6  # read: the loop's int32
+
+  def ts_step(state, batch):
+    grads = jax.grad(lambda p: train_step({"params": p, "opt": TX.init(p), "step": 0},
+                                          batch)[1]["loss"])(state.params)
+    return state.apply_gradients(grads=grads), {}
+  hook = CheckpointHook(tmp_path / "ts", every_steps=3)
+  trained = loopkit.TrainLoop(ts_step, iterations_per_loop=3, step_of=lambda s: s.step,
+                              hooks=[hook]).run(warm_start(ts, directory), batches(3),
+                                                num_steps=3)
+  restored = hook.restore(ts)
+  assert restored.step == 3 and int(restored.state.step) == 3
+  assert_equal(restored.state.params, trained.params)
+
+  plain = {"params": fresh["params"], "scale": 1.0, "step": 0}
+  got = warm_start(plain, {"params": saved["params"], "scale": np.float32(2.0)}, select=None,
+                   missing="keep")
+  assert got["scale"].dtype == jnp.float32 and float(got["scale"]) == 2.0 and got["step"] == 0
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(3, 4, rngs=rngs)
+      self.count = nnx.Variable(0)
+
+  graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+  source_state = nnx.split(Net(nnx.Rngs(1)))[1]
+  got = warm_start(state, source_state, select="linear")
+  assert_equal(nnx.to_pure_dict(got)["linear"], nnx.to_pure_dict(source_state)["linear"])
+  assert nnx.merge(graphdef, got).count.get_value() == 0

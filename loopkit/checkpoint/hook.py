@@ -143,6 +143,7 @@ from loopkit.checkpoint.tiers import check_permanent, preservation_policy, with_
 from loopkit.checkpoint.warm import WarmStart
 from loopkit.core.context import Restore, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.program import as_loop_leaf
 from loopkit.core.ledger import Bucket, Ledger
 
 log = logging.getLogger("loopkit")
@@ -525,6 +526,7 @@ class CheckpointHook(Hook):
         warm start from it), or its data positions were saved by a different
         number of processes.
     """
+    like = jax.tree.map(as_loop_leaf, like)  # a Python scalar (TrainState's step=0) as the loop's
     manager = self._open()
     manager.reload()
     steps = manager.all_steps()

@@ -47,6 +47,7 @@ except ImportError as e:
   raise _missing_extra(e, "loopkit.checkpoint") from e
 
 from loopkit.checkpoint.files import _COMMIT_FILE, _TMP_MARK
+from loopkit.core.program import as_loop_leaf
 from loopkit.checkpoint.items import (
   _dtype_name,
   _is_empty,
@@ -462,10 +463,10 @@ class WarmStart:
     """Like :meth:`apply`; also returns a one-line account of what was taken and kept."""
     select, exclude, rules = self._compiled()
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    lives = []
+    lives = []  # (name, the leaf as the loop takes it: a Python scalar as its array)
     for p, x in flat:
-      key = _orbax_key(p)
-      lives.append((_Leaf(key, tuple(x.shape), _dtype_name(x)), x))
+      x = as_loop_leaf(x)
+      lives.append((_Leaf(_orbax_key(p), tuple(x.shape), _dtype_name(x)), x))
     paths = [live.path for live, _ in lives]
     if select is not None:
       for rx in select:
@@ -516,7 +517,7 @@ class WarmStart:
       first.setdefault(found.key, targets[i])
     values = source.read(first) if first else {}
     leaves = [_as(values[taken[i].key], first[taken[i].key], targets[i]) if i in taken else x
-              for i, (_, x) in enumerate(lives)]
+              for i, (_, x) in enumerate(flat)]
     kept = [live.path for i, (live, _) in enumerate(lives) if i not in taken]
     at = f" step {source.step}" if source.step is not None else ""
     account = (f"warm start from {source.where}{at}: {_leaves(len(taken))} read, {len(kept)} "

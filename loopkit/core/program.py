@@ -224,6 +224,18 @@ def build_program(loop: Callable, *, mesh: Mesh, data_axis: str | tuple[str, ...
   return jax.jit(fn, **jit_kwargs)
 
 
+def as_loop_leaf(x: Any) -> Any:
+  """A state leaf as the loop places it: a Python scalar (``TrainState.create``'s ``step=0``)
+  becomes the strong array :func:`strong_typed` makes of it (``int`` -> int32, ``float`` ->
+  float32); anything else (``jax.Array``, numpy arrays and scalars, ``jax.ShapeDtypeStruct``) is
+  returned as it is. Lets code that reads leaves' shapes and dtypes (warm start, restore) take
+  every state the loop takes."""
+  if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
+    x = jnp.asarray(x)
+    return jax.lax.convert_element_type(x, x.dtype)
+  return x
+
+
 def strong_typed(tree: Any) -> Any:
   """``tree`` with its weak-typed leaves made strong, same dtype and placement.
 
@@ -241,8 +253,7 @@ def strong_typed(tree: Any) -> Any:
     float32); other leaves unchanged (the same objects).
   """
   def strong(x):
-    if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
-      x = jnp.asarray(x)
+    x = as_loop_leaf(x)
     if getattr(x, "weak_type", False):
       return jax.lax.convert_element_type(x, x.dtype)
     return x
