@@ -462,9 +462,9 @@ def _tree_changed(kind):
   return state
 
 
-@pytest.mark.parametrize("kind,leaf", [("shape", "['params']['w']"), ("dtype", "['params']['b']"),
-                                       ("extra_leaf", "['params']['c']"),
-                                       ("optimizer", "['opt'][0]")])
+@pytest.mark.parametrize("kind,leaf", [("shape", "params/w"), ("dtype", "params/b"),
+                                       ("extra_leaf", "params/c"),
+                                       ("optimizer", "opt/0")])
 def test_mismatched_checkpoint_names_the_leaf_before_changing_anything(tmp_path, kind, leaf):
   data = toy.batches(8)
   make_loop(4, [CheckpointHook(tmp_path)]).run(toy.init_state(), data, num_steps=4)

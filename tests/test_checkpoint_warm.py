@@ -284,16 +284,67 @@ def test_read_onto_another_mesh(source):
 
 
 def test_a_resume_into_a_changed_model_points_to_init_from(source):
-  """Resuming a directory into a model whose head changed is refused, naming the leaf and the
-  warm start that starts the changed model from it."""
+  """Resuming a directory into a model whose head changed is refused, naming every differing
+  leaf in the syntax warm-start patterns are written in, and the init_from that starts the
+  changed model from it (excluding the changed params: WarmStart reads params)."""
   directory, _ = source
   with pytest.raises(ValueError) as e:
     CheckpointHook(directory).restore(init(classes=5))
-  assert str(e.value).endswith(
-      "leaf ['opt'][0].mu['head']['bias'] has shape (2,) in the checkpoint, (5,) in the train "
-      "state. To start a changed model from it (fine-tuning), give the run a new directory "
-      f"with init_from=loopkit.checkpoint.WarmStart('{directory}', ...) "
-      "(docs/checkpointing.md, Warm start)")
+  assert str(e.value) == "\n".join([
+      f"checkpoint 6 in {directory} does not match the train state in 6 leaves:",
+      *[f"  leaf {name} has shape {a} in the checkpoint, {b} in the train state"
+        for name, a, b in (("opt/0/mu/head/bias", "(2,)", "(5,)"),
+                           ("opt/0/mu/head/kernel", "(4, 2)", "(4, 5)"),
+                           ("opt/0/nu/head/bias", "(2,)", "(5,)"),
+                           ("opt/0/nu/head/kernel", "(4, 2)", "(4, 5)"),
+                           ("params/head/bias", "(2,)", "(5,)"),
+                           ("params/head/kernel", "(4, 2)", "(4, 5)"))],
+      "To start a changed model from it (fine-tuning), give the run a new directory with "
+      f"init_from=loopkit.checkpoint.WarmStart('{directory}', exclude='params/head') "
+      "(docs/checkpointing.md, Warm start)"])
+  fine_tune = CheckpointHook(directory.parent / "fine-tune",
+                             init_from=WarmStart(directory, exclude="params/head"))
+  state = loopkit.TrainLoop(train_step, iterations_per_loop=3, hooks=[fine_tune]).run(
+      init(classes=5), batches(3, classes=5), num_steps=3)  # what the message suggests, works
+  assert int(state["step"]) == 3
+
+
+@pytest.mark.parametrize("given,written", [("path", "'{directory}'"), ("WarmStart", "...")])
+def test_an_init_from_error_suggests_the_hooks_own_argument(source, tmp_path, given, written):
+  """warm_start's error suggests its own arguments (exclude=...); the same error reached
+  through CheckpointHook(init_from=...) suggests init_from=WarmStart(..., exclude=...), the
+  argument the user wrote."""
+  directory, _ = source
+  with pytest.raises(WarmStartError, match=r"keep the fresh value with exclude='params/head',"):
+    warm_start(init(classes=5), directory)
+  init_from = directory if given == "path" else WarmStart(directory)
+  hook = CheckpointHook(tmp_path / "tune", init_from=init_from)
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=3, hooks=[hook])
+  with pytest.raises(WarmStartError) as e:
+    loop.run(init(classes=5), batches(3, classes=5), num_steps=3)
+  spelled = written.format(directory=directory)
+  assert ("  2 with another shape in the source (keep the fresh value with init_from=loopkit."
+          f"checkpoint.WarmStart({spelled}, exclude='params/head'), or rename it to a source "
+          "leaf of its shape):\n    params/head/bias  float32[5] in the train state, "
+          "params/head/bias  float32[2] in the source\n    params/head/kernel  float32[4,5] in "
+          "the train state, params/head/kernel  float32[4,2] in the source") in str(e.value)
+  assert " exclude=" not in str(e.value).replace("WarmStart(" + spelled + ", exclude=", "")
+
+
+def test_a_missing_init_from_source_is_refused_when_the_hook_is_built(source, tmp_path):
+  """Not at run start: when the hook is built. A directory with its own checkpoint resumes
+  from it and needs no source (a fine-tune restarted after the source was removed)."""
+  missing = tmp_path / "no-such-run"
+  for init_from in (missing, WarmStart(missing, select="params")):
+    with pytest.raises(FileNotFoundError, match=(
+        rf"^CheckpointHook\(init_from=...\): the warm-start source {missing} does not exist, "
+        rf"and {tmp_path / 'tune'} holds no checkpoint to resume from instead$")):
+      CheckpointHook(tmp_path / "tune", init_from=init_from)
+  with pytest.raises(FileNotFoundError, match=r"source .* does not exist$"):
+    CheckpointHook(tmp_path / "tune", init_from=missing, restore=False)
+  directory, _ = source
+  hook = CheckpointHook(directory, init_from=missing)  # resumes from its own step 6
+  assert hook.latest_step() == 6
 
 
 def test_every_state_the_loop_takes_flax_train_state_python_scalars_nnx(source, tmp_path):
@@ -341,3 +392,21 @@ def test_every_state_the_loop_takes_flax_train_state_python_scalars_nnx(source, 
   got = warm_start(state, source_state, select="linear")
   assert_equal(nnx.to_pure_dict(got)["linear"], nnx.to_pure_dict(source_state)["linear"])
   assert nnx.merge(graphdef, got).count.get_value() == 0
+
+
+def test_a_warm_started_state_and_its_input_are_not_both_run(source):
+  """warm_start keeps the leaves it does not read (the same arrays, as a functional update
+  does): after a run of the input (which donates them), a run of the result is refused before
+  it starts, naming those leaves; the arrays it read are its own."""
+  directory, saved = source
+  old = init()
+  new = warm_start(old, directory)
+  assert all(a is b for a, b in zip(jax.tree.leaves(new["opt"]), jax.tree.leaves(old["opt"])))
+  assert not any(a is b for a, b in zip(jax.tree.leaves(new["params"]),
+                                        jax.tree.leaves(old["params"])))
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=3)
+  loop.run(old, batches(3), num_steps=3)
+  with pytest.raises(ValueError, match=r"^the train state has 8 deleted arrays \(opt/0/count, "
+                     r"opt/0/mu/body/kernel, (opt/[^,]*, ){5}step\): a run donates"):
+    loop.run(new, batches(3), num_steps=3)
+  assert_equal(new["params"], saved["params"])  # not donated: still readable

@@ -210,7 +210,7 @@ def test_follower_refuses_wrong_inputs(reference, tmp_path, monkeypatch):
   wrong = dict(w.init_state(), w=np.zeros((5, 3), np.float32))
   monkeypatch.setattr(follower_lib, "_DELETION_GRACE_S", 0.0)
   f = CheckpointFollower(ckpt, wrong, w.evaluator(), w.eval_batches(), poll_secs=0.05)
-  with pytest.raises(ValueError, match=r"leaf \['w'\] has shape \(6, 3\) in the checkpoint, "
+  with pytest.raises(ValueError, match=r"leaf w has shape \(6, 3\) in the checkpoint, "
                                        r"\(5, 3\) in the train state"):
     f.run()
 

@@ -106,6 +106,7 @@ from typing import Any
 
 import jax
 
+from loopkit._internal.checks import leaf_key
 from loopkit._internal.extras import missing
 
 try:
@@ -123,6 +124,7 @@ from loopkit.checkpoint.files import (
   _empty_trash,
   _remove_failed_save,
   _tidy,
+  _TMP_MARK,
   _todelete_subdir,
   _write_complete_marker,
 )
@@ -136,11 +138,11 @@ from loopkit.checkpoint.items import (
   _leaves_from_orbax,
   _leaves_from_record,
   _storable,
-  _tree_difference,
+  _tree_differences,
 )
 from loopkit.checkpoint.lock import DirectoryLock, claim, describe, holder_of, stale_reason
 from loopkit.checkpoint.tiers import check_permanent, preservation_policy, with_permanent_marks
-from loopkit.checkpoint.warm import WarmStart
+from loopkit.checkpoint.warm import _SHOWN, WarmStart, _exclusion
 from loopkit.core.context import Restore, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
 from loopkit.core.program import as_loop_leaf
@@ -181,6 +183,28 @@ class RestoredCheckpoint:
   ledger: Ledger
   data_position: Any
   hook_states: dict[str, Any]
+
+
+def _changed_model(step: int, directory: Any, problems: list[tuple[tuple[str, ...], bool, str]],
+                   like: Any) -> str:
+  """Why checkpoint ``step`` cannot be restored into ``like``: every differing leaf by its one
+  name, and the ``init_from`` that starts the changed model from the checkpoint instead."""
+  n = len(problems)
+  lines = [f"checkpoint {step} in {directory} does not match the train state in {n} "
+           f"lea{'f' if n == 1 else 'ves'}:"]
+  lines += [f"  {what}" for _, _, what in problems[:_SHOWN]]
+  if n > _SHOWN:
+    lines.append(f"  ... and {n - _SHOWN} more")
+  live = [leaf_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+  if any(k[:1] == ("params",) for k in live):  # WarmStart's default select: exclude what changed
+    changed = [key for key, in_state, _ in problems if in_state and key[:1] == ("params",)]
+    exclude = f", exclude={_exclusion(changed)}" if changed else ""
+    warm = f"WarmStart('{directory}'{exclude})"
+  else:
+    warm = f"WarmStart('{directory}', select=..., exclude=...)"
+  lines.append(f"To start a changed model from it (fine-tuning), give the run a new directory "
+               f"with init_from=loopkit.checkpoint.{warm} (docs/checkpointing.md, Warm start)")
+  return "\n".join(lines)
 
 
 class CheckpointHook(Hook):
@@ -230,6 +254,8 @@ class CheckpointHook(Hook):
       ``keep_every_steps`` or ``keep_steps`` entry that is not a whole number
       of steps > 0 (naming the value).
     TypeError: ``init_from`` neither a path nor a ``WarmStart``.
+    FileNotFoundError: ``init_from``'s source path does not exist while ``directory``
+      holds no checkpoint to resume from (``restore=True``).
 
   At ``run`` start (:meth:`on_run_start`), before any step, the hook raises
   :class:`CheckpointError` naming the directory if it is not writable (and
@@ -285,17 +311,44 @@ class CheckpointHook(Hook):
     self.restore_on_start = restore
     self.restored_step: int | None = None
     self.saved_steps: list[int] = []
+    # How an error about init_from writes the argument it suggests: the hook's own argument.
+    self._init_from_written = "..."
     if init_from is not None and not isinstance(init_from, WarmStart):
       if not isinstance(init_from, (str, os.PathLike)):
         raise TypeError(f"init_from takes a checkpoint path or a loopkit.checkpoint.WarmStart, "
                         f"got {type(init_from).__name__}")
+      self._init_from_written = repr(os.fspath(init_from))
       init_from = WarmStart(init_from)
     self.init_from: WarmStart | None = init_from
+    self._check_init_from_source()
     self.warm_started: str | None = None
     self._manager: ocp.CheckpointManager | None = None
     self._ctx: RunContext | None = None
     self._in_flight: int | None = None
     self._warned: set[str] = set()
+
+  def _check_init_from_source(self) -> None:
+    """Refuses, when the hook is built, an ``init_from`` path that does not exist while this
+    directory holds no checkpoint to resume from (a run would find it only at its start)."""
+    source = self.init_from.source if self.init_from is not None else None
+    if not isinstance(source, (str, os.PathLike)):
+      return
+    path = epath.Path(source)
+    if "://" not in str(path):
+      path = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    if path.exists():
+      return
+    own = self.restore_on_start and self.directory.exists() and any(
+        p.name.isdigit() and _TMP_MARK not in p.name for p in self.directory.iterdir())
+    if not own:
+      instead = (f", and {self.directory} holds no checkpoint to resume from instead"
+                 if self.restore_on_start else "")
+      raise FileNotFoundError(f"CheckpointHook(init_from=...): the warm-start source {path} "
+                              f"does not exist{instead}")
+
+  def _spell_init_from(self, argument: str) -> str:
+    """An argument a warm-start error suggests, as this hook takes it (``init_from=``)."""
+    return f"init_from=loopkit.checkpoint.WarmStart({self._init_from_written}, {argument})"
 
   # -- manager ---------------------------------------------------------------
 
@@ -541,12 +594,9 @@ class CheckpointHook(Hook):
     else:  # written before loopkit recorded its leaves: Orbax's metadata
       meta = manager.item_metadata(step)["state"]
       saved = _leaves_from_orbax(getattr(meta, "tree", meta))
-    problem = _tree_difference(saved, like)
-    if problem:
-      raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
-                       f"state: {problem}. To start a changed model from it (fine-tuning), "
-                       f"give the run a new directory with init_from=loopkit.checkpoint."
-                       f"WarmStart('{self.directory}', ...) (docs/checkpointing.md, Warm start)")
+    problems = _tree_differences(saved, like)
+    if problems:
+      raise ValueError(_changed_model(step, self.directory, problems, like))
     abstract = jax.tree.map(lambda x: None if _is_empty(x) else _abstract(x), like)
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), ledger=ocp.args.JsonRestore(),
@@ -609,7 +659,7 @@ class CheckpointHook(Hook):
   def _warm_start(self, state: Any) -> Restore | Any:
     """``init_from`` applied to ``state``; a Restore with a new ledger if it read the step."""
     assert self.init_from is not None and self._ctx is not None
-    new, self.warm_started = self.init_from.run(state)
+    new, self.warm_started = self.init_from.run(state, spell=self._spell_init_from)
     step = int(jax.device_get(self._ctx.step_of(new)))
     if step == self._ctx.ledger.step:
       return new

@@ -94,8 +94,10 @@ from loopkit._internal.checks import (
   call_signature,
   check_data_axis,
   check_iterations_per_loop,
+  check_not_deleted,
   check_step_style,
   default_step_of,
+  leaf_name,
   signature_change,
   tree_mismatch,
 )
@@ -537,7 +539,12 @@ class MultiStepProgram:
     (:func:`strong_typed`), the type the compiled loop returns, so the second
     call does not compile the program again. Leaves that are one and the same
     array get separate buffers (the state is donated, and a buffer can be
-    donated once)."""
+    donated once).
+
+    Raises:
+      ValueError: a leaf of ``state`` is a deleted (donated) array, naming every such leaf
+        (:func:`loopkit._internal.checks.check_not_deleted`)."""
+    check_not_deleted(state)
     state = strong_typed(state)
     if self._jitted is None:
       self._build(state)
@@ -594,7 +601,8 @@ class MultiStepProgram:
     with the same bits agree.
 
     Returns:
-      ``jax.tree_util.keystr`` paths, in leaf order; empty when all agree.
+      the leaves' one names (:func:`~loopkit._internal.checks.leaf_name`), in leaf order;
+      empty when all agree.
     """
     if self._replica_check is None:
       axis = self.data_axis
@@ -607,7 +615,7 @@ class MultiStepProgram:
       self._replica_check = jax.jit(jax.shard_map(
           differs, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False))
     flags = jax.device_get(self._replica_check(state))
-    return [jax.tree_util.keystr(path) or "<root>"
+    return [leaf_name(path)
             for path, bad in jax.tree_util.tree_flatten_with_path(flags)[0] if bad]
 
   def lower(self, state: Any, batches: Any) -> jax.stages.Lowered:
