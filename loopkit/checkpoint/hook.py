@@ -525,8 +525,10 @@ class CheckpointHook(Hook):
     self.wait_until_finished()
     self._trash.join()
     _empty_trash(self.directory)  # Orbax's renames into the trash need the names free
-    if step in manager.all_steps():
-      log.info("checkpoint %d already exists in %s", step, self.directory)
+    if step in manager.all_steps():  # e.g. a finished run run again: at_end saves its last step
+      log.info("checkpoint %d in %s is already saved (%s): not written again", step,
+               self.directory, "this run resumed from it" if step == self.restored_step else
+               "an earlier run wrote it")
       return False
     if (self.directory / str(step)).exists():  # a folder loopkit did not write (see _tidy)
       warnings.warn(f"loopkit: not saving step {step}: {self.directory / str(step)} exists "

@@ -359,8 +359,8 @@ class Run:
       log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
                   self.target)
     elif step0 == self.target:  # a finished run run again (it only evaluates): not a mistake
-      log.info("nothing to train: the state is already at num_steps=%d; the at_end hooks "
-               "run once", step0)
+      log.info("the run is already complete at step %d (num_steps=%d): nothing to train; "
+               "its at_end hooks run once", step0, self.target)
     check_epoch_marks(self.hooks, self.steps_per_epoch)
     for h in self.hooks:
       h.trigger.start_clock()
@@ -818,6 +818,11 @@ class Run:
       new = self.call_hook(i, h.on_run_end, self.contexts[i], state)
       if new is not None:
         state = self.state = self.admit(new, i)
+    if self.status == "completed" and self.last is None:  # a finished run run again: say so
+      ran = [type(h).__name__ for h in self.hooks if h.trigger.at_end and not h.trigger.every_call]
+      log.info("run complete at step %d: it was complete when it started, so nothing was "
+               "trained%s", self.ledger.step,
+               f"; its at_end hooks ran once ({', '.join(ran)})" if ran else "")
     return state
 
   # -- errors ----------------------------------------------------------------
