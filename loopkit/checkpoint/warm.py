@@ -47,7 +47,6 @@ except ImportError as e:
   raise _missing_extra(e, "loopkit.checkpoint") from e
 
 from loopkit.checkpoint.files import _COMMIT_FILE, _TMP_MARK
-from loopkit.core.program import as_loop_leaf
 from loopkit.checkpoint.items import (
   _dtype_name,
   _is_empty,
@@ -55,6 +54,7 @@ from loopkit.checkpoint.items import (
   _leaves_from_record,
   _orbax_key,
 )
+from loopkit.core.program import as_loop_leaf
 
 log = logging.getLogger("loopkit")
 
