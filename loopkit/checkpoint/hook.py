@@ -45,7 +45,8 @@ with its ledger, data position and hooks' states as one
 state by name (checkpoints keyed ``"<index>:<Class>"``, written before hook
 names, still restore: see :func:`loopkit.core.hook_state.match_hook_states`). A
 checkpoint whose tree, shapes or dtypes differ from the live state raises
-``ValueError`` naming the first differing leaf before anything changes.
+``ValueError`` naming every differing leaf (``params/head/bias``: the syntax of warm-start
+patterns) before anything changes.
 
 **Warm start.** With ``init_from`` (a :class:`~loopkit.checkpoint.warm.WarmStart`) and no
 checkpoint of its own to resume from, ``on_run_start`` returns the state with chosen leaves
@@ -577,8 +578,8 @@ class CheckpointHook(Hook):
     Raises:
       FileNotFoundError: no (such) complete checkpoint.
       ValueError: the checkpoint's tree, shapes or dtypes differ from
-        ``like`` (naming the first differing leaf, and ``init_from`` for a
-        warm start from it), or its data positions were saved by a different
+        ``like`` (naming every differing leaf, and the ``init_from`` that
+        warm-starts a changed model from it), or its data positions were saved by a different
         number of processes.
     """
     like = jax.tree.map(as_loop_leaf, like)  # a Python scalar (TrainState's step=0) as the loop's

@@ -216,7 +216,7 @@ class CheckpointFollower:
       ``[(step, EvalResult)]`` of this pass (also appended to :attr:`results`).
 
     Raises:
-      ValueError: a checkpoint does not match ``like`` (naming the first differing leaf).
+      ValueError: a checkpoint does not match ``like`` (naming every differing leaf).
       Exception: a restore that failed while its checkpoint stayed in the directory (not a
         deletion), as the restore raised it.
     """
