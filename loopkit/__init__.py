@@ -24,6 +24,7 @@ ImportError for ``from loopkit import ...``) that names where it lives now.
 """
 
 from loopkit import conv_layout, core, data, evaluation, metrics, observe, training
+from loopkit._internal.logs import install_default_handler as _install_default_handler
 from loopkit._internal.mesh import data_parallel_mesh
 from loopkit.core.context import RunContext
 from loopkit.core.hooks import (
@@ -43,6 +44,10 @@ from loopkit.observe.logging_hook import LoggingHook
 from loopkit.observe.progress import ProgressHook
 
 __version__ = "0.2.0"
+
+# Every entry point (a TrainLoop, the follower and its command, the tuner, the AOT tool) imports
+# this package first: a plain script or command prints loopkit's lines (loopkit._internal.logs).
+_install_default_handler()
 
 # Imported on first use. ``checkpoint`` imports Orbax (loopkit[checkpoint]), ``nnx`` Flax
 # (loopkit[nnx]); ``tools`` holds `python -m` entry points (loopkit.tools.tune,

@@ -59,6 +59,7 @@ from loopkit._internal.checks import (
   check_device_axis_layout,
   check_iterations_per_loop,
   check_step_style,
+  leaf_name,
 )
 from loopkit._internal.compat import lowering_count
 from loopkit._internal.mesh import batch_sharding, check_batch_on_mesh, resolve_mesh
@@ -204,7 +205,7 @@ class Evaluator:
     b = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else None
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
       if np.ndim(x) == 0 or np.shape(x)[0] != b:
-        raise ValueError(f"eval batch leaf {jax.tree_util.keystr(path)} has shape "
+        raise ValueError(f"eval batch leaf {leaf_name(path)} has shape "
                          f"{np.shape(x)}; every leaf needs the same leading batch dimension")
     if b > local:
       hint = ("; the static batch was taken from the first eval batch: if that was a partial "

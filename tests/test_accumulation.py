@@ -53,7 +53,7 @@ def test_mean_of_outputs_and_dtypes():
 
 
 def test_bad_microbatch_counts_are_named():
-  with pytest.raises(ValueError, match=r"\['x'\] has shape \(6,\).*num_microbatches=4"):
+  with pytest.raises(ValueError, match=r"batch leaf x has shape \(6,\).*num_microbatches=4"):
     loopkit.core.accumulate(lambda mb: mb, {"x": jnp.zeros(6)}, 4)
   with pytest.raises(ValueError, match="int >= 1"):
     loopkit.core.accumulate(lambda mb: mb, {"x": jnp.zeros(6)}, 0)

@@ -27,20 +27,20 @@ def _prefetched(batches):
 
 LAYOUTS = {  # name: (batches from global batches [16, ...], what the error must say)
     "pmap_numpy": (lambda bs: [_pmap_layout(b) for b in bs],
-                   r"batch leaf \['x'\] has shape \(4, 4, 4\), \['y'\] has shape \(4, 4, 2\), but "
+                   r"batch leaf x has shape \(4, 4, 4\), y has shape \(4, 4, 2\), but "
                    r"the loop's global_batch_size=16 needs a leading batch axis of \[16, \.\.\.\]"
                    r": this is jax\.pmap's layout .*x\.reshape"),
     "prefetch_to_device": (_prefetched,
-                           r"batch leaf \['x'\] has shape \(4, 4, 4\), \['y'\] has shape "
+                           r"batch leaf x has shape \(4, 4, 4\), y has shape "
                            r"\(4, 4, 2\), .*already on the devices with a leading device axis, "
                            r"as flax\.jax_utils\.prefetch_to_device .*Pass numpy batches"),
     # One leaf wrong, and the first in flattening order: named against B, not the first leaf.
     "one_leaf": (lambda bs: [dict(b, x=b["x"].reshape(D, D, 4)) for b in bs],
-                 r"batch leaf \['x'\] has shape \(4, 4, 4\), but .*jax\.pmap's layout"),
+                 r"batch leaf x has shape \(4, 4, 4\), but .*jax\.pmap's layout"),
     "one_leaf_on_devices": (lambda bs: [dict(b, y=p["y"]) for b, p in zip(bs, _prefetched(bs))],
-                            r"batch leaf \['y'\] has shape \(4, 4, 2\), but .*prefetch_to_device"),
+                            r"batch leaf y has shape \(4, 4, 2\), but .*prefetch_to_device"),
     "other_size": (lambda bs: [{k: v[:8] for k, v in b.items()} for b in bs],
-                   r"batch leaf \['x'\] has shape \(8, 4\), \['y'\] has shape \(8, 2\), but the "
+                   r"batch leaf x has shape \(8, 4\), y has shape \(8, 2\), but the "
                    r"loop's global_batch_size=16 needs a leading batch axis of \[16, \.\.\.\]$"),
 }
 

@@ -76,6 +76,34 @@ def test_each_save_is_announced_before_it_starts(tmp_path, caplog):
   assert hook.saved_steps == [4, 8, 10]
 
 
+def test_c84_a_finished_run_run_again_says_it_is_complete_and_what_it_did(tmp_path, caplog):
+  """A run already at its target, run again: it restores, trains nothing, runs its at_end
+  hooks once (an evaluation), writes no checkpoint, and says so; no line reads like a fault."""
+  def hooks():
+    return [CheckpointHook(tmp_path / "c", every_steps=4),
+            loopkit.EvalHook(loopkit.Evaluator(
+                lambda state, batch: {"w0": batch["x"] @ state["params"]["w"][:, 0]}),
+                toy.batches(2), every_steps=8)]
+  make_loop(4, hooks()).run(toy.init_state(), toy.batches(8), num_steps=8)
+  again = hooks()
+  with caplog.at_level("INFO", logger="loopkit"):
+    loop = make_loop(4, again)
+    loop.run(toy.init_state(), toy.batches(8), num_steps=8)
+  c = tmp_path / "c"
+  lines = [r.getMessage() for r in caplog.records if r.name == "loopkit"]
+  assert [m for m in lines if not m.startswith("evaluation: ")] == [
+      f"checkpoints in {c}",
+      f"resumed from checkpoint 8 in {c}",
+      "the run is already complete at step 8 (num_steps=8): nothing to train; its at_end hooks "
+      "run once",
+      f"checkpoint 8 in {c} is already saved (this run resumed from it): not written again",
+      next(m for m in lines if m.startswith("step 8 eval: ")),
+      "run complete at step 8: it was complete when it started, so nothing was trained; its "
+      "at_end hooks ran once (CheckpointHook, EvalHook)"], lines
+  assert loop.status == "completed" and again[0].saved_steps == []
+  assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "loopkit")
+
+
 # -- resume equivalence ---------------------------------------------------------------------
 
 
@@ -462,9 +490,9 @@ def _tree_changed(kind):
   return state
 
 
-@pytest.mark.parametrize("kind,leaf", [("shape", "['params']['w']"), ("dtype", "['params']['b']"),
-                                       ("extra_leaf", "['params']['c']"),
-                                       ("optimizer", "['opt'][0]")])
+@pytest.mark.parametrize("kind,leaf", [("shape", "params/w"), ("dtype", "params/b"),
+                                       ("extra_leaf", "params/c"),
+                                       ("optimizer", "opt/0")])
 def test_mismatched_checkpoint_names_the_leaf_before_changing_anything(tmp_path, kind, leaf):
   data = toy.batches(8)
   make_loop(4, [CheckpointHook(tmp_path)]).run(toy.init_state(), data, num_steps=4)

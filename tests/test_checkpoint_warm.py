@@ -284,13 +284,129 @@ def test_read_onto_another_mesh(source):
 
 
 def test_a_resume_into_a_changed_model_points_to_init_from(source):
-  """Resuming a directory into a model whose head changed is refused, naming the leaf and the
-  warm start that starts the changed model from it."""
+  """Resuming a directory into a model whose head changed is refused, naming every differing
+  leaf in the syntax warm-start patterns are written in, and the init_from that starts the
+  changed model from it (excluding the changed params: WarmStart reads params)."""
   directory, _ = source
   with pytest.raises(ValueError) as e:
     CheckpointHook(directory).restore(init(classes=5))
-  assert str(e.value).endswith(
-      "leaf ['opt'][0].mu['head']['bias'] has shape (2,) in the checkpoint, (5,) in the train "
-      "state. To start a changed model from it (fine-tuning), give the run a new directory "
-      f"with init_from=loopkit.checkpoint.WarmStart('{directory}', ...) "
-      "(docs/checkpointing.md, Warm start)")
+  assert str(e.value) == "\n".join([
+      f"checkpoint 6 in {directory} does not match the train state in 6 leaves:",
+      *[f"  leaf {name} has shape {a} in the checkpoint, {b} in the train state"
+        for name, a, b in (("opt/0/mu/head/bias", "(2,)", "(5,)"),
+                           ("opt/0/mu/head/kernel", "(4, 2)", "(4, 5)"),
+                           ("opt/0/nu/head/bias", "(2,)", "(5,)"),
+                           ("opt/0/nu/head/kernel", "(4, 2)", "(4, 5)"),
+                           ("params/head/bias", "(2,)", "(5,)"),
+                           ("params/head/kernel", "(4, 2)", "(4, 5)"))],
+      "To start a changed model from it (fine-tuning), give the run a new directory with "
+      f"init_from=loopkit.checkpoint.WarmStart('{directory}', exclude='params/head') "
+      "(docs/checkpointing.md, Warm start)"])
+  fine_tune = CheckpointHook(directory.parent / "fine-tune",
+                             init_from=WarmStart(directory, exclude="params/head"))
+  state = loopkit.TrainLoop(train_step, iterations_per_loop=3, hooks=[fine_tune]).run(
+      init(classes=5), batches(3, classes=5), num_steps=3)  # what the message suggests, works
+  assert int(state["step"]) == 3
+
+
+@pytest.mark.parametrize("given,written", [("path", "'{directory}'"), ("WarmStart", "...")])
+def test_an_init_from_error_suggests_the_hooks_own_argument(source, tmp_path, given, written):
+  """warm_start's error suggests its own arguments (exclude=...); the same error reached
+  through CheckpointHook(init_from=...) suggests init_from=WarmStart(..., exclude=...), the
+  argument the user wrote."""
+  directory, _ = source
+  with pytest.raises(WarmStartError, match=r"keep the fresh value with exclude='params/head',"):
+    warm_start(init(classes=5), directory)
+  init_from = directory if given == "path" else WarmStart(directory)
+  hook = CheckpointHook(tmp_path / "tune", init_from=init_from)
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=3, hooks=[hook])
+  with pytest.raises(WarmStartError) as e:
+    loop.run(init(classes=5), batches(3, classes=5), num_steps=3)
+  spelled = written.format(directory=directory)
+  assert ("  2 with another shape in the source (keep the fresh value with init_from=loopkit."
+          f"checkpoint.WarmStart({spelled}, exclude='params/head'), or rename it to a source "
+          "leaf of its shape):\n    params/head/bias  float32[5] in the train state, "
+          "params/head/bias  float32[2] in the source\n    params/head/kernel  float32[4,5] in "
+          "the train state, params/head/kernel  float32[4,2] in the source") in str(e.value)
+  assert " exclude=" not in str(e.value).replace("WarmStart(" + spelled + ", exclude=", "")
+
+
+def test_a_missing_init_from_source_is_refused_when_the_hook_is_built(source, tmp_path):
+  """Not at run start: when the hook is built. A directory with its own checkpoint resumes
+  from it and needs no source (a fine-tune restarted after the source was removed)."""
+  missing = tmp_path / "no-such-run"
+  for init_from in (missing, WarmStart(missing, select="params")):
+    with pytest.raises(FileNotFoundError, match=(
+        rf"^CheckpointHook\(init_from=...\): the warm-start source {missing} does not exist, "
+        rf"and {tmp_path / 'tune'} holds no checkpoint to resume from instead$")):
+      CheckpointHook(tmp_path / "tune", init_from=init_from)
+  with pytest.raises(FileNotFoundError, match=r"source .* does not exist$"):
+    CheckpointHook(tmp_path / "tune", init_from=missing, restore=False)
+  directory, _ = source
+  hook = CheckpointHook(directory, init_from=missing)  # resumes from its own step 6
+  assert hook.latest_step() == 6
+
+
+def test_every_state_the_loop_takes_flax_train_state_python_scalars_nnx(source, tmp_path):
+  """``TrainState.create`` sets ``step=0``, a Python int; a dict may hold a Python float; an
+  NNX state a Variable of a Python int. warm_start reads into each (a chosen Python scalar
+  comes back an array of the loop's dtype, a kept one as it was), the loop trains the result,
+  and CheckpointHook.restore takes the fresh TrainState as its ``like``."""
+  from flax import nnx
+  from flax.training import train_state
+  directory, saved = source
+  fresh = init()
+  ts = train_state.TrainState.create(apply_fn=None, params=fresh["params"], tx=TX)
+  assert ts.step == 0 and type(ts.step) is int
+  got = warm_start(ts, directory, select="params")
+  assert_equal(got.params, saved["params"])
+  assert_equal(got.opt_state, ts.opt_state)
+  assert got.step == 0 and type(got.step) is int  # kept as it was
+  got = warm_start(ts, directory, select=("params", "step"))
+  assert got.step.dtype == jnp.int32 and int(got.step) == 6  # read: the loop's int32
+
+  def ts_step(state, batch):
+    grads = jax.grad(lambda p: train_step({"params": p, "opt": TX.init(p), "step": 0},
+                                          batch)[1]["loss"])(state.params)
+    return state.apply_gradients(grads=grads), {}
+  hook = CheckpointHook(tmp_path / "ts", every_steps=3)
+  trained = loopkit.TrainLoop(ts_step, iterations_per_loop=3, step_of=lambda s: s.step,
+                              hooks=[hook]).run(warm_start(ts, directory), batches(3),
+                                                num_steps=3)
+  restored = hook.restore(ts)
+  assert restored.step == 3 and int(restored.state.step) == 3
+  assert_equal(restored.state.params, trained.params)
+
+  plain = {"params": fresh["params"], "scale": 1.0, "step": 0}
+  got = warm_start(plain, {"params": saved["params"], "scale": np.float32(2.0)}, select=None,
+                   missing="keep")
+  assert got["scale"].dtype == jnp.float32 and float(got["scale"]) == 2.0 and got["step"] == 0
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(3, 4, rngs=rngs)
+      self.count = nnx.Variable(0)
+
+  graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+  source_state = nnx.split(Net(nnx.Rngs(1)))[1]
+  got = warm_start(state, source_state, select="linear")
+  assert_equal(nnx.to_pure_dict(got)["linear"], nnx.to_pure_dict(source_state)["linear"])
+  assert nnx.merge(graphdef, got).count.get_value() == 0
+
+
+def test_a_warm_started_state_and_its_input_are_not_both_run(source):
+  """warm_start keeps the leaves it does not read (the same arrays, as a functional update
+  does): after a run of the input (which donates them), a run of the result is refused before
+  it starts, naming those leaves; the arrays it read are its own."""
+  directory, saved = source
+  old = init()
+  new = warm_start(old, directory)
+  assert all(a is b for a, b in zip(jax.tree.leaves(new["opt"]), jax.tree.leaves(old["opt"])))
+  assert not any(a is b for a, b in zip(jax.tree.leaves(new["params"]),
+                                        jax.tree.leaves(old["params"])))
+  loop = loopkit.TrainLoop(train_step, iterations_per_loop=3)
+  loop.run(old, batches(3), num_steps=3)
+  with pytest.raises(ValueError, match=r"^the train state has 8 deleted arrays \(opt/0/count, "
+                     r"opt/0/mu/body/kernel, (opt/[^,]*, ){5}step\): a run donates"):
+    loop.run(new, batches(3), num_steps=3)
+  assert_equal(new["params"], saved["params"])  # not donated: still readable

@@ -210,7 +210,7 @@ def test_follower_refuses_wrong_inputs(reference, tmp_path, monkeypatch):
   wrong = dict(w.init_state(), w=np.zeros((5, 3), np.float32))
   monkeypatch.setattr(follower_lib, "_DELETION_GRACE_S", 0.0)
   f = CheckpointFollower(ckpt, wrong, w.evaluator(), w.eval_batches(), poll_secs=0.05)
-  with pytest.raises(ValueError, match=r"leaf \['w'\] has shape \(6, 3\) in the checkpoint, "
+  with pytest.raises(ValueError, match=r"leaf w has shape \(6, 3\) in the checkpoint, "
                                        r"\(5, 3\) in the train state"):
     f.run()
 
@@ -231,6 +231,23 @@ def test_follow_command_writes_eval_hook_rows_and_exits_by_the_marker(reference,
   argv[2], argv[4] = str(unfinished), str(tmp_path / "other")
   assert follow_cli.main([*argv, "--timeout_secs", "0.2"]) == 1
   assert capsys.readouterr().out.startswith(f"timed_out: evaluated 5 checkpoint(s) {STEPS}")
+
+
+def test_follow_command_prints_its_rows_and_lines_as_a_training_run_does(reference, tmp_path):
+  """``python -m loopkit.tools.follow`` run as a user runs it (a fresh process, no logging set
+  up, no TrainLoop built): each evaluation's row is one console line (create_default_writer's
+  ConsoleWriter), the follower's own lines print plainly, nothing comes out bare."""
+  out = subprocess.run(bootstrap.command(
+      "-c", SIDECAR, "tests._follow_worker:target", "--directory", reference[0],
+      "--output_dir", tmp_path / "follow", "--poll_secs", "0.05", devices=2),
+      env=bootstrap.env(), cwd=bootstrap.ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stderr.splitlines()
+  shown = [line.split(":")[0] for line in lines if "eval/mse=" in line]
+  assert shown == [f"step {s}" for s in STEPS], out.stderr[-3000:]
+  assert sum(line.startswith("follower: evaluating the checkpoints in ") for line in lines) == 1
+  assert sum(line.startswith("follower: training complete at step 10") for line in lines) == 1
+  assert not [line for line in lines if line.startswith(("WARNING:", "INFO:"))], out.stderr
 
 
 def test_follow_command_refuses_a_target_of_the_wrong_kind():

@@ -120,18 +120,18 @@ def _state():
 
 @pytest.mark.parametrize("change,message", [
     (dict(key=jax.random.key(0, impl="rbg")),
-     "leaf ['key'] has dtype key<fry> (impl threefry2x32) in the checkpoint, key<rbg> (impl "
+     "leaf key has dtype key<fry> (impl threefry2x32) in the checkpoint, key<rbg> (impl "
      "rbg) in the train state"),
     (dict(keys=jax.random.split(jax.random.key(1), 4)),
-     "leaf ['keys'] has shape (3,) in the checkpoint, (4,) in the train state"),
+     "leaf keys has shape (3,) in the checkpoint, (4,) in the train state"),
     (dict(key=jnp.zeros((), jnp.uint32)),
-     "leaf ['key'] has dtype key<fry> (impl threefry2x32) in the checkpoint, uint32 in the "
+     "leaf key has dtype key<fry> (impl threefry2x32) in the checkpoint, uint32 in the "
      "train state"),
     (dict(keys=jax.random.key_data(jax.random.split(jax.random.key(1), 3))),
-     "leaf ['keys'] has shape (3,) in the checkpoint, (3, 2) in the train state"),
+     "leaf keys has shape (3,) in the checkpoint, (3, 2) in the train state"),
     (dict(empty=jnp.zeros((2, 0))),
-     "leaf ['empty'] has shape (3, 0) in the checkpoint, (2, 0) in the train state"),
-    (dict(nothing=jnp.zeros(())), "leaf ['nothing'] of the train state is not in the checkpoint"),
+     "leaf empty has shape (3, 0) in the checkpoint, (2, 0) in the train state"),
+    (dict(nothing=jnp.zeros(())), "leaf nothing of the train state is not in the checkpoint"),
 ])
 def test_changed_tree_names_the_leaf(tmp_path, change, message):
   hook = _save(tmp_path, _state())
@@ -153,6 +153,6 @@ def test_checkpoint_without_leaf_record_checks_orbax_metadata(tmp_path):
   r = hook.restore(state)
   assert r.state["key"].dtype == state["key"].dtype
   assert np.array_equal(jax.random.key_data(r.state["keys"]), jax.random.key_data(state["keys"]))
-  with pytest.raises(ValueError, match=r"leaf \['keys'\] has shape \(3, 2\) in the checkpoint, "
+  with pytest.raises(ValueError, match=r"leaf keys has shape \(3, 2\) in the checkpoint, "
                                        r"\(4, 2\) in the train state"):
     hook.restore(state | dict(keys=jax.random.split(jax.random.key(1), 4)))

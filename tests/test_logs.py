@@ -500,3 +500,22 @@ def test_a_first_run_says_what_it_waits_for_first(tmp_path):
   assert at[f"saving checkpoint 20 in {ckpt}"][5] == [10]
   assert at[eval_line][3:5] == [0, 0]
   assert at["step 20 eval: err=190.5 (16 examples)"][3:5] == [1, 2]
+
+
+@pytest.mark.parametrize("entry", ["loopkit.tools.tune", "loopkit.tools.aot"])
+def test_every_entry_point_prints_without_a_train_loop(entry):
+  """C74: the handler is loopkit's from its import, not from a TrainLoop: a script (or a
+  ``python -m`` command) that imports only the tuner or the AOT tool prints loopkit's INFO
+  lines and prefixed warnings, once each, after Orbax's import too (absl's stand-in). The
+  follower's command: test_follow.py::test_follow_command_prints_its_rows_and_lines_as_a_
+  training_run_does."""
+  code = (f"import orbax.checkpoint, logging, {entry}\n"
+          "from loopkit.observe.writers import ConsoleWriter\n"
+          "ConsoleWriter().write_scalars(3, {'eval/mse': 0.5})\n"
+          "logging.getLogger('loopkit').warning('careful')\n")
+  out = subprocess.run(bootstrap.command("-c", code, devices=1), capture_output=True, text=True,
+                       env=bootstrap.env(), timeout=300)
+  assert out.returncode == 0, out.stderr
+  lines = [line for line in out.stderr.splitlines()
+           if "eval/mse" in line or "careful" in line]
+  assert lines == ["step 3: eval/mse=0.5", "loopkit WARNING: careful"], out.stderr

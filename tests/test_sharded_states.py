@@ -302,7 +302,7 @@ def test_a_spec_that_does_not_divide_a_dimension_on_the_new_mesh_names_the_leaf(
   with pytest.raises(ValueError) as error:
     loop.run(state, loopkit.ArraySource(data(12), 16), num_steps=2)
   assert str(error.value) == (
-      "state leaf ['opt'][0].mu['Dense_0']['kernel'] (shape (12, 16)) cannot be sharded as "
+      "state leaf opt/0/mu/Dense_0/kernel (shape (12, 16)) cannot be sharded as "
       f"{P('fsdp', 'tensor')} on the mesh {{'data': 1, 'fsdp': 8, 'tensor': 1}} over "
       "devices 0-7: its dimension 0 (size 12) would be split over fsdp=8 = 8 devices, which "
       "does not divide it. Shard that leaf over other axes on this mesh (state_shardings=, or "
@@ -314,23 +314,23 @@ def test_a_spec_that_does_not_divide_a_dimension_on_the_new_mesh_names_the_leaf(
 BAD_GIVEN = {
     "an axis the mesh lacks": (
         lambda specs, other: {**specs, "step": P("model")}, ValueError,
-        f"state_shardings gives state leaf ['step'] the PartitionSpec {P('model')}, "
+        f"state_shardings gives state leaf step the PartitionSpec {P('model')}, "
         "which names the axis 'model' that the loop's mesh {'data': 2, 'fsdp': 2, 'tensor': 2}"
         " over devices 0-7 lacks"),
     "a key the state lacks": (
         lambda specs, other: {**specs, "optim": None}, ValueError,
-        "state_shardings has an entry at ['optim'], which is not a subtree of the state"),
+        "state_shardings has an entry at optim, which is not a subtree of the state"),
     "a subtree left out": (
         lambda specs, other: {"params": specs["params"], "step": P()}, ValueError,
-        "state leaf ['opt'][0].count has no entry in state_shardings"),
+        "state leaf opt/0/count has no entry in state_shardings"),
     "another mesh": (
         lambda specs, other: {**specs, "step": NamedSharding(other, P())}, ValueError,
-        f"state_shardings gives state leaf ['step'] the sharding {P()} on the mesh "
+        f"state_shardings gives state leaf step the sharding {P()} on the mesh "
         "{'data': 4, 'model': 2} over devices 0-7, but the loop's mesh is {'data': 2, 'fsdp': 2,"
         " 'tensor': 2} over devices 0-7: give shardings on the loop's mesh, or PartitionSpecs"),
     "not a sharding": (
         lambda specs, other: {**specs, "step": "fsdp"}, TypeError,
-        "state_shardings gives state leaf ['step'] 'fsdp' (str): each entry must be a "
+        "state_shardings gives state leaf step 'fsdp' (str): each entry must be a "
         "PartitionSpec, a NamedSharding or None"),
 }
 
@@ -354,7 +354,7 @@ def test_a_sharded_state_in_the_per_device_style_is_refused_with_state_shardings
   loop = loopkit.TrainLoop(step, iterations_per_loop=2, mesh=mesh_of((2, 2, 2)),
                            data_axis=BATCH_AXES, step_style="per_device",
                            state_shardings=state_specs)
-  with pytest.raises(ValueError, match=r"state leaf \['opt'\]\[0\]\.mu\['Dense_0'\]\['bias'\] "
+  with pytest.raises(ValueError, match=r"state leaf opt/0/mu/Dense_0/bias "
                      r"\(shape \(16,\)\) is sharded as (P|PartitionSpec)\('tensor',\) on the "
                      r"mesh .*step_style='per_device' keeps the state replicated"):
     loop.run(nn.meta.unbox(init(jax.random.key(0))), loopkit.ArraySource(data(), 16),
@@ -369,7 +369,7 @@ def test_c60_an_nnx_model_sharded_on_its_mesh_and_a_loop_without_mesh_is_refused
     loop.run(loopkit.ArraySource(data(), 16), num_steps=2)
   message = str(error.value)
   assert message.startswith(
-      f"state leaf ['model']['down']['bias'] (shape (8,)) is sharded as {P('fsdp')} "
+      f"state leaf model/down/bias (shape (8,)) is sharded as {P('fsdp')} "
       "on the mesh {'data': 2, 'fsdp': 2, 'tensor': 2} over devices 0-7, but the loop's mesh "
       "is {'data': 8} over devices 0-7 (the default of a TrainLoop built without mesh=): the "
       "loop would replicate it (12 of 14 state leaves would lose their sharding). Build the "

@@ -15,6 +15,49 @@ import jax
 import numpy as np
 
 
+def leaf_key(path: tuple) -> tuple[str, ...]:
+  """A leaf's keys from its pytree path: dict keys, sequence indices and attribute names as
+  strings; the flat key Orbax stores the leaf under (``ocp.tree.to_flat_dict``)."""
+  out = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
+def leaf_name(path: tuple) -> str:
+  """A leaf's one name in every loopkit message: its keys joined by ``/``
+  (``params/head/bias``; ``opt/0/mu/w`` for the first optimizer state's ``mu`` of ``w``),
+  the syntax :func:`loopkit.checkpoint.warm_start` patterns are written in; ``<root>`` for
+  a state that is one leaf."""
+  return "/".join(leaf_key(path)) or "<root>"
+
+
+def check_not_deleted(state: Any, what: str = "the train state") -> None:
+  """Refuses a state with a deleted (donated) array, naming every such leaf, before it is
+  placed: otherwise the first device call fails with JAX's bare "Array has been deleted".
+
+  Raises:
+    ValueError: naming the deleted leaves (:func:`leaf_name`) and why they are deleted.
+  """
+  deleted = [leaf_name(path) for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+             if isinstance(x, jax.Array) and x.is_deleted()]
+  if not deleted:
+    return
+  shown = ", ".join(deleted[:8]) + (f", ... ({len(deleted)} in all)" if len(deleted) > 8 else "")
+  raise ValueError(
+      f"{what} has {len(deleted)} deleted array{'s' if len(deleted) > 1 else ''} ({shown}): "
+      "a run donates the state it is given (its buffers become the state it returns), so a "
+      "state given to an earlier run, or one that shares arrays with it (warm_start keeps "
+      "the leaves it does not read, as state.replace(...) does), cannot run again. Run the "
+      "state the earlier run returned, or a copy made before it (jax.tree.map(jnp.copy, "
+      "state))")
+
+
 def check_iterations_per_loop(k: Any) -> int:
   """Validates K, the steps (slots) per device call.
 
@@ -120,20 +163,20 @@ def tree_mismatch(expected: Any, got: Any, *, what: str,
   """Describes the first leaf where two pytrees differ, or None if they agree.
 
   Compares tree structure, then per leaf shape, dtype and (optionally) sharding;
-  the message names the leaf path (``jax.tree_util.keystr``).
+  the message names the leaf by its one name (:func:`leaf_name`, ``params/w``).
   """
   e_leaves, e_def = jax.tree_util.tree_flatten_with_path(expected)
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(got)
   if e_def != g_def:  # type: ignore[operator]  # PyTreeDef supports !=
-    e_paths = [jax.tree_util.keystr(p) for p, _ in e_leaves]
-    g_paths = [jax.tree_util.keystr(p) for p, _ in g_leaves]
+    e_paths = [leaf_name(p) for p, _ in e_leaves]
+    g_paths = [leaf_name(p) for p, _ in g_leaves]
     for a, b in zip(e_paths, g_paths):
       if a != b:
         return f"{what}: tree structure differs at leaf {a} (expected) vs {b} (got)"
     return (f"{what}: tree structure differs: expected {len(e_paths)} leaves, "
             f"got {len(g_paths)} ({e_def} vs {g_def})")
   for (path, e), (_, g) in zip(e_leaves, g_leaves):
-    name = jax.tree_util.keystr(path) or "<root>"
+    name = leaf_name(path)
     e_shape, g_shape = np.shape(e), np.shape(g)
     if e_shape != g_shape:
       return f"{what}: leaf {name} has shape {g_shape}, expected {e_shape}"
@@ -193,7 +236,7 @@ def check_device_axis_layout(batch: Any, global_batch_size: int | None = None, *
   local = None if global_batch_size is None else global_batch_size // process_count
   for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
     if device_axis_leaf(x) and np.shape(x)[0] != local:
-      name, shape = jax.tree_util.keystr(path) or "<root>", np.shape(x)
+      name, shape = leaf_name(path), np.shape(x)
       raise ValueError(
           f"batch leaf {name} is a jax.Array of shape {shape} already on the devices with a "
           f"leading device axis: its {shape[0]} rows lie one per device, the layout that "
@@ -226,7 +269,7 @@ def check_batch_layout(batch: Any, global_batch_size: int, *, process_count: int
       with a leading device axis naming ``prefetch_to_device``.
   """
   local = global_batch_size // process_count
-  wrong = [(jax.tree_util.keystr(path) or "<root>", x)
+  wrong = [(leaf_name(path), x)
            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
            if np.ndim(x) == 0 or np.shape(x)[0] != local]
   if not wrong:
@@ -337,7 +380,7 @@ def call_signature(state: Any, batches: Any, num_steps: Any) -> list[tuple[str, 
   out = []
   for what, tree in (("state", state), ("batch", batches), ("num_steps", num_steps)):
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      out.append((f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}",
+      out.append((f"{what} leaf {leaf_name(path)}",
                   (np.shape(x), leaf_dtype(x), bool(getattr(x, "weak_type", False)),
                    getattr(x, "sharding", None))))
   return out
@@ -420,7 +463,7 @@ def check_not_nnx_objects(state: Any) -> None:
   leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, kinds))[0]
   for path, leaf in leaves:
     if isinstance(leaf, kinds):
-      where = f" at {jax.tree_util.keystr(path)}" if path else ""
+      where = f" at {leaf_name(path)}" if path else ""
       raise TypeError(
           f"the train state is (or holds) a Flax NNX object, {type(leaf).__name__}{where}: "
           "TrainLoop runs a pure train_step(state, batch) -> (state, metrics) on a pytree of "

@@ -7,8 +7,10 @@ from a logger nobody configured, so a plain script (no ``logging.basicConfig``,
 no ``absl.app.run``) would print none of its metrics. Keras and CLU (through
 absl) print by default; so does loopkit:
 
-* :func:`install_default_handler` (called when a :class:`~loopkit.TrainLoop`
-  is built) gives the ``"loopkit"`` logger a handler that writes to stderr,
+* :func:`install_default_handler` (called when the ``loopkit`` package is
+  imported, so every entry point prints alike: a :class:`~loopkit.TrainLoop`, the
+  evaluation follower and ``python -m loopkit.tools.follow``, the K tuner, the AOT
+  tool) gives the ``"loopkit"`` logger a handler that writes to stderr,
   INFO and above, **while the application has configured no logging**.
 * absl's stand-in does not count as configuration. absl's first log call
   (``absl.logging.info`` and friends; Orbax and CLU make them at import or at

@@ -19,6 +19,7 @@ from loopkit._internal.checks import (
   check_global_batch_size,
   data_axes,
   device_axis_leaf,
+  leaf_name,
   process_rows,
 )
 
@@ -281,7 +282,7 @@ def pinned_state_shardings(state: Any, mesh: Mesh, *, given: Any = None,
   wanted = given_per_leaf(state, given)
 
   def pick(path: Any, x: Any, want: Any) -> Any:
-    name = jax.tree_util.keystr(path) or "<root>"
+    name = leaf_name(path)
     if want is not None:
       chosen = _given_sharding(name, want, mesh)
       if replicated_only and not chosen.is_fully_replicated:
@@ -337,14 +338,14 @@ def given_per_leaf(state: Any, given: Any) -> list[Any]:
   where = "the state's structure"
   for path, _ in entries:  # a path of given that no state leaf lies under
     if not any(p[:len(path)] == path for p in state_paths):
-      where = (f"state_shardings has an entry at {jax.tree_util.keystr(path) or '<root>'}, "
+      where = (f"state_shardings has an entry at {leaf_name(path)}, "
                "which is not a subtree of the state")
       break
   else:
     given_paths = [path for path, _ in entries]
     for p in state_paths:
       if not any(p[:len(g)] == g for g in given_paths):
-        where = (f"state leaf {jax.tree_util.keystr(p) or '<root>'} has no entry in "
+        where = (f"state leaf {leaf_name(p)} has no entry in "
                  "state_shardings")
         break
   raise ValueError(

@@ -45,7 +45,8 @@ with its ledger, data position and hooks' states as one
 state by name (checkpoints keyed ``"<index>:<Class>"``, written before hook
 names, still restore: see :func:`loopkit.core.hook_state.match_hook_states`). A
 checkpoint whose tree, shapes or dtypes differ from the live state raises
-``ValueError`` naming the first differing leaf before anything changes.
+``ValueError`` naming every differing leaf (``params/head/bias``: the syntax of warm-start
+patterns) before anything changes.
 
 **Warm start.** With ``init_from`` (a :class:`~loopkit.checkpoint.warm.WarmStart`) and no
 checkpoint of its own to resume from, ``on_run_start`` returns the state with chosen leaves
@@ -106,6 +107,7 @@ from typing import Any
 
 import jax
 
+from loopkit._internal.checks import leaf_key
 from loopkit._internal.extras import missing
 
 try:
@@ -123,6 +125,7 @@ from loopkit.checkpoint.files import (
   _empty_trash,
   _remove_failed_save,
   _tidy,
+  _TMP_MARK,
   _todelete_subdir,
   _write_complete_marker,
 )
@@ -136,13 +139,14 @@ from loopkit.checkpoint.items import (
   _leaves_from_orbax,
   _leaves_from_record,
   _storable,
-  _tree_difference,
+  _tree_differences,
 )
 from loopkit.checkpoint.lock import DirectoryLock, claim, describe, holder_of, stale_reason
 from loopkit.checkpoint.tiers import check_permanent, preservation_policy, with_permanent_marks
-from loopkit.checkpoint.warm import WarmStart
+from loopkit.checkpoint.warm import _SHOWN, WarmStart, _exclusion
 from loopkit.core.context import Restore, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
+from loopkit.core.program import as_loop_leaf
 from loopkit.core.ledger import Bucket, Ledger
 
 log = logging.getLogger("loopkit")
@@ -180,6 +184,28 @@ class RestoredCheckpoint:
   ledger: Ledger
   data_position: Any
   hook_states: dict[str, Any]
+
+
+def _changed_model(step: int, directory: Any, problems: list[tuple[tuple[str, ...], bool, str]],
+                   like: Any) -> str:
+  """Why checkpoint ``step`` cannot be restored into ``like``: every differing leaf by its one
+  name, and the ``init_from`` that starts the changed model from the checkpoint instead."""
+  n = len(problems)
+  lines = [f"checkpoint {step} in {directory} does not match the train state in {n} "
+           f"lea{'f' if n == 1 else 'ves'}:"]
+  lines += [f"  {what}" for _, _, what in problems[:_SHOWN]]
+  if n > _SHOWN:
+    lines.append(f"  ... and {n - _SHOWN} more")
+  live = [leaf_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+  if any(k[:1] == ("params",) for k in live):  # WarmStart's default select: exclude what changed
+    changed = [key for key, in_state, _ in problems if in_state and key[:1] == ("params",)]
+    exclude = f", exclude={_exclusion(changed)}" if changed else ""
+    warm = f"WarmStart('{directory}'{exclude})"
+  else:
+    warm = f"WarmStart('{directory}', select=..., exclude=...)"
+  lines.append(f"To start a changed model from it (fine-tuning), give the run a new directory "
+               f"with init_from=loopkit.checkpoint.{warm} (docs/checkpointing.md, Warm start)")
+  return "\n".join(lines)
 
 
 class CheckpointHook(Hook):
@@ -229,6 +255,8 @@ class CheckpointHook(Hook):
       ``keep_every_steps`` or ``keep_steps`` entry that is not a whole number
       of steps > 0 (naming the value).
     TypeError: ``init_from`` neither a path nor a ``WarmStart``.
+    FileNotFoundError: ``init_from``'s source path does not exist while ``directory``
+      holds no checkpoint to resume from (``restore=True``).
 
   At ``run`` start (:meth:`on_run_start`), before any step, the hook raises
   :class:`CheckpointError` naming the directory if it is not writable (and
@@ -284,17 +312,44 @@ class CheckpointHook(Hook):
     self.restore_on_start = restore
     self.restored_step: int | None = None
     self.saved_steps: list[int] = []
+    # How an error about init_from writes the argument it suggests: the hook's own argument.
+    self._init_from_written = "..."
     if init_from is not None and not isinstance(init_from, WarmStart):
       if not isinstance(init_from, (str, os.PathLike)):
         raise TypeError(f"init_from takes a checkpoint path or a loopkit.checkpoint.WarmStart, "
                         f"got {type(init_from).__name__}")
+      self._init_from_written = repr(os.fspath(init_from))
       init_from = WarmStart(init_from)
     self.init_from: WarmStart | None = init_from
+    self._check_init_from_source()
     self.warm_started: str | None = None
     self._manager: ocp.CheckpointManager | None = None
     self._ctx: RunContext | None = None
     self._in_flight: int | None = None
     self._warned: set[str] = set()
+
+  def _check_init_from_source(self) -> None:
+    """Refuses, when the hook is built, an ``init_from`` path that does not exist while this
+    directory holds no checkpoint to resume from (a run would find it only at its start)."""
+    source = self.init_from.source if self.init_from is not None else None
+    if not isinstance(source, (str, os.PathLike)):
+      return
+    path = epath.Path(source)
+    if "://" not in str(path):
+      path = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    if path.exists():
+      return
+    own = self.restore_on_start and self.directory.exists() and any(
+        p.name.isdigit() and _TMP_MARK not in p.name for p in self.directory.iterdir())
+    if not own:
+      instead = (f", and {self.directory} holds no checkpoint to resume from instead"
+                 if self.restore_on_start else "")
+      raise FileNotFoundError(f"CheckpointHook(init_from=...): the warm-start source {path} "
+                              f"does not exist{instead}")
+
+  def _spell_init_from(self, argument: str) -> str:
+    """An argument a warm-start error suggests, as this hook takes it (``init_from=``)."""
+    return f"init_from=loopkit.checkpoint.WarmStart({self._init_from_written}, {argument})"
 
   # -- manager ---------------------------------------------------------------
 
@@ -471,8 +526,10 @@ class CheckpointHook(Hook):
     self.wait_until_finished()
     self._trash.join()
     _empty_trash(self.directory)  # Orbax's renames into the trash need the names free
-    if step in manager.all_steps():
-      log.info("checkpoint %d already exists in %s", step, self.directory)
+    if step in manager.all_steps():  # e.g. a finished run run again: at_end saves its last step
+      log.info("checkpoint %d in %s is already saved (%s): not written again", step,
+               self.directory, "this run resumed from it" if step == self.restored_step else
+               "an earlier run wrote it")
       return False
     if (self.directory / str(step)).exists():  # a folder loopkit did not write (see _tidy)
       warnings.warn(f"loopkit: not saving step {step}: {self.directory / str(step)} exists "
@@ -521,10 +578,11 @@ class CheckpointHook(Hook):
     Raises:
       FileNotFoundError: no (such) complete checkpoint.
       ValueError: the checkpoint's tree, shapes or dtypes differ from
-        ``like`` (naming the first differing leaf, and ``init_from`` for a
-        warm start from it), or its data positions were saved by a different
+        ``like`` (naming every differing leaf, and the ``init_from`` that
+        warm-starts a changed model from it), or its data positions were saved by a different
         number of processes.
     """
+    like = jax.tree.map(as_loop_leaf, like)  # a Python scalar (TrainState's step=0) as the loop's
     manager = self._open()
     manager.reload()
     steps = manager.all_steps()
@@ -539,12 +597,9 @@ class CheckpointHook(Hook):
     else:  # written before loopkit recorded its leaves: Orbax's metadata
       meta = manager.item_metadata(step)["state"]
       saved = _leaves_from_orbax(getattr(meta, "tree", meta))
-    problem = _tree_difference(saved, like)
-    if problem:
-      raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
-                       f"state: {problem}. To start a changed model from it (fine-tuning), "
-                       f"give the run a new directory with init_from=loopkit.checkpoint."
-                       f"WarmStart('{self.directory}', ...) (docs/checkpointing.md, Warm start)")
+    problems = _tree_differences(saved, like)
+    if problems:
+      raise ValueError(_changed_model(step, self.directory, problems, like))
     abstract = jax.tree.map(lambda x: None if _is_empty(x) else _abstract(x), like)
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), ledger=ocp.args.JsonRestore(),
@@ -607,7 +662,7 @@ class CheckpointHook(Hook):
   def _warm_start(self, state: Any) -> Restore | Any:
     """``init_from`` applied to ``state``; a Restore with a new ledger if it read the step."""
     assert self.init_from is not None and self._ctx is not None
-    new, self.warm_started = self.init_from.run(state)
+    new, self.warm_started = self.init_from.run(state, spell=self._spell_init_from)
     step = int(jax.device_get(self._ctx.step_of(new)))
     if step == self._ctx.ledger.step:
       return new

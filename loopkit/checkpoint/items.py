@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loopkit._internal.checks import leaf_key, leaf_name
 from loopkit._internal.extras import missing
 
 try:
@@ -79,31 +80,26 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
-def _orbax_key(path: tuple) -> tuple[str, ...]:
-  """The flat key Orbax stores a leaf under (``ocp.tree.to_flat_dict``)."""
-  out = []
-  for k in path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(k, attr):
-        out.append(str(getattr(k, attr)))
-        break
-    else:
-      out.append(str(k))
-  return tuple(out)
+_orbax_key = leaf_key  # the flat key Orbax stores a leaf under
 
 
 def _described(dtype: str | None, impl: str | None) -> str:
   return f"{dtype} (impl {impl})" if impl else str(dtype)
 
 
-def _tree_difference(saved: dict[tuple[str, ...], dict[str, Any]], like: Any) -> str | None:
-  """First difference between the saved leaves and a live state, or None."""
+def _tree_differences(saved: dict[tuple[str, ...], dict[str, Any]], like: Any
+                      ) -> list[tuple[tuple[str, ...], bool, str]]:
+  """Every difference between the saved leaves and a live state: ``(the leaf's keys, whether
+  the train state has it, what differs)``, each leaf named by its one name
+  (:func:`~loopkit._internal.checks.leaf_name`, ``params/head/bias``); empty when they agree."""
+  out = []
   seen = set()
   for path, x in jax.tree_util.tree_flatten_with_path(like)[0]:
     key = _orbax_key(path)
-    name = jax.tree_util.keystr(path) or "<root>"
+    name = leaf_name(path)
     if key not in saved:
-      return f"leaf {name} of the train state is not in the checkpoint"
+      out.append((key, True, f"leaf {name} of the train state is not in the checkpoint"))
+      continue
     seen.add(key)
     m = saved[key]
     shape, dtype = tuple(x.shape), _dtype_name(x)
@@ -112,14 +108,14 @@ def _tree_difference(saved: dict[tuple[str, ...], dict[str, Any]], like: Any) ->
       data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
       shape, dtype = tuple(data.shape), str(data.dtype)
     if m["shape"] != shape:
-      return f"leaf {name} has shape {m['shape']} in the checkpoint, {shape} in the train state"
-    if m["dtype"] is not None and m["dtype"] != dtype:
-      return (f"leaf {name} has dtype {_described(m['dtype'], m.get('impl'))} in the "
-              f"checkpoint, {_described(dtype, impl)} in the train state")
-  for key in saved:
-    if key not in seen:
-      return f"the checkpoint has leaf {'.'.join(key)} that the train state lacks"
-  return None
+      out.append((key, True, f"leaf {name} has shape {m['shape']} in the checkpoint, {shape} "
+                             "in the train state"))
+    elif m["dtype"] is not None and m["dtype"] != dtype:
+      out.append((key, True, f"leaf {name} has dtype {_described(m['dtype'], m.get('impl'))} "
+                             f"in the checkpoint, {_described(dtype, impl)} in the train state"))
+  out += [(key, False, f"the checkpoint has leaf {'/'.join(key) or '<root>'} that the train "
+                       "state lacks") for key in saved if key not in seen]
+  return out
 
 
 def _empty_like(x: Any) -> jax.Array:

@@ -54,6 +54,7 @@ from loopkit.checkpoint.items import (
   _leaves_from_record,
   _orbax_key,
 )
+from loopkit.core.program import as_loop_leaf
 
 log = logging.getLogger("loopkit")
 
@@ -362,29 +363,36 @@ def _exclusion(keys: list[tuple[str, ...]]) -> str:
               else re.escape("/".join(keys[0])))
 
 
+def _as_written(argument: str) -> str:
+  """An argument as the user of :func:`warm_start` or :class:`WarmStart` writes it."""
+  return argument
+
+
 def _error(source: _Source, missing: list[tuple[_Leaf, str]],
-           different: list[tuple[_Leaf, _Leaf, str]], unused: list[_Leaf]) -> WarmStartError:
+           different: list[tuple[_Leaf, _Leaf, str]], unused: list[_Leaf],
+           spell: Callable[[str], str] = _as_written) -> WarmStartError:
   at = f" (step {source.step})" if source.step is not None else ""
   lines = [f"warm start from {source.where}{at}: {_leaves(len(missing) + len(different))} of "
            "the train state cannot be taken from the source"]
   if missing:
+    rename, exclude, keep = (spell(a) for a in (
+        "rename={train-state pattern: source path}", "exclude=<pattern>", 'missing="keep"'))
     lines.append(f"  {len(missing)} not in the source (map each to a source path with "
-                 "rename={train-state pattern: source path}, or keep its fresh value with "
-                 "exclude=<pattern> or missing=\"keep\"):")
+                 f"{rename}, or keep its fresh value with {exclude} or {keep}):")
     lines += _listed([f"    {live.path}  {live.described()}" + (
         f"  (looked for {wanted})" if wanted != live.path else "") for live, wanted in missing])
   shapes = [d for d in different if d[2] == "shape"]
   dtypes = [d for d in different if d[2] == "dtype"]
   if shapes:
+    exclusion = spell(f"exclude={_exclusion([live.key for live, _, _ in shapes])}")
     lines.append(f"  {len(shapes)} with another shape in the source (keep the fresh value "
-                 f"with exclude={_exclusion([live.key for live, _, _ in shapes])}, or rename "
-                 "it to a source leaf of its shape):")
+                 f"with {exclusion}, or rename it to a source leaf of its shape):")
     lines += _listed([f"    {live.path}  {live.described()} in the train state, "
                       f"{found.path}  {found.described()} in the source"
                       for live, found, _ in shapes])
   if dtypes:
-    lines.append(f"  {len(dtypes)} with another dtype in the source (cast=True casts numbers; "
-                 "a PRNG key's impl cannot be cast):")
+    lines.append(f"  {len(dtypes)} with another dtype in the source ({spell('cast=True')} "
+                 "casts numbers; a PRNG key's impl cannot be cast):")
     lines += _listed([f"    {live.path}  {live.described()} in the train state, "
                       f"{found.path}  {found.described()} in the source"
                       for live, found, _ in dtypes])
@@ -399,7 +407,7 @@ def _error(source: _Source, missing: list[tuple[_Leaf, str]],
     lines += _listed([f"    {u.path}  {u.described()}" for u in near])
   hint = _suggested_rename(missing, unused) if missing else None
   if hint:
-    lines.append(f"  perhaps: {hint}")
+    lines.append(f"  perhaps: {spell(hint)}")
   return WarmStartError("\n".join(lines))
 
 
@@ -458,21 +466,24 @@ class WarmStart:
     """The state with the chosen leaves read from the source (see :func:`warm_start`)."""
     return self.run(state)[0]
 
-  def run(self, state: Any) -> tuple[Any, str]:
-    """Like :meth:`apply`; also returns a one-line account of what was taken and kept."""
+  def run(self, state: Any, *, spell: Callable[[str], str] = _as_written) -> tuple[Any, str]:
+    """Like :meth:`apply`; also returns a one-line account of what was taken and kept.
+
+    ``spell`` writes an argument an error suggests (``"exclude='params/head'"``) as the
+    caller's API takes it (``CheckpointHook``: ``init_from=WarmStart(..., exclude=...)``)."""
     select, exclude, rules = self._compiled()
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    lives = []
+    lives = []  # (name, the leaf as the loop takes it: a Python scalar as its array)
     for p, x in flat:
-      key = _orbax_key(p)
-      lives.append((_Leaf(key, tuple(x.shape), _dtype_name(x)), x))
+      x = as_loop_leaf(x)
+      lives.append((_Leaf(_orbax_key(p), tuple(x.shape), _dtype_name(x)), x))
     paths = [live.path for live, _ in lives]
     if select is not None:
       for rx in select:
         if not any(_matches(rx, p) for p in paths):
           raise ValueError(f"warm start: select pattern {rx.pattern!r} matches no leaf of the "
-                           f"train state (its leaves: {_few(paths)}); select=None takes every "
-                           "leaf")
+                           f"train state (its leaves: {_few(paths)}); {spell('select=None')} "
+                           "takes every leaf")
     for rx in exclude:
       if not any(_matches(rx, p) for p in paths):
         raise ValueError(f"warm start: exclude pattern {rx.pattern!r} matches no leaf of the "
@@ -508,7 +519,7 @@ class WarmStart:
     used = {f.path for f in taken.values()}
     unused = [leaf for path, leaf in sorted(source.leaves.items()) if path not in used]
     if different or (missing and self.missing == "error"):
-      raise _error(source, missing, different, unused)
+      raise _error(source, missing, different, unused, spell)
     # One read per source leaf (several leaves may take the same one: a layer copied).
     targets = {i: _target(lives[i][1]) for i in taken}
     first: dict[tuple[str, ...], Any] = {}
@@ -516,7 +527,7 @@ class WarmStart:
       first.setdefault(found.key, targets[i])
     values = source.read(first) if first else {}
     leaves = [_as(values[taken[i].key], first[taken[i].key], targets[i]) if i in taken else x
-              for i, (_, x) in enumerate(lives)]
+              for i, (_, x) in enumerate(flat)]
     kept = [live.path for i, (live, _) in enumerate(lives) if i not in taken]
     at = f" step {source.step}" if source.step is not None else ""
     account = (f"warm start from {source.where}{at}: {_leaves(len(taken))} read, {len(kept)} "
@@ -554,9 +565,12 @@ def warm_start(state: Any, source: Any, *, select: str | Sequence[str] | None = 
   the result starts at ``state``'s step.
 
   Args:
-    state: the live train state (``jax.Array`` leaves, any shardings; numpy
-      leaves are read as numpy). Each leaf read takes its shape, dtype and
-      sharding: a checkpoint saved on one mesh is read onto another.
+    state: the live train state, any state ``TrainLoop.run`` takes
+      (``jax.Array`` leaves, any shardings; numpy leaves are read as numpy;
+      Python scalars, e.g. Flax ``TrainState.create``'s ``step=0``, as the
+      loop places them: an ``int`` as int32; a Flax ``TrainState``, an
+      ``nnx.State``). Each leaf read takes its shape, dtype and sharding: a
+      checkpoint saved on one mesh is read onto another.
     source: a loopkit checkpoint directory (its latest step, or ``step``), one
       of its step directories, a plain Orbax PyTree checkpoint directory
       (``ocp.StandardCheckpointer().save(path, tree)``, ``ocp.PyTreeCheckpointer``),
@@ -581,8 +595,12 @@ def warm_start(state: Any, source: Any, *, select: str | Sequence[str] | None = 
     item: the Orbax item to read in a step directory with several.
 
   Returns:
-    A state of ``state``'s tree structure: the chosen leaves read, placed with
-    their live leaf's sharding and dtype; the other leaves are ``state``'s.
+    A state of ``state``'s tree structure: the chosen leaves read (new arrays),
+    placed with their live leaf's sharding and dtype; the other leaves are
+    ``state``'s, the same objects (as ``state.replace(...)`` keeps them, with no
+    second copy in memory). A run donates its state, so run the result or
+    ``state``, not both: a run given a state whose arrays an earlier run
+    took refuses it before it starts, naming those leaves.
 
   Raises:
     WarmStartError: a chosen leaf is not in the source (with

@@ -38,6 +38,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from loopkit._internal.checks import leaf_name
+
 __all__ = ["accumulate"]
 
 
@@ -68,7 +70,7 @@ def accumulate(fn: Callable[[Any], Any], batch: Any, num_microbatches: int) -> A
 
   def split(path, x):
     if jnp.ndim(x) == 0 or x.shape[0] % m:
-      raise ValueError(f"batch leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(x)}: its "
+      raise ValueError(f"batch leaf {leaf_name(path)} has shape {jnp.shape(x)}: its "
                        f"batch size is not divisible by num_microbatches={m}")
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])
 

@@ -23,7 +23,6 @@ import numpy as np
 from jax.sharding import Mesh
 
 from loopkit._internal.checks import default_step_of
-from loopkit._internal.logs import install_default_handler
 from loopkit._internal.mesh import check_batch_on_mesh, resolve_mesh
 from loopkit.core.hook_state import hook_names
 from loopkit.core.hooks import Hook, check_hooks
@@ -231,7 +230,6 @@ class TrainLoop:
                              data_parallel_size=data_parallel_size, prefetch=prefetch,
                              step_of=step_of, global_batch_size=global_batch_size,
                              chunk_assembly=chunk_assembly)
-    install_default_handler()  # a plain script shows loopkit's lines (loopkit._internal.logs)
     _warn_gpu_determinism(mesh)
     self._run: Run | None = None  # the current (or last) run: the only writer of run state
     self.preemption_signals = tuple(preemption_signals)

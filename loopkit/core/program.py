@@ -94,8 +94,10 @@ from loopkit._internal.checks import (
   call_signature,
   check_data_axis,
   check_iterations_per_loop,
+  check_not_deleted,
   check_step_style,
   default_step_of,
+  leaf_name,
   signature_change,
   tree_mismatch,
 )
@@ -248,6 +250,18 @@ def build_program(loop: Callable, *, mesh: Mesh, data_axis: str | tuple[str, ...
   return jax.jit(fn, **jit_kwargs)
 
 
+def as_loop_leaf(x: Any) -> Any:
+  """A state leaf as the loop places it: a Python scalar (``TrainState.create``'s ``step=0``)
+  becomes the strong array :func:`strong_typed` makes of it (``int`` -> int32, ``float`` ->
+  float32); anything else (``jax.Array``, numpy arrays and scalars, ``jax.ShapeDtypeStruct``) is
+  returned as it is. Lets code that reads leaves' shapes and dtypes (warm start, restore) take
+  every state the loop takes."""
+  if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
+    x = jnp.asarray(x)
+    return jax.lax.convert_element_type(x, x.dtype)
+  return x
+
+
 def strong_typed(tree: Any) -> Any:
   """``tree`` with its weak-typed leaves made strong, same dtype and placement.
 
@@ -265,8 +279,7 @@ def strong_typed(tree: Any) -> Any:
     float32); other leaves unchanged (the same objects).
   """
   def strong(x):
-    if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
-      x = jnp.asarray(x)
+    x = as_loop_leaf(x)
     if getattr(x, "weak_type", False):
       return jax.lax.convert_element_type(x, x.dtype)
     return x
@@ -581,7 +594,12 @@ class MultiStepProgram:
     (:func:`strong_typed`), the type the compiled loop returns, so the second
     call does not compile the program again. Leaves that are one and the same
     array get separate buffers (the state is donated, and a buffer can be
-    donated once)."""
+    donated once).
+
+    Raises:
+      ValueError: a leaf of ``state`` is a deleted (donated) array, naming every such leaf
+        (:func:`loopkit._internal.checks.check_not_deleted`)."""
+    check_not_deleted(state)
     state = strong_typed(state)
     if self._jitted is None:
       self._build(state)
@@ -667,7 +685,8 @@ class MultiStepProgram:
     with the same bits agree.
 
     Returns:
-      ``jax.tree_util.keystr`` paths, in leaf order; empty when all agree.
+      the leaves' one names (:func:`~loopkit._internal.checks.leaf_name`), in leaf order;
+      empty when all agree.
     """
     if self._replica_check is None:
       axis = self.data_axis
@@ -680,7 +699,7 @@ class MultiStepProgram:
       self._replica_check = jax.jit(jax.shard_map(
           differs, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False))
     flags = jax.device_get(self._replica_check(state))
-    return [jax.tree_util.keystr(path) or "<root>"
+    return [leaf_name(path)
             for path, bad in jax.tree_util.tree_flatten_with_path(flags)[0] if bad]
 
   def lower(self, state: Any, batches: Any) -> jax.stages.Lowered:

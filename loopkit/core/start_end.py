@@ -81,8 +81,8 @@ def start(run: Run, state: Any, batches: Iterable) -> tuple[Any, ChunkFeeder]:
     log.warning("nothing to run: the state is at step %d and num_steps is %d", step0,
                 run.target)
   elif step0 == run.target:  # a finished run run again (it only evaluates): not a mistake
-    log.info("nothing to train: the state is already at num_steps=%d; the at_end hooks "
-             "run once", step0)
+    log.info("the run is already complete at step %d (num_steps=%d): nothing to train; "
+             "its at_end hooks run once", step0, run.target)
   check_epoch_marks(run.hooks, run.steps_per_epoch)
   for h in run.hooks:
     h.trigger.start_clock()
@@ -152,6 +152,11 @@ def stop(run: Run, state: Any) -> Any:
     new = run.call_hook(i, h.on_run_end, run.contexts[i], state)
     if new is not None:
       state = run.state = run.admit(new, i)
+  if run.status == "completed" and run.last is None:  # a finished run run again: say so
+    ran = [type(h).__name__ for h in run.hooks if h.trigger.at_end and not h.trigger.every_call]
+    log.info("run complete at step %d: it was complete when it started, so nothing was "
+             "trained%s", run.ledger.step,
+             f"; its at_end hooks ran once ({', '.join(ran)})" if ran else "")
   return state
 
 

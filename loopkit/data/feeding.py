@@ -63,6 +63,7 @@ from loopkit._internal.checks import (
   MIN_SLOTS,
   check_batch_layout,
   check_device_axis_layout,
+  leaf_name,
   partial_batch_hint,
   tree_mismatch,
 )
@@ -302,7 +303,7 @@ class ChunkFeeder:
       for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if np.ndim(x) == 0 or np.shape(x)[0] != b_local:
           raise ValueError(
-              f"batch leaf {jax.tree_util.keystr(path)} has shape {np.shape(x)}; every "
+              f"batch leaf {leaf_name(path)} has shape {np.shape(x)}; every "
               f"leaf needs the same leading batch dimension ({b_local})")
       b_global = b_local * jax.process_count()
       check_batch_on_mesh(b_global, self._batch_sharding)

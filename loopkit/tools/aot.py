@@ -47,6 +47,7 @@ from loopkit._internal.checks import (
   check_data_axis,
   check_global_batch_size,
   data_axes,
+  leaf_name,
 )
 from loopkit._internal.mesh import data_parallel_size, describe_data_axis, is_sharding_entry
 from loopkit.core.flops import step_flops
@@ -249,7 +250,7 @@ def _batch_size(batch: Any, what: str) -> int:
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
     raise ValueError(f"the {what} batch spec has no leaves")
-  sizes = {jax.tree_util.keystr(p): (np.shape(x)[0] if np.ndim(x) else None) for p, x in leaves}
+  sizes = {leaf_name(p): (np.shape(x)[0] if np.ndim(x) else None) for p, x in leaves}
   if len(set(sizes.values())) != 1 or None in sizes.values():
     raise ValueError(f"every leaf of the {what} batch spec needs the same leading batch "
                      f"dimension B (the global batch); got {sizes}")

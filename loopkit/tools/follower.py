@@ -52,6 +52,7 @@ from loopkit._internal.mesh import pinned_state_shardings
 from loopkit.checkpoint.files import COMPLETE_MARKER, _read_complete_marker
 from loopkit.checkpoint.hook import CheckpointHook
 from loopkit.checkpoint.items import _allgather_json
+from loopkit.core.program import as_loop_leaf
 from loopkit.evaluation import EvalResult, ForEvalHook, SupportsEvaluate, _hook_evaluator, report
 from loopkit.observe.writers import as_writer, keep_rows_through
 
@@ -143,6 +144,7 @@ class CheckpointFollower:
       raise ValueError(f"poll_secs must be > 0, got {poll_secs}")
     self._reader = _Reader(directory, restore=False)
     self.directory = self._reader.directory
+    like = jax.tree.map(as_loop_leaf, like)  # a Python scalar (TrainState's step=0) as the loop's
     mesh = mesh if mesh is not None else getattr(called, "mesh", None)
     if mesh is not None:  # the train loop's placement (one door): the training run's layout
       shardings = pinned_state_shardings(
@@ -214,7 +216,7 @@ class CheckpointFollower:
       ``[(step, EvalResult)]`` of this pass (also appended to :attr:`results`).
 
     Raises:
-      ValueError: a checkpoint does not match ``like`` (naming the first differing leaf).
+      ValueError: a checkpoint does not match ``like`` (naming every differing leaf).
       Exception: a restore that failed while its checkpoint stayed in the directory (not a
         deletion), as the restore raised it.
     """
