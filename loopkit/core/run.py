@@ -38,7 +38,12 @@ import jax
 import numpy as np
 
 from loopkit import metrics as metrics_lib
-from loopkit._internal.checks import check_not_nnx_objects, tree_mismatch, warn_if_pmap_layout
+from loopkit._internal.checks import (
+  check_concrete,
+  check_not_nnx_objects,
+  tree_mismatch,
+  warn_if_pmap_layout,
+)
 from loopkit._internal.mesh import is_cpu_mesh
 from loopkit.core.agreement import agree_with_reason
 from loopkit.core.context import LedgerAdjustment, Restore, RunContext
@@ -351,6 +356,7 @@ class Run:
       ``(state, feeder)``.
     """
     state = self.start_hooks(state)
+    check_concrete(state, "TrainLoop.run was given an abstract state and no hook restored it")
     self.settle_skips()
     for i in self.rewinders:
       check_reopenable(batches, self.names[i])
@@ -1021,18 +1027,23 @@ class Run:
       hook: index of the hook that returned it, or None for the initial state
         (which becomes the train state the others are checked against).
 
+    The initial state may be abstract (``jax.ShapeDtypeStruct`` leaves): it stays so, with
+    the pinned shardings, until a hook's restore gives it values (:meth:`start`).
+
     Raises:
       TypeError: an initial state holding Flax NNX objects (names
         :class:`loopkit.nnx.NnxTrainLoop`).
-      ValueError: a replacement unlike the train state.
+      ValueError: a replacement unlike the train state, or with abstract leaves.
     """
     if hook is None:
       check_not_nnx_objects(state)
     else:
+      name = type(self.hooks[hook]).__name__
       problem = tree_mismatch(self.state_spec, state, what=(
-          f"{type(self.hooks[hook]).__name__} returned a state unlike the train state"))
+          f"{name} returned a state unlike the train state"))
       if problem:
         raise ValueError(problem)
+      check_concrete(state, f"{name} returned a state without values")
     placed = self.program.place_state(state)
     if hook is None:
       self.state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
