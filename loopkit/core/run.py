@@ -808,9 +808,10 @@ class Run:
     if self.stop_reason is not None:
       self.status = self.stop_reason
       if self.status == TIME_LIMIT and self.time_limit is not None:
+        decided = self.time_limit.decided_at  # the reading the stop was decided on
         log.info("max_time of %g s reached at step %d (%.1f s since run started): stopping "
                  "there to be resumed", self.time_limit.seconds, self.ledger.step,
-                 self.time_limit.elapsed())
+                 self.time_limit.elapsed() if decided is None else decided)
     elif self.status is None:
       if self.ledger.step < self.target:  # invariant: "completed" means the target was reached
         raise RuntimeError(
