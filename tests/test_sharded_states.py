@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
 from loopkit.tools import aot
+from tests import toy
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -336,6 +337,17 @@ def test_c78_an_abstract_state_without_a_checkpoint_is_refused_naming_its_leaves
         "state_shardings=) needs a checkpoint that restores every leaf: a CheckpointHook whose"
         " directory holds a checkpoint"), str(error.value)
     assert loop.program.compile_count() == 0 and loop.ledger.step == 0
+
+
+def test_c78_a_hook_that_returns_an_abstract_state_is_refused_naming_it():
+  """Only the state given to ``run`` may be abstract: a hook's replacement needs values."""
+  hook = loopkit.CallbackHook(lambda info, state: jax.eval_shape(lambda s: s, state),
+                              every_steps=2)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[hook])
+  with pytest.raises(ValueError, match=r"^CallbackHook returned a state without values: its "
+                     r"leaves \['opt'\]\[0\]\.count \(int32\[\]\), .* are abstract"):
+    loop.run(toy.init_state(), toy.batches(4), num_steps=4)
+  assert loop.ledger.step == 2 and int(loop.last_state["step"]) == 2
 
 
 def test_named_shardings_as_jit_was_given_them_are_taken_as_they_are():
