@@ -410,3 +410,37 @@ def test_a_warm_started_state_and_its_input_are_not_both_run(source):
                      r"opt/0/mu/body/kernel, (opt/[^,]*, ){5}step\): a run donates"):
     loop.run(new, batches(3), num_steps=3)
   assert_equal(new["params"], saved["params"])  # not donated: still readable
+
+
+def test_c78_an_abstract_state_is_read_where_the_source_gives_every_leaf(source, tmp_path):
+  """``warm_start`` and ``init_from`` take ``jax.eval_shape(init)`` (shardings with it) where
+  they read every leaf: the leaves come out on their shardings, bitwise a concrete state's,
+  and a run warm-started so is bitwise one warm-started from an initialised state. A leaf not
+  read (``select="params"``: the optimizer state) is refused, naming the leaves, before any
+  read."""
+  directory, saved = source
+  mesh = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices()[:8])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                         sharding=NamedSharding(mesh, P())),
+                          jax.eval_shape(init))
+  abstract["params"]["body"]["kernel"] = jax.ShapeDtypeStruct(
+      (8, 4), jnp.float32, sharding=NamedSharding(mesh, P("a", "b")))
+  state = warm_start(abstract, directory, select=None)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(abstract), strict=True):
+    assert isinstance(got, jax.Array) and got.sharding == want.sharding
+  assert_equal(state, saved)
+  with pytest.raises(WarmStartError) as e:
+    warm_start(abstract, directory)
+  assert str(e.value) == (
+      f"warm start from {directory}/6/state (step 6): 8 leaves of the train state are abstract "
+      "(jax.ShapeDtypeStruct) and not read from the source: opt/0/count int32[], "
+      "opt/0/mu/body/kernel float32[8,4], opt/0/mu/head/bias float32[2], ... (8 in all). An "
+      "abstract leaf takes its value from the source: choose it (select=None reads every "
+      "leaf) or give it a value to keep")
+  runs = []
+  for start in (jax.eval_shape(init), init()):  # (no sharding: replicated)
+    hook = CheckpointHook(tmp_path / str(len(runs)), init_from=WarmStart(directory, select=None))
+    loop = loopkit.TrainLoop(train_step, iterations_per_loop=2, hooks=[hook])
+    runs.append(loop.run(start, batches(2, seed=3), num_steps=8))
+    assert (hook.saved_steps, loop.ledger.step) == ([8], 8)
+  assert_equal(runs[0], jax.device_get(runs[1]))

@@ -10,6 +10,8 @@ annotation's, on the new mesh. A sharding that does not fit the new mesh is refu
 1, naming the leaf.
 """
 
+import gc
+import math
 import shutil
 
 import jax
@@ -21,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
 from loopkit.tools import aot
+from tests import toy
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -192,9 +195,9 @@ def test_a_checkpoint_hops_across_mesh_shapes_keeping_values_and_annotations(on_
 RULES = (("embed", "fsdp"), ("mlp", "tensor"))  # logical axis -> mesh axis (lm1b's form)
 
 
-def linen_model(d=8):
-  """A linen MLP with logical partitioning (lm1b's way), its Adam step, its init and the
-  state's PartitionSpecs from ``RULES`` (mesh-independent: ``nn.logical_to_mesh``)."""
+def linen_model(d=8, h=16):
+  """A linen MLP (``d -> h -> d``) with logical partitioning (lm1b's way), its Adam step, its
+  init and the state's PartitionSpecs from ``RULES`` (mesh-independent: ``nn.logical_to_mesh``)."""
   nn = pytest.importorskip("flax.linen")
 
   def part(init, axes):
@@ -203,7 +206,7 @@ def linen_model(d=8):
   class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
-      x = nn.Dense(16, kernel_init=part(nn.initializers.lecun_normal(), ("embed", "mlp")),
+      x = nn.Dense(h, kernel_init=part(nn.initializers.lecun_normal(), ("embed", "mlp")),
                    bias_init=part(nn.initializers.zeros, ("mlp",)))(x)
       return nn.Dense(d, kernel_init=part(nn.initializers.lecun_normal(), ("mlp", "embed")),
                       bias_init=part(nn.initializers.zeros, ("embed",)))(nn.relu(x))
@@ -253,6 +256,98 @@ def test_partition_specs_from_logical_rules_place_a_host_state_and_restore_it_el
     assert sum("tensor" in jax.tree.leaves(tuple(s)) for s in got.values()) == 9
   assert ckpt.restored_step == 2 and loop.program.compile_count() == 0  # nothing to run
   assert_bitwise(outs[(1, 4, 2)], host(outs[(2, 2, 2)]))
+
+
+def device_bytes(arrays=None) -> int:
+  """Bytes ``arrays`` (default: the live arrays) hold on the devices, a replicated leaf once
+  per device (read from the shardings: ``addressable_shards`` would make arrays)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             * len(x.sharding.device_set)
+             for x in (jax.live_arrays() if arrays is None else arrays))
+
+
+class BytesProbe(loopkit.Hook):
+  """Records :func:`device_bytes` at ``on_run_start`` (where it stands in the hook order)."""
+
+  def __init__(self):
+    super().__init__(at_end=False)
+    self.seen = None
+
+  def on_run_start(self, ctx, state):
+    self.seen = device_bytes()
+
+
+def test_c78_an_abstract_state_resumes_on_another_mesh_in_one_copy(tmp_path):
+  """C78: ``run`` given ``jax.eval_shape(init)`` with ``state_shardings`` resumes a (2, 2, 2)
+  checkpoint on (1, 4, 2) bitwise as from an initialised state, each leaf on its spec, and
+  allocates only the restored arrays: none before the restore (an initialised state: a whole
+  copy), one state's bytes after it (an initialised state: two). A 1.6 MB model (Adam)."""
+  nn, init, step, state_specs = linen_model(d=64, h=1024)
+  source = loopkit.ArraySource(data(64), 16)
+  saved = {**nn.meta.unbox(init(jax.random.key(0))), "step": jnp.asarray(2, jnp.int32)}
+  saved = jax.device_put(saved, jax.tree.map(lambda p: NamedSharding(mesh_of((2, 2, 2)), p),
+                                             state_specs))
+  hook = loopkit.CheckpointHook(tmp_path / "ckpt")
+  hook.save(2, saved, ledger=loopkit.core.Ledger(step=2), data_position=2)
+  hook.close()
+  mesh = mesh_of((1, 4, 2))
+  outs, seen = {}, {}
+  for kind in ("abstract", "concrete"):
+    shutil.copytree(tmp_path / "ckpt", tmp_path / kind)
+    state = (jax.eval_shape(init, jax.random.key(1)) if kind == "abstract"
+             else init(jax.random.key(1)))  # another seed: the checkpoint wins
+    state = nn.meta.unbox(state)
+    before, after = BytesProbe(), BytesProbe()
+    loop = loopkit.TrainLoop(step, iterations_per_loop=2, mesh=mesh, data_axis=BATCH_AXES,
+                             state_shardings=state_specs,
+                             hooks=[before, loopkit.CheckpointHook(tmp_path / kind), after])
+    gc.collect()
+    start = device_bytes()
+    outs[kind] = loop.run(state, source, num_steps=4)
+    seen[kind] = (before.seen - start, after.seen - start)
+    assert loop.hooks[1].restored_step == 2 and loop.program.compile_count() == 1
+  one_copy = device_bytes(jax.tree.leaves(outs["abstract"]))
+  assert 1_500_000 < one_copy < 1_700_000
+  # (the run's own scalars, a few bytes: < 64)
+  copies = {kind: tuple(round(b / one_copy, 3) for b in got) for kind, got in seen.items()}
+  assert copies == {"abstract": (0, 1), "concrete": (1, 2)}, seen
+  assert seen["abstract"][0] == 0 and 0 <= seen["abstract"][1] - one_copy < 64, seen
+  assert specs(outs["abstract"]) == specs(outs["concrete"]) == {
+      jax.tree_util.keystr(p): spec
+      for p, spec in jax.tree_util.tree_flatten_with_path(state_specs)[0]}
+  assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(outs["abstract"]))
+  assert_bitwise(outs["abstract"], host(outs["concrete"]))
+
+
+def test_c78_an_abstract_state_without_a_checkpoint_is_refused_naming_its_leaves(tmp_path):
+  """Without a checkpoint to restore (an empty directory, ``restore=False``, no hook), the
+  error says an abstract state needs one, naming the leaves, before any step."""
+  nn, init, step, state_specs = linen_model()
+  abstract = nn.meta.unbox(jax.eval_shape(init, jax.random.key(0)))
+  for hooks in ([loopkit.CheckpointHook(tmp_path / "empty")], []):
+    loop = loopkit.TrainLoop(step, iterations_per_loop=2, mesh=mesh_of((2, 2, 2)),
+                             data_axis=BATCH_AXES, state_shardings=state_specs, hooks=hooks)
+    with pytest.raises(ValueError) as error:
+      loop.run(abstract, loopkit.ArraySource(data(), 16), num_steps=2)
+    assert str(error.value).startswith(
+        "TrainLoop.run was given an abstract state and no hook restored it: its leaves "
+        "['opt'][0].count (int32[]), ['opt'][0].mu['Dense_0']['bias'] (float32[16]), "
+        "['opt'][0].mu['Dense_0']['kernel'] (float32[8, 16]) and 11 more are abstract "
+        "(jax.ShapeDtypeStruct). An abstract state (jax.eval_shape(init), with shardings or "
+        "state_shardings=) needs a checkpoint that restores every leaf: a CheckpointHook whose"
+        " directory holds a checkpoint"), str(error.value)
+    assert loop.program.compile_count() == 0 and loop.ledger.step == 0
+
+
+def test_c78_a_hook_that_returns_an_abstract_state_is_refused_naming_it():
+  """Only the state given to ``run`` may be abstract: a hook's replacement needs values."""
+  hook = loopkit.CallbackHook(lambda info, state: jax.eval_shape(lambda s: s, state),
+                              every_steps=2)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=2, hooks=[hook])
+  with pytest.raises(ValueError, match=r"^CallbackHook returned a state without values: its "
+                     r"leaves \['opt'\]\[0\]\.count \(int32\[\]\), .* are abstract"):
+    loop.run(toy.init_state(), toy.batches(4), num_steps=4)
+  assert loop.ledger.step == 2 and int(loop.last_state["step"]) == 2
 
 
 def test_named_shardings_as_jit_was_given_them_are_taken_as_they_are():

@@ -1,6 +1,7 @@
 """run(max_time=): a wall-clock budget, agreed at boundaries, status "time limit" (issue 39)."""
 
 import datetime
+import logging
 
 import jax
 import pytest
@@ -64,3 +65,42 @@ def test_max_time_forms_and_errors():
   with pytest.raises(ValueError, match=r"got 'soon'"):
     loop.run(state, DATA, num_steps=8, max_time="soon")
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # refused before any work
+
+
+def test_c82_the_stop_message_reports_the_reading_the_decision_used(tmp_path, caplog):
+  """The docs' clock, each read a second later: start 0, boundaries 1, 2, 3 (< 3.5), then 4
+  stops; the message says 4.0 (a second read would say 5.0)."""
+  loop, _, _ = make(tmp_path)
+  clock = CountingClock()
+  with caplog.at_level(logging.INFO, logger="loopkit"):
+    loop.run(toy.init_state(), DATA, num_steps=40, max_time=TimeLimit(3.5, clock=clock))
+  assert loop.ledger.step == 12
+  assert ("max_time of 3.5 s reached at step 12 (4.0 s since run started): stopping there to "
+          "be resumed") in caplog.text, caplog.text
+
+
+class StepClock(loopkit.Hook):
+  """A clock a hook moves: the last step its ``after_each_call`` saw."""
+
+  needs_state = False
+
+  def __init__(self):
+    super().__init__()
+    self.step = 0
+
+  def after_each_call(self, info):
+    self.step = info.end_step
+
+  def __call__(self):
+    return float(self.step)
+
+
+@pytest.mark.parametrize("k,stop", [(1, 22), (3, 24), (7, 28)])
+def test_c82_a_clock_a_hook_moves_is_read_before_that_calls_hooks(k, stop):
+  """As docs/operating.md says: the budget is read before the next dispatch, and the hooks of
+  the call that just ended run after it (one call late), so a clock that ``after_each_call``
+  moves is seen one call later: a budget of 21 steps stops at 22, 24, 28 for K = 1, 3, 7."""
+  clock = StepClock()
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=[clock])
+  loop.run(toy.init_state(), DATA, num_steps=40, max_time=TimeLimit(21, clock=clock))
+  assert (loop.status, loop.ledger.step) == ("time limit", stop)

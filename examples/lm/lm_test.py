@@ -8,6 +8,7 @@ its final state bit for bit, and every state leaf must keep the sharding its log
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -282,17 +283,77 @@ def test_param_count_and_logical_spec():
 
 # -- the whole example ------------------------------------------------------------------------
 
+README = os.path.join(os.path.dirname(__file__), "README.md")
+QUICKSTART = "$ /usr/bin/time python -m examples.lm.main --workdir /tmp/lm-cpu"
+
+
+def readme_measured() -> dict:
+  """The README's "Measured on this machine" figures: the Quickstart command's printed lines
+  (``line``: its summary line, ``continuation``: its greedy continuation line) and the table's
+  figures (``table``: ``{row name: value text}``)."""
+  with open(README) as f:
+    text = f.read()
+  block = text.split(QUICKSTART + "\n", 1)[1].split("```", 1)[0].splitlines()
+  table = dict(row.split(" | ")[:2] for row in
+               (r.strip("| ") for r in text.split("| | value |", 1)[1].split("\n\n", 1)[0]
+                .splitlines()[2:]))
+  return {"line": next(x for x in block if x.startswith("byte-level LM")),
+          "continuation": next(x for x in block if x.startswith("greedy continuation")),
+          "table": table}
+
+
+def without_timings(line: str) -> str:
+  """A summary line less what the machine's speed decides (wall seconds, tokens/s): every
+  figure the model computes stays."""
+  line = re.sub(r"; [\d.]+ s wall", "; <wall>", line)
+  return re.sub(r"; [\d,]+ train tokens/s \(steady state\)", "; <tokens/s>", line)
+
+
+def table_figures(line: str) -> dict:
+  """The table rows' figures implied by a summary line (perplexity, bits, % of next bytes)."""
+  ppl, bits, acc = re.search(r"held-out perplexity ([\d.]+) \(([\d.]+) bits/byte, next-byte "
+                             r"accuracy ([\d.]+)\)", line).groups()
+  return {"held-out perplexity, step 150 / 300": (
+      f"/ **{ppl}** ({bits} bits per byte, {100 * float(acc):.1f}% of next bytes right)")}
+
+
+def test_the_readme_figures_agree_with_its_quickstart_line():
+  """The fast twin of the slow test below: the README's table and its warm-start paragraph
+  repeat the Quickstart line's figures (perplexity, bits per byte, accuracy as a percentage),
+  and that line's model figures are this config's (parameters, batch, K, calls, mesh)."""
+  measured = readme_measured()
+  line, table = measured["line"], measured["table"]
+  for row, tail in table_figures(line).items():
+    assert table[row].endswith(tail), (row, table[row], tail)
+  ppl = re.search(r"held-out perplexity ([\d.]+)", line).group(1)
+  with open(README) as f:
+    assert f"(held-out perplexity {ppl} at step 300 on mesh (2, 2, 2)" in f.read()
+  from examples.lm.configs import default
+  config = default.get_config()
+  steps, k, batch = config.num_train_steps, config.iterations_per_loop, config.global_batch_size
+  assert (f"byte-level LM, {models.param_count(train.model_config(config)):,} parameters: "
+          in line)
+  assert (f"at step {steps} (batch {batch}, iterations_per_loop={k}, {steps // k} device "
+          "calls, mesh {'data': 2, 'fsdp': 2, 'tensor': 2}, 1 train compilation); status "
+          "completed; <wall>; <tokens/s>") in without_timings(line)
+
 
 @pytest.mark.slow(held_by="examples/lm/lm_test.py::"
                   "test_the_state_keeps_its_fsdp_and_tensor_shardings_across_a_k4_run",
-                  reason="the CPU default config end to end in a subprocess: 66 s measured on 2 "
-                         "cores at a load average of 5")
+                  reason="the CPU default config end to end in a subprocess, then the README's "
+                         "warm start from it: 66 s + 67 s measured on 2 cores at a load "
+                         "average of 5 (278 s + 127 s at 15)")
 def test_the_cpu_default_run_prints_its_held_out_perplexity(tmp_path):
+  """The Quickstart command prints the README's figures (C85): its summary and continuation
+  lines but for the machine's speed, the table's perplexities, bits, accuracy and training
+  losses, the corpus's sizes; then the README's warm-start command, from this run's
+  checkpoints, prints the perplexity, bits and accuracy the README gives, and logs its account
+  of the leaves read."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # main.py sets its 8 devices itself
+  cwd = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   out = subprocess.run([sys.executable, "-m", "examples.lm.main", "--workdir", str(tmp_path)],
-                       capture_output=True, text=True, env=env, timeout=1200,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                       capture_output=True, text=True, env=env, timeout=1200, cwd=cwd)
   assert out.returncode == 0, out.stderr[-3000:]
   line = next(x for x in out.stdout.splitlines() if x.startswith("byte-level LM"))
   ppl = float(line.split("held-out perplexity ")[1].split()[0])
@@ -303,6 +364,47 @@ def test_the_cpu_default_run_prints_its_held_out_perplexity(tmp_path):
   with open(tmp_path / "results.json") as f:
     results = json.load(f)
   assert results["step"] == 300 and results["eval_perplexity"] == pytest.approx(ppl, abs=1e-3)
+  # C85: every figure the README's "Measured on this machine" prints is the one printed today
+  # (on the corpus it names: CPython 3.11.7's), all but the machine's speed
+  if results["corpus"]["sha256"] != "6adabe1b3d9f":
+    pytest.skip(f"the README's figures are CPython 3.11.7's corpus; this is "
+                f"{results['corpus']['sha256']}")
+  readme = readme_measured()
+  assert without_timings(line) == without_timings(readme["line"])
+  c = results["corpus"]
+  with open(README) as f:
+    assert (f"CPython 3.11.7: {c['train_files']} training files ({c['train_bytes']:,} bytes), "
+            f"{c['heldout_files']} held-out\nfiles ({c['heldout_bytes']:,} bytes)") in f.read()
+  assert next(x for x in out.stdout.splitlines()
+              if x.startswith("greedy continuation")) == readme["continuation"]
+  with open(tmp_path / "metrics.jsonl") as f:
+    rows = [json.loads(x) for x in f]
+  ppl_150 = next(r["eval/perplexity"] for r in rows if r["step"] == 150 and "eval/perplexity" in r)
+  losses = [next(r["loss"] for r in rows if r["step"] == s and "loss" in r)
+            for s in (50, 150, 300)]
+  table = readme["table"]
+  assert table["held-out perplexity, step 150 / 300"] == (
+      f"{ppl_150:.3f} " + table_figures(line)["held-out perplexity, step 150 / 300"])
+  assert table["training loss (nats/byte), steps 50 / 150 / 300"] == " / ".join(
+      f"{x:.3f}" for x in losses)
+  # the warm start's command (README, "Fine-tuning from another run"), from this run
+  ft = tmp_path / "ft"
+  out = subprocess.run([sys.executable, "-m", "examples.lm.main", "--workdir", str(ft),
+                        f"--config.init_from={tmp_path}/checkpoints",
+                        "--config.learning_rate=1e-3", "--config.num_train_steps=100",
+                        "--config.mesh_shape=(1,4,2)"], capture_output=True, text=True,
+                       env=env, timeout=1200, cwd=cwd)
+  assert out.returncode == 0, out.stderr[-3000:]
+  line = next(x for x in out.stdout.splitlines() if x.startswith("byte-level LM"))
+  got = re.search(r"held-out perplexity ([\d.]+) \(([\d.]+) bits/byte, next-byte accuracy "
+                  r"([\d.]+)\) on 256 sequences of 128 bytes at step 100", line).groups()
+  account = re.search(r"warm start from \S+/checkpoints/300/state step 300: [^\n]*",
+                      out.stderr).group(0).replace(str(tmp_path), "/tmp/lm-cpu")
+  with open(README) as f:
+    prose = " ".join(f.read().split())
+  assert (f"`{account}`" in prose and f"reached held-out perplexity **{got[0]}** ({got[1]} bits "
+          f"per byte, {100 * float(got[2]):.1f}% of next bytes right) at step 100" in prose), (
+              account, got)
 
 
 @pytest.mark.slow(held_by="tests/test_aot.py::test_eval_program_with_the_train_program",

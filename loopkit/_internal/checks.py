@@ -440,6 +440,52 @@ def default_step_of(state: Any) -> jax.Array:
       "(attribute or dict key) or pass step_of=... to TrainLoop" + hint)
 
 
+def abstract_leaves(state: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
+  """The abstract leaves of a state: ``(path, leaf)`` of each ``jax.ShapeDtypeStruct``.
+
+  An abstract state (``jax.eval_shape(init)``, with shardings or ``state_shardings=``) stands
+  for a state a checkpoint fills: it has shapes, dtypes and shardings but no values
+  (:meth:`loopkit.core.program.MultiStepProgram.place_state` keeps it abstract).
+
+  Returns:
+    ``[(jax.tree_util.keystr path, leaf), ...]`` in leaf order; empty for a concrete state.
+  """
+  return [(jax.tree_util.keystr(p) or "<root>", x)
+          for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+          if isinstance(x, jax.ShapeDtypeStruct)]
+
+
+def describe_abstract(leaves: list[tuple[str, Any]], shown: int = 3) -> str:
+  """``"leaf ['w'] (float32[8, 4])"``, or the first ``shown`` and how many more."""
+  def one(name: str, x: Any) -> str:
+    return f"{name} ({x.dtype}[{', '.join(str(d) for d in x.shape)}])"
+  head = ", ".join(one(n, x) for n, x in leaves[:shown])
+  more = f" and {len(leaves) - shown} more" if len(leaves) > shown else ""
+  return f"leaf {head}" if len(leaves) == 1 else f"leaves {head}{more}"
+
+
+def check_concrete(state: Any, what: str) -> None:
+  """Refuses a state with abstract (``jax.ShapeDtypeStruct``) leaves where values are needed.
+
+  Args:
+    state: the state pytree.
+    what: the start of the message: who gave the state and why it needs values.
+
+  Raises:
+    ValueError: ``what``, then the abstract leaves (path, dtype and shape; the first three
+      and how many more), and what gives an abstract state its values.
+  """
+  leaves = abstract_leaves(state)
+  if leaves:
+    raise ValueError(
+        f"{what}: its {describe_abstract(leaves)} {'is' if len(leaves) == 1 else 'are'} "
+        "abstract (jax.ShapeDtypeStruct). An abstract state (jax.eval_shape(init), with "
+        "shardings or state_shardings=) needs a checkpoint that restores every leaf: a "
+        "CheckpointHook whose directory holds a checkpoint (restore=True), or an init_from="
+        "WarmStart that reads every leaf (select=None); to start without one, pass the "
+        "initialised state")
+
+
 def check_not_nnx_objects(state: Any) -> None:
   """Refuses a train state that holds Flax NNX graph objects (``nnx.Module``,
   ``nnx.Optimizer``, ``nnx.MultiMetric``, ``nnx.Rngs``), before it is placed or donated.

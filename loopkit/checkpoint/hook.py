@@ -39,7 +39,9 @@ flight commit (or removes it, if it failed), so nothing is written after
 restores the latest complete checkpoint, if any (the checkpoint wins over the
 state passed in, like TPUEstimator's ``model_dir``): the state is restored
 into the live state's tree structure and shardings (so a run may resume on a
-different number of devices, and the program is not recompiled) and returned
+different number of devices, and the program is not recompiled; the state given
+to ``run`` may be abstract, ``jax.eval_shape(init)``: only the restored arrays are
+allocated) and returned
 with its ledger, data position and hooks' states as one
 :class:`~loopkit.core.context.Restore`; the loop applies it and hands each hook its
 state by name (checkpoints keyed ``"<index>:<Class>"``, written before hook

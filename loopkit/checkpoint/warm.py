@@ -49,6 +49,7 @@ except ImportError as e:
 from loopkit.checkpoint.files import _COMMIT_FILE, _TMP_MARK
 from loopkit.checkpoint.items import (
   _dtype_name,
+  _empty_like,
   _is_empty,
   _is_key,
   _leaves_from_record,
@@ -520,14 +521,25 @@ class WarmStart:
     unused = [leaf for path, leaf in sorted(source.leaves.items()) if path not in used]
     if different or (missing and self.missing == "error"):
       raise _error(source, missing, different, unused, spell)
+    unread = [live for i, (live, x) in enumerate(lives)
+              if i not in taken and isinstance(x, jax.ShapeDtypeStruct) and not _is_empty(x)]
+    if unread:  # refused before anything is read
+      at = f" (step {source.step})" if source.step is not None else ""
+      raise WarmStartError(
+          f"warm start from {source.where}{at}: {_leaves(len(unread))} of the train state "
+          f"{'is' if len(unread) == 1 else 'are'} abstract (jax.ShapeDtypeStruct) and not read "
+          f"from the source: {_few([f'{u.path} {u.described()}' for u in unread], 3)}. An "
+          "abstract leaf takes its value from the source: choose it (select=None reads every "
+          "leaf) or give it a value to keep")
     # One read per source leaf (several leaves may take the same one: a layer copied).
     targets = {i: _target(lives[i][1]) for i in taken}
     first: dict[tuple[str, ...], Any] = {}
     for i, found in taken.items():
       first.setdefault(found.key, targets[i])
     values = source.read(first) if first else {}
-    leaves = [_as(values[taken[i].key], first[taken[i].key], targets[i]) if i in taken else x
-              for i, (_, x) in enumerate(flat)]
+    leaves = [_as(values[taken[i].key], first[taken[i].key], targets[i]) if i in taken
+              else _empty_like(x) if isinstance(x, jax.ShapeDtypeStruct) else x
+              for i, (_, x) in enumerate(flat)]  # (an abstract leaf not taken: zero-size)
     kept = [live.path for i, (live, _) in enumerate(lives) if i not in taken]
     at = f" step {source.step}" if source.step is not None else ""
     account = (f"warm start from {source.where}{at}: {_leaves(len(taken))} read, {len(kept)} "
@@ -571,6 +583,9 @@ def warm_start(state: Any, source: Any, *, select: str | Sequence[str] | None = 
       loop places them: an ``int`` as int32; a Flax ``TrainState``, an
       ``nnx.State``). Each leaf read takes its shape, dtype and sharding: a
       checkpoint saved on one mesh is read onto another.
+      A leaf may be abstract (``jax.ShapeDtypeStruct``, with ``sharding`` for
+      where it goes: ``jax.eval_shape(init)``) where it is read: only the
+      leaves read are allocated (a source leaf read straight into its sharding).
     source: a loopkit checkpoint directory (its latest step, or ``step``), one
       of its step directories, a plain Orbax PyTree checkpoint directory
       (``ocp.StandardCheckpointer().save(path, tree)``, ``ocp.PyTreeCheckpointer``),
@@ -607,7 +622,8 @@ def warm_start(state: Any, source: Any, *, select: str | Sequence[str] | None = 
       ``missing="error"``), or has another shape there (or another dtype with
       ``cast=False``); the message lists those leaves with their paths, shapes
       and dtypes, the source leaves nothing took, and the argument that maps
-      them (and a likely ``rename``). Nothing is read.
+      them (and a likely ``rename``). Also an abstract leaf that is not read
+      (not chosen, or kept by ``missing="keep"``), naming it. Nothing is read.
     ValueError: a ``select``, ``exclude`` or ``rename`` pattern that matches
       no leaf, or an invalid argument.
     FileNotFoundError: no such source, step or item.

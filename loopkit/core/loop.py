@@ -254,7 +254,11 @@ class TrainLoop:
     """Trains until global step ``num_steps`` (or ``num_epochs * steps_per_epoch``).
 
     Args:
-      state: the train state pytree (donated to the device calls).
+      state: the train state pytree (donated to the device calls); or an abstract one, whose
+        leaves are ``jax.ShapeDtypeStruct`` (``jax.eval_shape(init)``; the shardings their own
+        or ``state_shardings``), where a hook restores every leaf (a
+        :class:`~loopkit.checkpoint.CheckpointHook` resuming, or its ``init_from`` reading
+        every leaf): only the restored arrays are allocated, onto the pinned shardings.
       batches: iterable of batches, pytrees of numpy arrays ``[B, ...]`` (the
         process-local part on multi-host), at least as many as steps to run.
       num_steps: the global step to stop at (absolute, like TPUEstimator's
@@ -280,7 +284,9 @@ class TrainLoop:
       TypeError: a state that is (or holds) a Flax NNX object (``nnx.Module``,
         ``nnx.Optimizer``...), before it is donated: the message names
         :class:`loopkit.nnx.NnxTrainLoop`.
-      ValueError: bad arguments (a ``skip_steps`` entry that is not a pair of ints
+      ValueError: an abstract state that no hook restored (naming its abstract leaves),
+        once the hooks' ``on_run_start`` ran and before any step; bad arguments (a
+        ``skip_steps`` entry that is not a pair of ints
         ``1 <= first <= last``, or out of order or overlapping, naming it; after a restore,
         one that starts at or before the data step the run is at); a source whose own
         epoch is not
@@ -322,7 +328,8 @@ class TrainLoop:
               time_limit=time_limit)
     state = run.admit(state, None)
     step0 = _initial_step(config.step_of(state), config.data_parallel_size)
-    fresh = prior is None or last is None or prior.step != step0
+    fresh = (prior is None or last is None or prior.step != step0
+             or isinstance(config.step_of(state), jax.ShapeDtypeStruct))
     ledger = Ledger(step=step0) if fresh or prior is None else prior
     ledger.steps_per_epoch = self.steps_per_epoch
     # examples_seen = step0 x B at the first chunk, also when the last run of
@@ -511,7 +518,8 @@ def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
 
 
 def _initial_step(counter: Any, data_parallel_size: int) -> int:
-  """The step of a run's initial state, from its step counter.
+  """The step of a run's initial state, from its step counter (0 for an abstract one, which
+  a restore replaces before any step).
 
   Raises:
     ValueError: the counter is not a scalar integer array (naming a state
@@ -526,4 +534,6 @@ def _initial_step(counter: Any, data_parallel_size: int) -> int:
                          "replicate): pass the unreplicated state (jax_utils.unreplicate, "
                          "or jax.tree.map(lambda x: x[0], state)), loopkit replicates it "
                          "itself" if replicated else ""))
+  if isinstance(counter, jax.ShapeDtypeStruct):  # an abstract state: a restore gives the step
+    return 0
   return int(jax.device_get(counter))  # "nothing to run" is told after restores (Run.start)

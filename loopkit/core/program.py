@@ -279,11 +279,29 @@ def strong_typed(tree: Any) -> Any:
     float32); other leaves unchanged (the same objects).
   """
   def strong(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if x.weak_type else x
     x = as_loop_leaf(x)
     if getattr(x, "weak_type", False):
       return jax.lax.convert_element_type(x, x.dtype)
     return x
   return jax.tree.map(strong, tree)
+
+
+def _put(state: Any, shardings: Any) -> Any:
+  """``jax.device_put(state, shardings)``; an abstract leaf becomes an abstract leaf with its
+  sharding (nothing allocated)."""
+  leaves, treedef = jax.tree.flatten(state)
+  targets = treedef.flatten_up_to(shardings)
+  concrete = [i for i, x in enumerate(leaves) if not isinstance(x, jax.ShapeDtypeStruct)]
+  if len(concrete) == len(leaves):
+    return jax.device_put(state, shardings)
+  put = jax.device_put([leaves[i] for i in concrete], [targets[i] for i in concrete])
+  out = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+         for x, s in zip(leaves, targets, strict=True)]
+  for i, x in zip(concrete, put, strict=True):
+    out[i] = x
+  return jax.tree.unflatten(treedef, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,6 +614,10 @@ class MultiStepProgram:
     array get separate buffers (the state is donated, and a buffer can be
     donated once).
 
+    An abstract leaf (``jax.ShapeDtypeStruct``, e.g. of ``jax.eval_shape(init)``) allocates
+    nothing: it stays abstract, with its pinned sharding, for a checkpoint to fill
+    (:meth:`loopkit.checkpoint.CheckpointHook.restore` reads into it).
+
     Raises:
       ValueError: a leaf of ``state`` is a deleted (donated) array, naming every such leaf
         (:func:`loopkit._internal.checks.check_not_deleted`)."""
@@ -603,7 +625,7 @@ class MultiStepProgram:
     state = strong_typed(state)
     if self._jitted is None:
       self._build(state)
-    placed = jax.device_put(state, self.state_shardings)
+    placed = _put(state, self.state_shardings)
     # A leaf that is the same array as an earlier one ({"params": p, "ema": p}) would be
     # donated twice, which XLA refuses: give it a buffer of its own.
     leaves, treedef = jax.tree.flatten(placed)

@@ -44,7 +44,7 @@ from typing import Any
 
 import jax
 
-from loopkit._internal.checks import check_not_nnx_objects, tree_mismatch
+from loopkit._internal.checks import check_concrete, check_not_nnx_objects, tree_mismatch
 from loopkit._internal.mesh import is_cpu_mesh
 from loopkit.core import boundary, calls, start_end
 from loopkit.core.boundary import Boundary, StepCounterError as StepCounterError
@@ -280,7 +280,8 @@ class Run:
     """Every hook's ``adjust_ledger(ctx)``, applying the
     :class:`~loopkit.core.context.LedgerAdjustment` it returns: the one call that tells the
     hooks the step the run continues from (``ctx.ledger.step``, restores applied), at the
-    start of every run and after every rewind (:func:`loopkit.core.rewind.rewind`), so rows, records and
+    start of every run and after every rewind (:func:`loopkit.core.rewind.rewind`), so rows,
+    records and
     histories past it go the same way after a resume and after a rewind."""
     for i, h in enumerate(self.hooks):
       adjust = getattr(h, "adjust_ledger", None)
@@ -388,7 +389,8 @@ class Run:
   def call_until_done(self, state: Any) -> Any:
     """Dispatches device calls until the target, a stop or the end of data; finishes each.
 
-    After a rewind (:func:`loopkit.core.rewind.rewind`) the feeder is closed and opened again at the restored
+    After a rewind (:func:`loopkit.core.rewind.rewind`) the feeder is closed and opened again
+    at the restored
     position, and the calls go on from the restored step.
 
     Returns:
@@ -485,18 +487,24 @@ class Run:
       hook: index of the hook that returned it, or None for the initial state
         (which becomes the train state the others are checked against).
 
+    The initial state may be abstract (``jax.ShapeDtypeStruct`` leaves): it stays so, with
+    the pinned shardings, until a hook's restore gives it values
+    (:func:`loopkit.core.start_end.start`).
+
     Raises:
       TypeError: an initial state holding Flax NNX objects (names
         :class:`loopkit.nnx.NnxTrainLoop`).
-      ValueError: a replacement unlike the train state.
+      ValueError: a replacement unlike the train state, or with abstract leaves.
     """
     if hook is None:
       check_not_nnx_objects(state)
     else:
+      name = type(self.hooks[hook]).__name__
       problem = tree_mismatch(self.state_spec, state, what=(
-          f"{type(self.hooks[hook]).__name__} returned a state unlike the train state"))
+          f"{name} returned a state unlike the train state"))
       if problem:
         raise ValueError(problem)
+      check_concrete(state, f"{name} returned a state without values")
     placed = self.program.place_state(state)
     if hook is None:
       self.state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from loopkit._internal.checks import check_concrete
 from loopkit.core import boundary
 from loopkit.core.context import Restore
 from loopkit.core.hooks import (
@@ -73,6 +74,7 @@ def start(run: Run, state: Any, batches: Iterable) -> tuple[Any, ChunkFeeder]:
     ``(state, feeder)``.
   """
   state = start_hooks(run, state)
+  check_concrete(state, "TrainLoop.run was given an abstract state and no hook restored it")
   settle_skips(run)
   for i in run.rewinders:
     check_reopenable(batches, run.names[i])
@@ -136,9 +138,10 @@ def stop(run: Run, state: Any) -> Any:
   if run.stop_reason is not None:
     run.status = run.stop_reason
     if run.status == TIME_LIMIT and run.time_limit is not None:
+      decided = run.time_limit.decided_at  # the reading the stop was decided on
       log.info("max_time of %g s reached at step %d (%.1f s since run started): stopping "
                "there to be resumed", run.time_limit.seconds, run.ledger.step,
-               run.time_limit.elapsed())
+               run.time_limit.elapsed() if decided is None else decided)
   elif run.status is None:
     if run.ledger.step < run.target:  # invariant: "completed" means the target was reached
       raise RuntimeError(

@@ -14,6 +14,15 @@ its cadence, and waits for the write), the hooks that write rows at their marks
 The budget is not a deadline for the save: the run stops at the first boundary at or past it,
 then saves. Leave a margin of one device call plus one save under a scheduler's own limit.
 
+**When the clock is read.** Once when ``run`` starts (before the hooks' ``on_run_start``), then
+once per boundary, in the agreement before the next device call is dispatched. The hooks of a
+call run one call late, while the next call runs (:mod:`loopkit.core.run`): the clock is read
+*before* the ``after_each_call`` and ``on_trigger`` of the call that just ended, unless a hook
+that needs the state fires there (its hooks then run before the next agreement). So a clock that
+a hook moves (one that counts steps in ``after_each_call``, say) is seen one call later: with a
+budget of 21 such steps the run stops at 22, 24 and 28 for K = 1, 3 and 7. The stop's log line
+reports the reading the decision used (:attr:`TimeLimit.decided_at`).
+
 Not thread-safe (the loop's thread reads it).
 """
 
@@ -38,6 +47,11 @@ class TimeLimit:
   Args:
     seconds: the budget (> 0), counted from :meth:`start`.
     clock: returns the time in seconds (default ``time.monotonic``); injectable for tests.
+      The run reads it once when ``run`` starts and once at every boundary before the next
+      call is dispatched (module docstring: that is before the hooks of the call just ended).
+
+  Attributes:
+    decided_at: seconds since :meth:`start` at the latest :meth:`expired` (None before one).
 
   Raises:
     ValueError: ``seconds`` not a number > 0 (naming it).
@@ -50,18 +64,27 @@ class TimeLimit:
     self.seconds: float = float(seconds)
     self.clock: Callable[[], float] = clock
     self._start: float | None = None
+    self.decided_at: float | None = None
 
   def start(self) -> None:
     """Starts the budget now (the loop calls it when ``run`` starts)."""
     self._start = self.clock()
+    self.decided_at = None
 
   def elapsed(self) -> float:
     """Seconds since :meth:`start` (0 before it)."""
     return 0.0 if self._start is None else self.clock() - self._start
 
   def expired(self) -> bool:
-    """Whether the budget is spent (reads the clock once; this process's answer)."""
-    return self._start is not None and self.elapsed() >= self.seconds
+    """Whether the budget is spent (reads the clock once; this process's answer).
+
+    The seconds read are kept as :attr:`decided_at`: the stop's message reports the reading
+    the decision used, not a later one.
+    """
+    if self._start is None:
+      return False
+    self.decided_at = self.elapsed()
+    return self.decided_at >= self.seconds
 
   def __repr__(self) -> str:
     return f"TimeLimit({self.seconds:g})"
