@@ -161,7 +161,7 @@ def _lm(tiny: bool):
   import numpy as np  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from examples.lm import train  # noqa: PLC0415
+  from examples.lm import models, train  # noqa: PLC0415
   from examples.lm.configs import tiny as tiny_config  # noqa: PLC0415
 
   del tiny  # the tiny config is small on every machine
@@ -169,7 +169,8 @@ def _lm(tiny: bool):
   config.mesh_shape = (jax.device_count(), 1, 1)
   config.num_train_steps = STEPS
   mesh = train.make_mesh(config)
-  graphdef, state = nnx.split(train.create_model(config, mesh))
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(models.LOGICAL_AXIS_RULES):
+    graphdef, state = nnx.split(train.create_model(config))
   nnx_step = train.make_train_step(config)
 
   def step(state, batch):  # the example's in-place NNX step as a pure one (as NnxTrainLoop runs it)

@@ -70,7 +70,8 @@ def test_the_state_keeps_its_fsdp_and_tensor_shardings_across_a_k4_run(straight)
   assert table.addressable_shards[0].data.shape == (128, 16)  # 256 x 32, split 2 x 2
   # every array (params, AdamW's moments and counts, the step) has the sharding a fresh model
   # and optimizer are made with: the moments their parameter's, the scalars replicated
-  fresh = nnx.state(train.create_model(tiny.get_config(), table.sharding.mesh))
+  with jax.set_mesh(table.sharding.mesh), nnx.logical_axis_rules(models.LOGICAL_AXIS_RULES):
+    fresh = nnx.state(train.create_model(tiny.get_config()))
   got = _state(straight)
   assert jax.tree.structure(got) == jax.tree.structure(fresh)
   for x, e in zip(jax.tree.leaves(got), jax.tree.leaves(fresh), strict=True):
@@ -136,7 +137,8 @@ def test_a_rerun_of_a_finished_run_prints_the_same_figures(straight):
 def test_held_out_perplexity_starts_at_256_and_drops(straight):
   config = tiny.get_config()
   mesh = train.make_mesh(config)
-  model, _ = train.create_model(config, mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(models.LOGICAL_AXIS_RULES):
+    model, _ = train.create_model(config)
   corpus = input_pipeline.load_corpus(heldout_every=config.heldout_every)
   batches = input_pipeline.EvalBatches(corpus, seq_len=config.seq_len,
                                        num_windows=config.eval_windows,
@@ -256,9 +258,10 @@ def _masked(lines):
   return [_TIMES.sub(r"# \1", line) for line in lines]
 
 
-def readme_output(path=os.path.join(HERE, "README.md")) -> tuple[str, list[str]]:
+def readme_output() -> tuple[str, list[str]]:
   """The Quickstart's measured command and the lines it printed (the README's first
   ``$ python -m examples.lm.main`` block)."""
+  path = os.path.join(HERE, "README.md")
   with open(path) as f:
     text = f.read()
   block = re.search(r"```\n\$ (?:/usr/bin/time )?(python -m examples\.lm\.main[^\n]*)\n"
@@ -316,7 +319,8 @@ def test_the_pod_config_compiles_for_a_v5p_slice():
   config = pod.get_config()
   mesh = train.make_mesh(config, topology.topology_devices("v5p:2x2x4"))
   # the model and optimizer as shapes with their shardings: nothing allocated
-  model, optimizer = nnx.eval_shape(lambda: train.create_model(config, mesh))
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(models.LOGICAL_AXIS_RULES):
+    model, optimizer = nnx.eval_shape(lambda: train.create_model(config))
   loop = loopkit.nnx.NnxTrainLoop(train.make_train_step(config), model, optimizer,
                                   iterations_per_loop=config.iterations_per_loop, mesh=mesh,
                                   data_axis=train.BATCH_AXES)

@@ -73,23 +73,21 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
       end_value=config.learning_rate / 10)
 
 
-def create_model(config: ml_collections.ConfigDict,
-                 mesh: Mesh) -> tuple[models.Transformer, nnx.Optimizer]:
-  """The model and its AdamW optimizer, every array placed on ``mesh`` by its logical axes.
+def create_model(config: ml_collections.ConfigDict) -> tuple[models.Transformer, nnx.Optimizer]:
+  """The model and its AdamW optimizer.
 
-  Each parameter takes the sharding of its ``nnx.with_partitioning`` names under
-  :data:`models.LOGICAL_AXIS_RULES` (Flax's eager sharding, inside ``jax.set_mesh``), each
-  AdamW moment its parameter's; scalars are replicated.
+  Called inside ``jax.set_mesh(mesh)`` and ``nnx.logical_axis_rules(models.LOGICAL_AXIS_RULES)``
+  (as :func:`train_and_evaluate` does), every parameter is placed by the sharding its
+  ``nnx.with_partitioning`` names give (Flax's eager sharding), each AdamW moment takes its
+  parameter's, and scalars are replicated; inside ``nnx.eval_shape`` too, nothing allocated.
   """
   tx = optax.chain(
       optax.clip_by_global_norm(config.grad_clip),
       optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
                   weight_decay=config.weight_decay,
                   mask=lambda params: jax.tree.map(lambda x: x.ndim > 1, params)))
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(models.LOGICAL_AXIS_RULES):
-    model = models.Transformer(model_config(config), rngs=nnx.Rngs(config.seed))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  return model, optimizer
+  model = models.Transformer(model_config(config), rngs=nnx.Rngs(config.seed))
+  return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def _inputs_and_targets(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -209,7 +207,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   eval_batches = input_pipeline.EvalBatches(
       corpus, seq_len=config.seq_len, num_windows=config.eval_windows,
       global_batch_size=config.eval_batch_size)
-  model, optimizer = create_model(config, mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(models.LOGICAL_AXIS_RULES):
+    model, optimizer = create_model(config)
 
   writer = writers.create_default_writer(workdir)
   eval_hook = create_evaluator(config, model, mesh).hook(

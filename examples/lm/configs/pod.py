@@ -15,9 +15,10 @@ with float32 parameters and AdamW moments, each block rematerialised in the back
 Mesh (data, fsdp, tensor) = (2, 4, 2) over the 16 chips: every matrix split 4 ways along its
 model dimension (FSDP) and 2 ways along heads / MLP units / vocabulary (tensor parallelism); the
 batch split 8 ways over ("data", "fsdp").
-``lm_test.py::test_the_pod_config_compiles_for_a_v5p_slice`` (slow, needs libtpu) compiles its train program for that slice ahead of time from a CPU. The
-corpus (the stdlib's sources, 4.3 MB) is far too small for a model this size: point
-``config.data_dir`` at a larger directory of text files to train it for real.
+``lm_test.py::test_the_pod_config_compiles_for_a_v5p_slice`` (slow, needs libtpu) compiles its
+train program for that slice ahead of time from a CPU. The corpus (the stdlib's sources,
+4.3 MB) is far too small for a model this size: point ``config.data_dir`` at a larger
+directory of text files to train it for real.
 """
 
 from examples.lm.configs import default
