@@ -159,8 +159,9 @@ def _resnet(tiny: bool):
 def _lm(tiny: bool):
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
 
-  from examples.lm import train  # noqa: PLC0415
+  from examples.lm import models, train  # noqa: PLC0415
   from examples.lm.configs import tiny as tiny_config  # noqa: PLC0415
 
   del tiny  # the tiny config is small on every machine
@@ -168,14 +169,23 @@ def _lm(tiny: bool):
   config.mesh_shape = (jax.device_count(), 1, 1)
   config.num_train_steps = STEPS
   mesh = train.make_mesh(config)
-  schedule = train.learning_rate_schedule(config)
-  tx = train.create_optimizer(config, schedule)
-  graphdef, state = train.create_train_state(config, mesh, tx)
-  step = train.make_train_step(graphdef, tx, schedule)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(models.LOGICAL_AXIS_RULES):
+    graphdef, state = nnx.split(train.create_model(config))
+  nnx_step = train.make_train_step(config)
+
+  def step(state, batch):  # the example's in-place NNX step as a pure one (as NnxTrainLoop runs it)
+    model, optimizer = nnx.merge(graphdef, state)
+    metrics = nnx_step(model, optimizer, batch)
+    return nnx.to_pure_dict(nnx.state((model, optimizer))), metrics
+
   rng = np.random.default_rng(1)
   batches = [{"tokens": rng.integers(0, 256, (config.global_batch_size, config.seq_len + 1),
                                      dtype=np.uint8)} for _ in range(STEPS)]
-  return step, state, batches, mesh, train.BATCH_AXES
+  return step, nnx.to_pure_dict(state), batches, mesh, train.BATCH_AXES
+
+
+# The NNX LM's step counter is its optimizer's (the ResNet's: state.step, loopkit's default).
+STEP_OF = {"lm": {"step_of": lambda s: s[1]["step"]}, "resnet": {}}
 
 
 def _dispatch_times(program, host_state, batches, k: int) -> dict:
@@ -218,7 +228,8 @@ def worker(setting: str, tiny: bool, hlo_dir: str) -> int:
       ref = None
       for i, k in enumerate(RUN_KS):
         t0 = time.perf_counter()
-        loop = loopkit.TrainLoop(step, iterations_per_loop=k, mesh=mesh, data_axis=data_axis)
+        loop = loopkit.TrainLoop(step, iterations_per_loop=k, mesh=mesh, data_axis=data_axis,
+                                 **STEP_OF[model])
         final = loop.run(jax.device_put(host_state, shardings), batches, num_steps=STEPS)
         leaves = [jax.device_get(x) for x in jax.tree.leaves(final)]
         row = {"setting": setting, "model": model, "run": i, "k": k,

@@ -416,10 +416,10 @@ def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
                 if s.isdigit())[-1] == 6
 
 
-@pytest.mark.slow(held_by="examples/lm/lm_test.py::"
-                          "test_eval_only_evaluates_each_checkpoint_as_the_training_run_did",
+@pytest.mark.slow(held_by="tests/test_follow.py::test_follower_rows_are_eval_hook_rows_"
+                          "bitwise_and_it_stops_at_the_marker",
                   reason="builds the mock dataset and the ResNet-18 eval program again: 35 s "
-                         "on 2 busy cores; the LM example's twin takes 2 s")
+                         "on 2 busy cores; the follower's own test holds the same rows")
 @pytest.mark.tf  # TFDS (tfds.testing.mock_data)
 def test_eval_only_evaluates_each_checkpoint_as_the_training_run_did(smoke_run):
   """--config.eval_only=True on a finished run's workdir: every checkpoint evaluated once, the

@@ -1,12 +1,7 @@
-"""A ~1B-parameter byte-level LM for a TPU v5p slice (v5p-32: 16 chips). Compiled, not run.
+"""A ~1B-parameter byte-level LM for a TPU v5p slice (v5p-32: 16 chips).
 
-Compile it ahead of time from any CPU machine (libtpu's compile-only devices; no TPU, no data):
-
-  python -m examples.lm.main --workdir /tmp/lm-aot \\
-      --config examples/lm/configs/pod.py --compile_only=v5p:2x2x4
-
-Train it on the slice (every worker runs the same command; ``main.py`` calls
-``jax.distributed.initialize()``):
+Train it on the slice (every worker runs the same command; ``config.distributed`` makes
+``main.py`` call ``jax.distributed.initialize()``):
 
   gcloud compute tpus tpu-vm ssh $TPU_NAME --zone=$ZONE --worker=all --command="
     cd ~/loopkit && python3 -m examples.lm.main --config=examples/lm/configs/pod.py \\
@@ -19,11 +14,11 @@ with float32 parameters and AdamW moments, each block rematerialised in the back
 
 Mesh (data, fsdp, tensor) = (2, 4, 2) over the 16 chips: every matrix split 4 ways along its
 model dimension (FSDP) and 2 ways along heads / MLP units / vocabulary (tensor parallelism); the
-batch split 8 ways over ("data", "fsdp"), 32 sequences per pair of tensor-parallel chips. The
-per-chip memory and the compute bound are in ``examples/lm/README.md`` (measured with the command
-above). The corpus (the stdlib's sources, 4.3 MB) is far too small for a model this size: this
-config shows the sharded program at pod scale; point ``config.data_dir`` at a larger directory
-of text files to train it for real.
+batch split 8 ways over ("data", "fsdp").
+``lm_test.py::test_the_pod_config_compiles_for_a_v5p_slice`` (slow, needs libtpu) compiles its
+train program for that slice ahead of time from a CPU. The corpus (the stdlib's sources,
+4.3 MB) is far too small for a model this size: point ``config.data_dir`` at a larger
+directory of text files to train it for real.
 """
 
 from examples.lm.configs import default
@@ -53,7 +48,7 @@ def get_config():
   config.eval_iterations_per_loop = 1
   config.checkpoint_every_steps = 1_000
   config.prompt = "def main():\n"
-  config.generate_bytes = 200
+  config.sample_bytes = 200
   config.platform = ""            # JAX picks the TPU
   config.distributed = True
   return config

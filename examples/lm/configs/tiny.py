@@ -3,7 +3,7 @@
   python -m examples.lm.main --workdir /tmp/lm-tiny --config examples/lm/configs/tiny.py
 
 The same code path as ``default.py`` (mesh (2, 2, 2), batch on ``("data", "fsdp")``, Grain,
-checkpoints, evaluation, a greedy continuation) at a size that compiles and runs in seconds.
+checkpoints, evaluation, a sampled continuation) at a size that compiles and runs in seconds.
 """
 
 from examples.lm.configs import default
@@ -30,5 +30,5 @@ def get_config():
   config.eval_iterations_per_loop = 2
   config.checkpoint_every_steps = 4
   config.prompt = "import "
-  config.generate_bytes = 8
+  config.sample_bytes = 8
   return config
