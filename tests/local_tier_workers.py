@@ -34,6 +34,7 @@ def state_on(mesh, layout: str):
     w = np.asarray(state["params"]["w"])
     state["params"]["w"] = jax.make_array_from_callback(
         w.shape, NamedSharding(mesh, P("data")), lambda idx: w[idx])
+    state["opt"] = toy.TX.init(state["params"])  # Adam's moments of w sharded alike
   return state
 
 

@@ -330,24 +330,11 @@ class LocalCheckpointHook(Hook):
     need = _fingerprint(state, _layout(state))
     newest = _newest_persistent(self.persistent.directory) if me == 0 else None
     views = _allgather_json({"steps": mine, "need": need, "persistent": newest})
-    persistent = views[0]["persistent"]
-    steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
-    for step in steps:
-      if persistent is not None and step < persistent:
-        break
-      sources = []
-      for v in views:
-        have = [q for q, w in enumerate(views) if w["steps"].get(str(step), [None])[0]
-                == v["need"]]
-        sources.append(-1 if not have else (views.index(v) if views.index(v) in have
-                                            else have[0]))
-      if all(q >= 0 for q in sources):
-        words_of = {q: views[q]["steps"][str(step)][1] for q in set(sources)}
-        return step, sources, words_of
-    if steps and me == 0:
-      log.info("local tier: steps %s, none complete on every process (or newer than the "
-               "persistent step %s) for this state's layout", sorted(steps), persistent)
-    return None
+    plan = _plan(views)
+    if plan is None and me == 0 and any(v["steps"] for v in views):
+      log.info("local tier: no step that every process can read for this state's layout is "
+               "as new as the persistent tier's newest (%s)", views[0]["persistent"])
+    return plan
 
   def _restore_local(self, state: Any, step: int, sources: list[int],
                      words_of: dict[int, int]) -> Restore:
@@ -427,6 +414,35 @@ class LocalCheckpointHook(Hook):
       log.warning("while the run raised %s: %s", type(error).__name__, e)
     finally:
       self.persistent.on_run_error(ctx, error)
+
+
+def _plan(views: list[dict[str, Any]]) -> tuple[int, list[int], dict[int, int]] | None:
+  """The local step to resume from, each process's source and the sources' sizes, or None.
+
+  Args:
+    views: per process (in process order) ``{"steps": {step: [fingerprint, nbytes]},
+      "need": fingerprint, "persistent": newest persistent step or None}`` (process 0's
+      ``persistent`` counts: the persistent directory is shared).
+
+  Returns:
+    ``(step, sources, nbytes_of)``: the newest local step at least as new as the persistent
+    tier's newest that every process can read, from its own copy when that fits its need (its
+    source is itself), else from the lowest-index process whose copy does; ``nbytes_of`` maps
+    each source to its copy's size in bytes. None when there is no such step.
+  """
+  persistent = views[0]["persistent"]
+  steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
+  for step in steps:
+    if persistent is not None and step < persistent:
+      return None
+    copies = [v["steps"].get(str(step), [None, 0]) for v in views]
+    sources = []
+    for p, v in enumerate(views):
+      fits = [q for q, c in enumerate(copies) if c[0] == v["need"]]
+      sources.append(p if p in fits else fits[0] if fits else -1)
+    if all(q >= 0 for q in sources):
+      return step, sources, {q: copies[q][1] for q in set(sources)}
+  return None
 
 
 # -- the bytes of this process's shards ---------------------------------------------------
