@@ -12,7 +12,8 @@ metadata, barriers, the JSON items) are the library's own and are kept.
 **Scaled to a pod.** The size parts are replaced by the stated pod figures (flags): a state
 of ``--state-gb`` (1 and 100 GB by default) spread over ``--hosts`` hosts; a persistent
 save or restore moves the whole state at ``--persistent-gbps`` (aggregate over the pod, e.g.
-a 200 GB checkpoint in 38 s to GCS is 5.3 GB/s, Orbax #392); a local one moves each host's
+a 200 GB checkpoint in 38 s to GCS is 5.3 GB/s, Orbax #392; ``--persistent-restore-gbps``
+for restores, which at 704 processes took 22-24 minutes in marin #8538); a local one moves each host's
 share at ``--local-gbps`` per host (RAM disk); the blocking copy off the device moves each
 host's share at ``--d2h-gbps``; a host replaced after a preemption
 (``--host-loss``: the fraction of preemptions that replace one) refills its share from a peer at
@@ -91,8 +92,8 @@ def measure(sizes_mb: list[float], repeats: int, root: str) -> dict[str, list[tu
       t1 = time.perf_counter()
       tier.wait_until_finished()
       t2 = time.perf_counter()
-      got = tier._open().restore(1)  # what on_run_start reads: the words, then unpacked
-      local_tier._unpack(got["words"]["w"], state)["w"].block_until_ready()
+      words, _ = tier.read_local(1)  # what on_run_start reads: the words, then unpacked
+      local_tier._unpack(words, state)["w"].block_until_ready()
       t3 = time.perf_counter()
       tier.close()
       row = (nbytes, t1 - t0, t2 - t0, t3 - t2)
@@ -133,7 +134,8 @@ def pod_tiers(fixed: dict[str, dict[str, float]], a: argparse.Namespace,
   block = lambda kind: fixed[kind]["block"] + share / (a.d2h_gbps * GB)  # noqa: E731
   persistent = Tier(block=block("persistent"),
                     commit=fixed["persistent"]["commit"] + size / (a.persistent_gbps * GB),
-                    restore=fixed["persistent"]["restore"] + size / (a.persistent_gbps * GB))
+                    restore=fixed["persistent"]["restore"]
+                    + size / ((a.persistent_restore_gbps or a.persistent_gbps) * GB))
   local = Tier(block=block("local"),
                commit=fixed["local"]["commit"] + share / (a.local_gbps * GB),
                restore=fixed["local"]["restore"] + share / (a.local_gbps * GB))
@@ -160,27 +162,17 @@ def simulate(s: Strategy, tiers: dict[str, Tier], a: argparse.Namespace, seed: i
   next_preempt = rng.expovariate(1.0 / mtbf)
   busy_until = {"persistent": 0.0, "local": 0.0}  # the tier's last save commits then
 
-  def saves_between(lo, hi):
-    """Save points ``(work, tier)`` in ``(lo, hi]``, in order; persistent wins ties."""
-    points = []
-    for tier, every in (("persistent", s.persistent_s), ("local", s.local_s)):
-      if every:
-        k = math.floor(lo / every) + 1
-        while k * every <= hi + 1e-9:
-          points.append((k * every, tier))
-          k += 1
-    points.sort(key=lambda p: (p[0], p[1] != "persistent"))
-    out, seen = [], set()
-    for w, t in points:
-      if w not in seen:
-        seen.add(w)
-        out.append((w, t))
-    return out
+  def next_save(lo):
+    """The next save point after work ``lo``: ``(work, tier)``; persistent wins a tie."""
+    points = [((math.floor(lo / every + 1e-9) + 1) * every, tier)
+              for tier, every in (("persistent", s.persistent_s), ("local", s.local_s)) if every]
+    return min(points, key=lambda p: (p[0], p[1] != "persistent"))
 
   while done < work - 1e-9:
     # train to the next save point or the end
-    nxt = saves_between(done, work)
-    target, tier = nxt[0] if nxt else (work, None)
+    target, tier = next_save(done)
+    if target >= work:
+      target, tier = work, None
     run_until = wall + (target - done)
     if run_until >= next_preempt:  # preempted while training
       wall = next_preempt
@@ -240,6 +232,8 @@ def main(argv=None) -> None:
   p.add_argument("--state-gb", type=float, nargs="+", default=[1, 100])
   p.add_argument("--hosts", type=int, default=64)
   p.add_argument("--persistent-gbps", type=float, default=5.3)
+  p.add_argument("--persistent-restore-gbps", type=float, default=None,
+                 help="aggregate restore bandwidth (default: --persistent-gbps)")
   p.add_argument("--local-gbps", type=float, default=4.0, help="per host")
   p.add_argument("--d2h-gbps", type=float, default=10.0, help="per host")
   p.add_argument("--peer-gbps", type=float, default=5.0, help="per host")
@@ -249,7 +243,7 @@ def main(argv=None) -> None:
   p.add_argument("--host-loss", type=float, default=0.3)
   p.add_argument("--replicated", type=int, default=1, help="1: the state is replicated "
                  "across hosts (a peer refills a replaced host), 0: it is not")
-  p.add_argument("--persistent-min", type=float, nargs="+", default=[10, 30, 60, 120])
+  p.add_argument("--persistent-min", type=float, nargs="+", default=[5, 10, 30, 60, 120])
   p.add_argument("--temporary-min", type=float, default=30)
   p.add_argument("--permanent-min", type=float, default=240)
   p.add_argument("--local-min", type=float, nargs="+", default=[2, 5])
@@ -277,7 +271,8 @@ def main(argv=None) -> None:
       fixed[kind][q] = f
       print(f"  {kind:<10} {q:<8} fixed {f:7.3f} s, {bw / GB:8.2f} GB/s")
   print("\nPod model (the fixed parts above kept; sizes at the stated bandwidths):")
-  print(f"  hosts {a.hosts}; persistent {a.persistent_gbps:g} GB/s aggregate; local "
+  print(f"  hosts {a.hosts}; persistent {a.persistent_gbps:g} GB/s aggregate (restore "
+        f"{a.persistent_restore_gbps or a.persistent_gbps:g}); local "
         f"{a.local_gbps:g} GB/s per host; device-to-host {a.d2h_gbps:g} GB/s per host; peer "
         f"{a.peer_gbps:g} GB/s per host; restart {a.restart_s:g} s")
   print(f"  run {a.work_h:g} h of training; preemptions Poisson, mean {a.mtbf_h:g} h apart; "

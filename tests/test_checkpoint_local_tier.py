@@ -175,10 +175,11 @@ def _check_resume(runs: list[dict], *, deleted: bool, layout: str, num_steps: in
     assert r["digest"] == r["reference"], r  # bitwise the uninterrupted run
     assert r["compiles"] == 1
   froms = [r["restored_from"] for r in runs]
-  if froms[0] in ("local", "peer"):  # a process whose write was cut reads a peer's copy too
-    assert set(froms) <= {"local", "peer"} and "local" in froms, froms
-    assert froms[-1] == "peer" or not deleted, froms
-    assert layout == "replicated"
+  if froms[0] in ("local", "peer"):  # each reads its own copy where it has one, else a peer's
+    step = runs[0]["restored_step"]
+    assert froms == ["local" if step in r["own_before"] else "peer" for r in runs], runs
+    assert layout == "replicated" and "local" in froms
+    assert runs[-1]["own_before"] == [] or not deleted
   else:  # the sharded layout's shards are nowhere else: the persistent tier
     assert layout == "sharded" or not deleted or froms[0] is None, froms
   return froms
@@ -186,18 +187,18 @@ def _check_resume(runs: list[dict], *, deleted: bool, layout: str, num_steps: in
 
 def test_sigkill_and_a_lost_local_directory_resume_from_a_peer_bitwise(tmp_path):
   """2 processes x 2 devices, K=4, local every 3 steps, persistent every 10: SIGKILL once
-  local step 12 is committed everywhere, process 1's local directory deleted (a replaced
-  host). Process 0 resumes from its own copy, process 1 from process 0's, at the same step
+  local step 12 is committed everywhere, process 0's local directory deleted (a replaced
+  host). Process 1 resumes from its own copy, process 0 from process 1's, at the same step
   (12 or 15: newer than persistent 10); the end state is bitwise the uninterrupted run's."""
   took = _run_killed(tmp_path, num_processes=2, k=4, wait_for_step=12, delay_s=0.0)
-  shutil.rmtree(tmp_path / "local" / "process_1")
+  shutil.rmtree(tmp_path / "local" / "process_0")
   t0 = time.monotonic()
   runs = _resume(tmp_path, num_processes=2, k=4)
   print(f"killed run {took:.1f} s, resume + reference {time.monotonic() - t0:.1f} s")
-  assert _check_resume(runs, deleted=True, layout="replicated") == ["local", "peer"]
-  assert runs[0]["restored_step"] in (12, 15)
+  assert _check_resume(runs, deleted=False, layout="replicated") == ["peer", "local"]
+  assert runs[0]["own_before"] == [] and runs[0]["restored_step"] in (12, 15)
   restored = runs[0]["restored_step"]
-  assert runs[0]["local_saved"] == [s for s in (15, 18, 21) if s > restored]
+  assert runs[1]["local_saved"] == [s for s in (15, 18, 21) if s > restored]
   assert runs[0]["persistent_saved"] == [20, 24]
 
 

@@ -185,16 +185,27 @@ class LocalCheckpointHook(Hook):
       me = jax.process_index()
       name_format = ocp.step.standard_name_format(
           temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath)
+      # Every process writes its own directory alone: no primary host, no barrier with the
+      # others. Orbax's handlers take this from their own options (their default writes on
+      # process 0 only), and its numpy handler writes on process 0 whatever they say, so the
+      # bytes go as a jax.Array on a local device through an ArrayHandler without a primary
+      # host (as Orbax's emergency manager builds its local handler).
+      alone = ocp.options.MultiprocessingOptions(
+          primary_host=None, active_processes={me}, barrier_sync_key_prefix=f"loopkit_local_{me}")
       options = ocp.CheckpointManagerOptions(
           max_to_keep=self.max_to_keep, enable_async_checkpointing=self.async_save,
           step_name_format=name_format, create=False, cleanup_tmp_directories=True,
-          multiprocessing_options=ocp.options.MultiprocessingOptions(
-              primary_host=None, active_processes={me},
-              barrier_sync_key_prefix=f"loopkit_local_{me}"),
+          multiprocessing_options=alone,
           async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
       self.local_directory.mkdir(parents=True, exist_ok=True)  # Orbax: not with a process set
-      handlers: dict[str, Any] = {name: ocp.JsonCheckpointHandler() for name in _LOCAL_ITEMS}
-      handlers["words"] = ocp.StandardCheckpointHandler()
+      handlers: dict[str, Any] = {name: ocp.JsonCheckpointHandler(multiprocessing_options=alone)
+                                  for name in _LOCAL_ITEMS}
+      registry = ocp.type_handlers.create_type_handler_registry(
+          (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
+                                                     use_replica_parallel=False)))
+      handlers["words"] = ocp.PyTreeCheckpointHandler(
+          use_ocdbt=True, use_zarr3=True, multiprocessing_options=alone,
+          type_handler_registry=registry)
       self._manager = ocp.CheckpointManager(self.local_directory, options=options,
                                             item_handlers=handlers)
     return self._manager
@@ -265,7 +276,8 @@ class LocalCheckpointHook(Hook):
     record = {"leaves": _leaf_record(state), "layout": layout,
               "fingerprint": _fingerprint(state, layout), "nbytes": int(words.nbytes)}
     args = ocp.args.Composite(
-        words=ocp.args.StandardSave({"w": words}), record=ocp.args.JsonSave(record),
+        words=ocp.args.PyTreeSave({"w": _as_row(words, _word_counts(state))}),
+        record=ocp.args.JsonSave(record),
         ledger=ocp.args.JsonSave(ledger.to_dict()), data=ocp.args.JsonSave(positions),
         hooks=ocp.args.JsonSave(hooks))
     manager.save(step, args=args, force=True)
@@ -339,15 +351,10 @@ class LocalCheckpointHook(Hook):
   def _restore_local(self, state: Any, step: int, sources: list[int],
                      words_of: dict[int, int]) -> Restore:
     me = jax.process_index()
-    manager = self._open()
     own = sources[me] == me
     out = None
     if own:
-      out = manager.restore(step, args=ocp.args.Composite(
-          words=ocp.args.StandardRestore(), record=ocp.args.JsonRestore(),
-          ledger=ocp.args.JsonRestore(), data=ocp.args.JsonRestore(),
-          hooks=ocp.args.JsonRestore()))
-      words = np.asarray(out["words"]["w"])
+      words, out = self.read_local(step)
     lent = sorted({s for i, s in enumerate(sources) if s != i})
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     for q in lent:  # one broadcast per lending process, every process takes part
@@ -370,6 +377,16 @@ class LocalCheckpointHook(Hook):
                sources[me], step, self.local_directory)
     return Restore(state=new, ledger=ledger, data_position=_decode_positions(rec["data"]),
                    hook_states=dict(rec["hooks"] or {}))
+
+  def read_local(self, step: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """This process's local step ``step``: its words (uint32) and its JSON items
+    (``record``, ``ledger``, ``data``, ``hooks``)."""
+    out = self._open().restore(step, args=ocp.args.Composite(
+        words=_words_restore(), record=ocp.args.JsonRestore(), ledger=ocp.args.JsonRestore(),
+        data=ocp.args.JsonRestore(), hooks=ocp.args.JsonRestore()))
+    words = np.asarray(out["words"]["w"].addressable_data(0))[0]
+    words = words[:out["record"]["nbytes"] // 4]
+    return words, {k: out[k] for k in ("record", "ledger", "data", "hooks")}
 
   def _drop_local_after(self, step: int | None) -> None:
     """Deletes this process's local steps newer than the resumed step (a future abandoned)."""
@@ -414,6 +431,51 @@ class LocalCheckpointHook(Hook):
       log.warning("while the run raised %s: %s", type(error).__name__, e)
     finally:
       self.persistent.on_run_error(ctx, error)
+
+
+def _row_sharding() -> jax.sharding.NamedSharding:
+  """One row per process, on its first device: ``[P, n]`` over the axis ``p``."""
+  first: dict[int, Any] = {}
+  for d in jax.devices():
+    first.setdefault(d.process_index, d)
+  mesh = jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), ("p",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("p"))
+
+
+def _word_counts(state: Any) -> list[int]:
+  """Every process's number of words in :func:`_pack` (from the global shardings alone)."""
+  nbytes = [0] * jax.process_count()
+  for x in jax.tree.leaves(state):
+    p = _physical(x)
+    itemsize = np.dtype(p.dtype).itemsize
+    held: dict[int, set] = {}
+    for d, idx in p.sharding.devices_indices_map(p.shape).items():
+      held.setdefault(d.process_index, set()).add(
+          tuple((s.start or 0, dim if s.stop is None else s.stop)
+                for s, dim in zip(idx, p.shape, strict=True)))
+    for proc, indices in held.items():
+      nbytes[proc] += sum(math.prod(b - a for a, b in i) * itemsize for i in indices)
+  return [max(1, math.ceil(n / 4)) for n in nbytes]
+
+
+def _as_row(words: np.ndarray, counts: list[int]) -> jax.Array:
+  """This process's words as its row of a global ``[P, max(counts)]`` uint32 array.
+
+  Orbax saves global arrays only (on several processes a process-local one is refused); with
+  no primary host and no replica choice each process writes its own row into its directory.
+  """
+  row = np.zeros((1, max(counts)), np.uint32)
+  row[0, :words.size] = words
+  sharding = _row_sharding()
+  device = next(d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index())
+  return jax.make_array_from_single_device_arrays(
+      (jax.process_count(), row.shape[1]), sharding, [jax.device_put(row, device)])
+
+
+def _words_restore() -> Any:
+  """Orbax's restore args for the words: this process's row (see :func:`_as_row`)."""
+  return ocp.args.PyTreeRestore(
+      restore_args={"w": ocp.ArrayRestoreArgs(sharding=_row_sharding())})
 
 
 def _plan(views: list[dict[str, Any]]) -> tuple[int, list[int], dict[int, int]] | None:
