@@ -106,9 +106,10 @@ def train_tiers(local_root: str, persistent: str, k: int, num_steps: int, *,
   hook.marker = None if marker is None else Path(marker)
   loop = _loop(k, [hook], mesh, Slow(src, sleep_s))
   own_before = hook.local_steps()  # this process's committed local steps at the restart
+  persistent_before = hook.persistent.all_steps()
   final = loop.run(state_on(mesh, layout), Slow(src, sleep_s), num_steps=num_steps)
   out = {"process": jax.process_index(), "status": loop.status, "step": loop.ledger.step,
-         "own_before": own_before, "restored_step": hook.restored_step, "restored_from": hook.restored_from,
+         "own_before": own_before, "persistent_before": persistent_before, "restored_step": hook.restored_step, "restored_from": hook.restored_from,
          "local_saved": list(hook.saved_steps),
          "persistent_saved": list(hook.persistent.saved_steps),
          "digest": digest(final), "compiles": loop.program.compile_count()}

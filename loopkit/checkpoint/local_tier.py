@@ -10,8 +10,12 @@ newest complete state of either tier, the same step on every process, bitwise th
 uninterrupted run has there (invariant 1 of docs/concepts.md), whatever K.
 
 **Which manager.** Each process's local tier is an Orbax ``CheckpointManager`` on its own
-directory (``<local_directory>/process_<i>``, active process set ``{i}``: no barrier with the
-other processes). Orbax's ``orbax.checkpoint.experimental.emergency.CheckpointManager``
+directory (``<local_directory>/process_<i>``, active process set ``{i}``, no primary host: no
+barrier with the other processes). It holds the bytes of this process's shards (each distinct
+shard once, in leaf and index order) as this process's row of a global ``[P, n]`` uint32
+array, written through Orbax's ``ArrayHandler`` without a primary host or replica choice (as
+the emergency manager writes its local checkpoints), and the record of the leaves and the
+layout, the ledger, the data positions of every process and the hooks' states as JSON. Orbax's ``orbax.checkpoint.experimental.emergency.CheckpointManager``
 (0.12.8) was read and not used, because it cannot keep loopkit's resume contract:
 with one replica slice (any mesh whose first axis is 1, a 1-D mesh) it makes no local tier at
 all; it saves locally only on the processes outside the primary slice; it takes a single
