@@ -13,8 +13,8 @@ metadata, barriers, the JSON items) are the library's own and are kept.
 of ``--state-gb`` (1 and 100 GB by default) spread over ``--hosts`` hosts; a persistent
 save or restore moves the whole state at ``--persistent-gbps`` (aggregate over the pod, e.g.
 a 200 GB checkpoint in 38 s to GCS is 5.3 GB/s, Orbax #392; ``--persistent-restore-gbps``
-for restores, which at 704 processes took 22-24 minutes in marin #8538); a local one moves each host's
-share at ``--local-gbps`` per host (RAM disk); the blocking copy off the device moves each
+for restores, which at 704 processes took 22-24 minutes in marin #8538); a local one moves each
+host's share at ``--local-gbps`` per host (RAM disk); the blocking copy off the device moves each
 host's share at ``--d2h-gbps``; a host replaced after a preemption
 (``--host-loss``: the fraction of preemptions that replace one) refills its share from a peer at
 ``--peer-gbps`` when the state is replicated across hosts (``--replicated``), else the run

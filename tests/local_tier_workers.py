@@ -44,7 +44,8 @@ def step_fn():
   def step(state, batch):
     rest = {k: state[k] for k in ("params", "opt", "step")}
     new, metrics = inner(rest, batch)
-    key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])  # depends on the step only
+    # the key depends on the step only
+    key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
     half = state["half"] + jax.random.uniform(key, (3,)).astype(jnp.bfloat16)
     return {**new, "rng": state["rng"], "half": half}, metrics
 
@@ -109,7 +110,8 @@ def train_tiers(local_root: str, persistent: str, k: int, num_steps: int, *,
   persistent_before = hook.persistent.all_steps()
   final = loop.run(state_on(mesh, layout), Slow(src, sleep_s), num_steps=num_steps)
   out = {"process": jax.process_index(), "status": loop.status, "step": loop.ledger.step,
-         "own_before": own_before, "persistent_before": persistent_before, "restored_step": hook.restored_step, "restored_from": hook.restored_from,
+         "own_before": own_before, "persistent_before": persistent_before,
+         "restored_step": hook.restored_step, "restored_from": hook.restored_from,
          "local_saved": list(hook.saved_steps),
          "persistent_saved": list(hook.persistent.saved_steps),
          "digest": digest(final), "compiles": loop.program.compile_count()}

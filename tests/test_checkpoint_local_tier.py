@@ -48,6 +48,8 @@ def test_pack_unpack_is_bitwise_for_every_leaf_kind_and_keeps_shardings():
   state = _odd_state()
   words, layout = local_tier._pack(state)
   assert words.dtype == np.uint32 and layout == local_tier._layout(state)
+  assert words.size == local_tier._word_counts(state)[0]  # from the shardings alone
+  assert local_tier._pack(state, words.size + 3)[0][:words.size].tobytes() == words.tobytes()
   back = local_tier._unpack(words, state)
   assert _bits(back) == _bits(state)  # -0.0 and nan payloads too
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):

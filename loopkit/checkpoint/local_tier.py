@@ -15,7 +15,8 @@ barrier with the other processes). It holds the bytes of this process's shards (
 shard once, in leaf and index order) as this process's row of a global ``[P, n]`` uint32
 array, written through Orbax's ``ArrayHandler`` without a primary host or replica choice (as
 the emergency manager writes its local checkpoints), and the record of the leaves and the
-layout, the ledger, the data positions of every process and the hooks' states as JSON. Orbax's ``orbax.checkpoint.experimental.emergency.CheckpointManager``
+layout, the ledger, the data positions of every process and the hooks' states as JSON.
+Orbax's ``orbax.checkpoint.experimental.emergency.CheckpointManager``
 (0.12.8) was read and not used, because it cannot keep loopkit's resume contract:
 with one replica slice (any mesh whose first axis is 1, a 1-D mesh) it makes no local tier at
 all; it saves locally only on the processes outside the primary slice; it takes a single
@@ -207,8 +208,8 @@ class LocalCheckpointHook(Hook):
       registry = ocp.type_handlers.create_type_handler_registry(
           (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
                                                      use_replica_parallel=False)))
-      handlers["words"] = ocp.PyTreeCheckpointHandler(
-          use_ocdbt=True, use_zarr3=True, multiprocessing_options=alone,
+      handlers["words"] = ocp.PyTreeCheckpointHandler(  # raw bytes: nothing to compress
+          use_ocdbt=True, use_zarr3=True, use_compression=False, multiprocessing_options=alone,
           type_handler_registry=registry)
       self._manager = ocp.CheckpointManager(self.local_directory, options=options,
                                             item_handlers=handlers)
@@ -276,11 +277,13 @@ class LocalCheckpointHook(Hook):
     self.wait_until_finished()
     if step in manager.all_steps():
       return False
-    words, layout = _pack(state)
+    counts = _word_counts(state)  # every process's, so that all rows have one length
+    words, layout = _pack(state, max(counts))
     record = {"leaves": _leaf_record(state), "layout": layout,
-              "fingerprint": _fingerprint(state, layout), "nbytes": int(words.nbytes)}
+              "fingerprint": _fingerprint(state, layout),
+              "nbytes": 4 * counts[jax.process_index()]}
     args = ocp.args.Composite(
-        words=ocp.args.PyTreeSave({"w": _as_row(words, _word_counts(state))}),
+        words=ocp.args.PyTreeSave({"w": _as_row(words)}),
         record=ocp.args.JsonSave(record),
         ledger=ocp.args.JsonSave(ledger.to_dict()), data=ocp.args.JsonSave(positions),
         hooks=ocp.args.JsonSave(hooks))
@@ -462,18 +465,17 @@ def _word_counts(state: Any) -> list[int]:
   return [max(1, math.ceil(n / 4)) for n in nbytes]
 
 
-def _as_row(words: np.ndarray, counts: list[int]) -> jax.Array:
-  """This process's words as its row of a global ``[P, max(counts)]`` uint32 array.
+def _as_row(words: np.ndarray) -> jax.Array:
+  """``words`` (``[n]``, n the same on every process) as this process's row of a global
+  ``[P, n]`` uint32 array.
 
   Orbax saves global arrays only (on several processes a process-local one is refused); with
   no primary host and no replica choice each process writes its own row into its directory.
   """
-  row = np.zeros((1, max(counts)), np.uint32)
-  row[0, :words.size] = words
   sharding = _row_sharding()
   device = next(d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index())
   return jax.make_array_from_single_device_arrays(
-      (jax.process_count(), row.shape[1]), sharding, [jax.device_put(row, device)])
+      (jax.process_count(), words.size), sharding, [jax.device_put(words[None], device)])
 
 
 def _words_restore() -> Any:
@@ -545,9 +547,11 @@ def _fingerprint(state: Any, layout: Any) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _pack(state: Any) -> tuple[np.ndarray, list]:
-  """This process's shards, in leaf and index order, as uint32 words (zero-padded, >= 1)."""
-  parts, layout = [], []
+def _pack(state: Any, length: int | None = None) -> tuple[np.ndarray, list]:
+  """This process's shards, each distinct index once, in leaf and index order, as uint32 words
+  (zero-padded to ``length`` words, default the fewest that hold them, at least 1), copied
+  once; and their layout (:func:`_layout`)."""
+  shards, layout = [], []
   for x in jax.tree.leaves(state):
     p = _physical(x)
     by_index = {}
@@ -557,11 +561,13 @@ def _pack(state: Any) -> tuple[np.ndarray, list]:
       by_index.setdefault(key, shard)
     idx = sorted(by_index)
     layout.append([[list(d) for d in i] for i in idx])
-    parts += [np.ascontiguousarray(np.asarray(by_index[i].data)).view(np.uint8).reshape(-1)
-              for i in idx]
-  raw = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-  words = np.zeros(max(1, math.ceil(raw.size / 4)), np.uint32)
-  words.view(np.uint8)[:raw.size] = raw
+    shards += [np.asarray(by_index[i].data) for i in idx]
+  nbytes = sum(a.nbytes for a in shards)
+  words = np.zeros(max(1, math.ceil(nbytes / 4), length or 0), np.uint32)
+  raw, offset = words.view(np.uint8), 0
+  for a in shards:
+    raw[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    offset += a.nbytes
   return words, layout
 
 
