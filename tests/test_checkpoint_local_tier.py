@@ -94,6 +94,19 @@ def test_one_process_resumes_from_the_newer_tier_and_never_from_an_unfinished_st
   assert _bits(final) == _bits(reference)
 
 
+def test_persistent_at_its_marks_and_at_a_preemption_local_otherwise(tmp_path):
+  """Local every 3, persistent every 5, preempted after step 7 (K=1): the planner lands on both
+  tiers' marks; 5 and the preemption's 7 go to the persistent tier, 3 and 6 stay local."""
+  tiers = LocalCheckpointHook(tmp_path / "l", CheckpointHook(tmp_path / "p", every_steps=5),
+                              every_steps=3)
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=4, hooks=[
+      tiers, loopkit.CallbackHook(lambda i, s: loop.preemption.request(), at_steps=[7])])
+  loop.run(toy.init_state(), toy.batches(20), num_steps=20)
+  assert loop.status == "preempted" and loop.ledger.step == 7
+  assert tiers.saved_steps == [3, 6] and tiers.persistent.saved_steps == [5, 7]
+  assert tiers.trigger.next_step(0) == 3 and tiers.trigger.next_step(4) == 5
+
+
 def test_plan_takes_the_newest_step_every_process_can_read_each_from_its_own_copy_first():
   """Identical views: every process reads its own copy (not the first equal view's)."""
   plan = local_tier._plan
