@@ -457,7 +457,7 @@ def _word_counts(state: Any) -> list[int]:
     itemsize = np.dtype(p.dtype).itemsize
     held: dict[int, set] = {}
     for d, idx in p.sharding.devices_indices_map(p.shape).items():
-      held.setdefault(d.process_index, set()).add(
+      held.setdefault(d.process_index, set()).add(  # type: ignore[attr-defined]
           tuple((s.start or 0, dim if s.stop is None else s.stop)
                 for s, dim in zip(idx, p.shape, strict=True)))
     for proc, indices in held.items():
@@ -533,7 +533,7 @@ def _indices(x: jax.Array) -> list[list[list[int]]]:
   seen = set()
   for idx in x.sharding.addressable_devices_indices_map(x.shape).values():
     seen.add(tuple((s.start or 0, dim if s.stop is None else s.stop)
-                   for s, dim in zip(idx, x.shape, strict=True)))
+                   for s, dim in zip(idx, x.shape, strict=True)))  # type: ignore[arg-type]
   return [[list(d) for d in i] for i in sorted(seen)]
 
 
@@ -554,7 +554,7 @@ def _pack(state: Any, length: int | None = None) -> tuple[np.ndarray, list]:
   shards, layout = [], []
   for x in jax.tree.leaves(state):
     p = _physical(x)
-    by_index = {}
+    by_index: dict[tuple, Any] = {}
     for shard in p.addressable_shards:
       key = tuple((s.start or 0, dim if s.stop is None else s.stop)
                   for s, dim in zip(shard.index, p.shape, strict=True))
@@ -590,11 +590,11 @@ def _unpack(words: np.ndarray, like: Any) -> Any:
     arrays = []
     for d, idx in index_map.items():
       key = tuple((s.start or 0, dim if s.stop is None else s.stop)
-                  for s, dim in zip(idx, p.shape, strict=True))
+                  for s, dim in zip(idx, p.shape, strict=True))  # type: ignore[arg-type]
       arrays.append(jax.device_put(np.array(at[key]), d))
     y = jax.make_array_from_single_device_arrays(p.shape, p.sharding, arrays)
     if _is_key(x):
-      y = jax.random.wrap_key_data(y, impl=jax.random.key_impl(x))
+      y = jax.random.wrap_key_data(y, impl=jax.random.key_impl(x))  # type: ignore[assignment]
     out.append(y)
   return jax.tree.unflatten(treedef, out)
 

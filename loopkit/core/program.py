@@ -292,7 +292,7 @@ def _put(state: Any, shardings: Any) -> Any:
   """``jax.device_put(state, shardings)``; an abstract leaf becomes an abstract leaf with its
   sharding (nothing allocated)."""
   leaves, treedef = jax.tree.flatten(state)
-  targets = treedef.flatten_up_to(shardings)
+  targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
   concrete = [i for i, x in enumerate(leaves) if not isinstance(x, jax.ShapeDtypeStruct)]
   if len(concrete) == len(leaves):
     return jax.device_put(state, shardings)
