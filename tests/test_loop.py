@@ -414,7 +414,7 @@ def test_a_run_already_at_its_target_says_so_without_a_warning(caplog):
   with caplog.at_level("INFO", logger="loopkit"):
     state = loop.run(state, iter(toy.batches(4)), num_steps=4)
   assert [r.levelname for r in caplog.records if "nothing to" in r.getMessage()] == ["INFO"]
-  assert "the state is already at num_steps=4" in caplog.text
+  assert "the run is already complete at step 4 (num_steps=4)" in caplog.text
   assert fired == [4, 4] and int(state["step"]) == 4
 
 

@@ -231,7 +231,9 @@ def test_step_time_deviation_in_rows():
     def write_scalars(self, step, scalars):
       rec.append((step, scalars))
 
-  slow = lambda step: 2.0 if step == 7 else 0.5  # seconds per step (K=1)
+  # seconds per step (K=1); long against the hooks' real seconds taken out of the fake clock's
+  # windows (CI at 2 lanes on 2 cores: 7 ms of them made 0.5 s steps read 0.986x the median)
+  slow = lambda step: 200.0 if step == 7 else 50.0
   hook = loopkit.LoggingHook(Recorder(), clock=clock)
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=1,
                            hooks=[toy.Tick(clock, slow), hook])
