@@ -37,7 +37,7 @@ from typing import Any
 
 from loopkit._internal.extras import require
 from loopkit.observe.metric_writer import _hparam_value, _is_writer_process, _to_python
-from loopkit.observe.writers import (
+from loopkit.observe.text_writers import (
   JsonlWriter,
   _TextOnly,  # texts as rows; images, histograms skipped
 )

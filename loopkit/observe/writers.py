@@ -18,6 +18,12 @@ one. Concrete writers:
 * :class:`MultiWriter` fans out to several; :class:`AsyncWriter` moves the
   writing to a background thread so the training loop never waits on disk.
 
+This module holds the writers that combine others (:class:`MultiWriter`,
+:class:`AsyncWriter`, :func:`create_default_writer`) and adapt foreign ones
+(:func:`as_writer`); the text writers live in :mod:`loopkit.observe.text_writers`, the calls
+a hook makes on any writer (:func:`keep_rows_through`, :func:`mark_run_outcome`,
+:func:`prints_to_console`) in :mod:`loopkit.observe.writer_calls`. All are importable from here.
+
 :func:`create_default_writer` combines them. :func:`as_writer` takes the writers
 users already have: CLU's ``metric_writers`` as they are, Flax's
 ``tensorboard.SummaryWriter`` through :class:`FlaxSummaryWriter`; hooks that take
@@ -61,395 +67,33 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import queue
-import sys
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TextIO
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from loopkit._internal.compat import clu_wrapped_writers
 from loopkit.observe.metric_writer import (
   MetricWriter,
   NullWriter,
-  _hparam_value,
   _is_writer_process,
-  _skip,
   _to_python,
 )
 from loopkit.observe.tensorboard_writer import TensorBoardWriter
+from loopkit.observe.text_writers import ConsoleWriter, JsonlWriter, format_row
+from loopkit.observe.writer_calls import (
+  OUTCOMES,  # noqa: F401  (re-exported)
+  keep_rows_through,
+  mark_run_outcome,
+  prints_to_console,
+)
 
 __all__ = ["AsyncWriter", "ConsoleWriter", "FlaxSummaryWriter", "JsonlWriter", "MetricWriter",
            "MultiWriter", "NullWriter", "TensorBoardWriter", "as_writer", "create_default_writer",
            "format_row", "keep_rows_through", "mark_run_outcome", "prints_to_console"]
 
 log = logging.getLogger("loopkit")
-
-
-class _TextOnly:
-  """Texts as scalar rows; images and histograms skipped (a DEBUG record), for writers
-  that keep only text (JSONL, console)."""
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    raise NotImplementedError
-
-  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-    self.write_scalars(step, {k: str(v) for k, v in texts.items()})
-
-  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
-    _skip(self, "images", step, images)
-
-  def write_histograms(self, step: int, arrays: Mapping[str, Any],
-                       num_buckets: Mapping[str, int] | None = None) -> None:
-    del num_buckets
-    _skip(self, "histograms", step, arrays)
-
-
-class JsonlWriter(_TextOnly):
-  """Appends one JSON object per line: ``{"step": int, name: value, ...}``.
-
-  Non-finite floats are written as ``NaN`` / ``Infinity`` (Python's ``json``
-  extension), so a NaN loss is recorded rather than dropped. Texts are rows
-  like scalars (string values); hparams are one row ``{"hparams": {...}}``
-  (no step); images and histograms are skipped (a DEBUG log record).
-
-  Resumes: the file is opened at the first write. If it already holds rows,
-  the first row written first drops every old row past the run's start (and a
-  line cut short by a kill): at steps ``> S`` after :meth:`keep_through`
-  ``(S)`` (the loop's hooks call it with the step the run continues from,
-  restores applied, at the start of every run: :func:`keep_rows_through`; a
-  second run of the same process with this writer is trimmed the same way),
-  else at steps ``>= s``, the first row's step. The file is rewritten to a
-  temporary file and moved into place with ``os.replace`` (atomic), so after
-  a kill at step 75 and a resume
-  from a checkpoint at 50, the file holds each logged step once, the rows at
-  50 included. Rows without a step (hparams) are kept.
-
-  Args:
-    path: the ``.jsonl`` file (parent directories are created).
-    flush_secs: a write flushes the file when the last flush is at least this
-      old (seconds; 0 flushes at every write). :meth:`flush` always flushes.
-    clock: monotonic clock in seconds (inject a fake one in tests).
-
-  Writes only on process 0. Not thread-safe (wrap in :class:`AsyncWriter` to
-  write from a background thread).
-  """
-
-  def __init__(self, path: str | os.PathLike, *, flush_secs: float = 10.0,
-               clock: Callable[[], float] = time.monotonic):
-    self.path = os.fspath(path)
-    self.flush_secs = flush_secs
-    self.clock = clock
-    self._f: TextIO | None = None
-    self._checked = False  # the old rows were checked against the first stepped row
-    self._keep_through: int | None = None  # keep_through(S): old rows at steps <= S stay
-    self._enabled = _is_writer_process()
-    self._last_flush = clock()
-    if self._enabled:
-      os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-
-  def keep_through(self, step: int) -> None:
-    """Declares the run continues from a state at ``step``: before its next row with a step,
-    the rows in the file at steps ``<= step`` are kept and the later ones dropped. Also in
-    a later run of the same process (a rerun after an error, from a checkpoint before rows
-    this writer wrote): those rows go, so each step is in the file once."""
-    self._keep_through = int(step)
-    self._checked = False
-
-  def _open(self, first_step: int | None) -> None:
-    """Opens the file for appending; at the first row with a step, drops the old rows past
-    the run's start first (closing and reopening the file if it was open)."""
-    if first_step is not None:
-      self._checked = True
-      if self._f is not None:
-        self._f.close()
-        self._f = None
-    if first_step is not None and os.path.exists(self.path) and os.path.getsize(self.path):
-      if self._keep_through is not None:
-        first_step = self._keep_through + 1
-      kept, dropped = [], 0
-      with open(self.path) as f:
-        for line in f:
-          try:
-            row = json.loads(line)
-          except ValueError:  # a line cut short by a kill
-            dropped += 1
-            continue
-          if isinstance(row, dict) and isinstance(row.get("step"), int) and (
-              row["step"] >= first_step):
-            dropped += 1
-            continue
-          kept.append(line if line.endswith("\n") else line + "\n")
-      if dropped:
-        tmp = f"{self.path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-          f.writelines(kept)
-          f.flush()
-          os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        log.info("%s: dropped %d rows at steps >= %d (written again by this run)",
-                 self.path, dropped, first_step)
-    self._f = open(self.path, "a")
-
-  def _write_row(self, row: dict[str, Any]) -> None:
-    if self._f is None or (not self._checked and "step" in row):
-      self._open(row.get("step"))
-    assert self._f is not None  # opened above
-    self._f.write(json.dumps(row) + "\n")
-    if self.clock() - self._last_flush >= self.flush_secs:
-      self.flush()
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    if "step" in scalars:
-      raise ValueError("a scalar named 'step' would overwrite the row's step field; "
-                       "rename the metric")
-    if not self._enabled:
-      return
-    row = {"step": int(step)}
-    row.update({k: _to_python(v) for k, v in scalars.items()})
-    self._write_row(row)
-
-  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    if self._enabled:
-      self._write_row({"hparams": {k: _hparam_value(v) for k, v in hparams.items()}})
-
-  def flush(self) -> None:
-    self._last_flush = self.clock()
-    if self._f is not None:
-      self._f.flush()
-
-  def close(self) -> None:
-    if self._f is not None:
-      self._f.close()
-      self._f = None
-
-
-def _console_value(value: Any) -> str:
-  v = _to_python(value)
-  return f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else str(v)
-
-
-def format_row(step: int, scalars: Mapping[str, Any], line_width: int | None = 100) -> str:
-  """A row as :class:`ConsoleWriter` prints it: one line, or a short aligned table.
-
-  A row whose one-line form ``step N: name=value, ...`` fits in ``line_width``
-  characters (or any row when ``line_width`` is None or 0) is that line. A
-  wider row is a table: the first line is ``step N:`` and the names without a
-  ``/`` (``name=value, ...``, if they fit; else they form a table of their own);
-  then the names with one are grouped by their part up to the first ``/``
-  (``throughput/``, ``goodput/``), a group per block of lines: the group in a
-  left column, then cells ``name  value`` of one width per group, as many per
-  line as fit in ``line_width``, in the row's order. Values are ``.6g`` for
-  finite floats, else ``str``.
-
-  Args:
-    step: the row's step.
-    scalars: the row (numpy / JAX scalars are converted).
-    line_width: the widest line wanted, in characters.
-
-  Returns:
-    The text, its lines separated by newlines (none at the end).
-
-  Example:
-    >>> print(format_row(7, {"loss": 0.5, "goodput/job_secs": 12.0, "goodput/steps": 7,
-    ...                      "goodput/goodput": 0.75}, line_width=40))
-    step 7: loss=0.5
-      goodput/ job_secs    12
-               steps        7
-               goodput   0.75
-  """
-  values = {k: _console_value(v) for k, v in scalars.items()}
-  line = f"step {int(step)}: " + ", ".join(f"{k}={v}" for k, v in values.items())
-  if not line_width or len(line) <= line_width:
-    return line
-  groups: dict[str, list[tuple[str, str]]] = {}
-  for k, v in values.items():
-    label, sep, name = k.partition("/")
-    groups.setdefault(label + sep if sep else "", []).append((name if sep else k, v))
-  lines = [f"step {int(step)}:"]
-  plain = groups.pop("", [])
-  head = ", ".join(f"{k}={v}" for k, v in plain)
-  if plain and len(lines[0]) + 1 + len(head) <= line_width:
-    lines[0] += " " + head
-  elif plain:
-    groups = {"": plain, **groups}
-  label_width = max((len(label) for label in groups), default=0)
-  for label, cells in groups.items():
-    name_width = max(len(n) for n, _ in cells)
-    value_width = max(len(v) for _, v in cells)
-    cell_width = name_width + 2 + value_width
-    column = label_width + 1 if label_width else 0  # the groups' column, if any
-    per_line = max(1, (line_width - 2 - column + 3) // (cell_width + 3))
-    for i in range(0, len(cells), per_line):
-      left = f"{label if i == 0 else '':<{label_width}} " if column else ""
-      text = "   ".join(f"{n:<{name_width}}  {v:>{value_width}}"
-                        for n, v in cells[i:i + per_line])
-      lines.append(f"  {left}{text}".rstrip())
-  return "\n".join(lines)
-
-
-class ConsoleWriter(_TextOnly):
-  """Logs ``step N: name=value, ...`` lines to a Python logger.
-
-  A row wider than ``line_width`` (e.g. a ``goodput/*`` row of 15 keys, or a
-  training row with its ``throughput/*`` keys) is logged as one record of a
-  few aligned lines instead, its keys grouped by their prefix
-  (:func:`format_row`); the file writers keep every key as it is. Texts are
-  rows like scalars, hparams one ``hparams: name=value, ...`` line; images and
-  histograms are skipped (a DEBUG log record).
-
-  Args:
-    logger: the logger (default ``logging.getLogger("loopkit")``; under
-      ``absl.app`` its handler prints these lines like ``absl.logging.info``).
-    level: the logging level (default INFO).
-    line_width: rows wider than this many characters are printed as a table
-      (:func:`format_row`); None or 0: always one line.
-
-  Logs only on process 0. Thread-safe (Python logging is).
-  """
-
-  def __init__(self, logger: logging.Logger | None = None, *, level: int = logging.INFO,
-               line_width: int | None = 100):
-    self.logger = logger if logger is not None else log
-    self.level = level
-    self.line_width = line_width
-    self._enabled = _is_writer_process()
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    if not self._enabled:
-      return
-    self.logger.log(self.level, "%s", format_row(step, scalars, self.line_width))
-
-  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    if self._enabled:
-      self.logger.log(self.level, "hparams: %s",
-                      ", ".join(f"{k}={_hparam_value(v)}" for k, v in hparams.items()))
-
-  def prints_to_console(self) -> bool:
-    """Whether a row written now is printed: on process 0, while its logger takes its level
-    (:func:`prints_to_console`)."""
-    return self._enabled and self.logger.isEnabledFor(self.level)
-
-  def flush(self) -> None:
-    pass
-
-  def close(self) -> None:
-    pass
-
-
-def keep_rows_through(writer: Any, step: int) -> None:
-  """Tells ``writer`` the run continues from a state at ``step`` (restores applied).
-
-  A file writer that finds rows of an earlier run (:class:`JsonlWriter`,
-  :class:`~loopkit.observe.TensorBoardWriter`) then keeps those at steps ``<= step``
-  and drops, or hides, the later ones, which the killed run wrote past its
-  checkpoint. :class:`MultiWriter` and :class:`AsyncWriter` pass it on; a writer
-  without ``keep_through`` is left alone. :class:`~loopkit.LoggingHook`,
-  :class:`~loopkit.EvalHook` and :class:`~loopkit.observe.GoodputHook` call it
-  from ``adjust_ledger``, before they write.
-  """
-  fn = getattr(writer, "keep_through", None)
-  if callable(fn):
-    fn(int(step))
-
-
-OUTCOMES = ("completed", "interrupted", "failed")
-
-
-def mark_run_outcome(writer: Any, *, status: str | None = None,
-                     error: BaseException | None = None) -> str:
-  """Tells ``writer`` how a ``run`` of the loop ended, so a tracker marks its run.
-
-  The outcome is ``"completed"`` (training ended: ``loop.status`` ``"completed"``,
-  ``"data_exhausted"``, ``"stopped"``, ``"early stopped"``...), ``"interrupted"`` (a
-  preemption or a time limit, which a resume continues, or a ``KeyboardInterrupt``) or
-  ``"failed"`` (any other exception). A writer with ``mark_outcome(outcome)`` takes it
-  (:class:`~loopkit.observe.MlflowWriter`: ``FINISHED`` / ``KILLED`` / ``FAILED``;
-  :class:`~loopkit.observe.WandbWriter`: the exit code of ``run.finish``);
-  :class:`MultiWriter` and :class:`AsyncWriter` pass it on; other writers are left alone.
-  :class:`~loopkit.LoggingHook` and :class:`~loopkit.EvalHook` call it from ``on_run_end``
-  (with ``ctx.status``) and ``on_run_error`` (with the error).
-
-  Args:
-    writer: a metric writer, or None.
-    status: the run's status (``ctx.status``), when it returned.
-    error: the exception that ended it, when it raised.
-
-  Returns:
-    The outcome.
-  """
-  if error is not None:
-    outcome = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-  else:
-    from loopkit.core.run import RESUMABLE_STOPS  # pylint: disable=g-import-not-at-top
-    outcome = "interrupted" if status in RESUMABLE_STOPS else "completed"
-  fn = getattr(writer, "mark_outcome", None)
-  if callable(fn):
-    fn(outcome)
-  return outcome
-
-
-def prints_to_console(writer: Any) -> bool:
-  """Whether a row written to ``writer`` now is also printed on the console.
-
-  A hook that writes rows to a writer and also logs them (:class:`~loopkit.LoggingHook`,
-  :class:`~loopkit.EvalHook`, :class:`~loopkit.observe.GoodputHook`'s summary) asks this
-  before each row and logs its own line only when the answer is no, so each row is printed
-  once, whatever the writer. Asked at every row, as the logging set-up may change after the
-  writer is made (``absl.app.run`` turns absl's INFO lines on).
-
-  * A writer with a ``prints_to_console()`` method answers itself: :class:`ConsoleWriter`
-    (on process 0, while its logger takes its level); :class:`MultiWriter` and
-    :class:`AsyncWriter` (any writer they wrap; so :func:`create_default_writer`'s writer
-    with ``console=True``). A writer of your own that prints its rows can say so the same way.
-  * CLU's ``LoggingWriter`` logs through absl: it prints while absl's logger takes INFO
-    records and a handler shows them (after ``absl.app.run`` parsed the flags, or a
-    ``logging.basicConfig(level=logging.INFO)``; not before, when absl shows only
-    warnings). CLU's ``MultiWriter``, ``AsyncMultiWriter`` (``create_default_writer``) and
-    ``AsyncWriter`` print when a writer they wrap does.
-  * Any other writer (JSONL, TensorBoard, Flax's ``SummaryWriter``, None): no.
-
-  Args:
-    writer: a metric writer, or None.
-
-  Returns:
-    True when the row reaches the console through the writer.
-  """
-  if writer is None:
-    return False
-  own = getattr(writer, "prints_to_console", None)
-  if callable(own):
-    return bool(own())
-  if _is_clu_logging_writer(writer):
-    return _shows(logging.getLogger("absl"), logging.INFO)
-  inner = clu_wrapped_writers(writer)
-  return inner is not None and any(prints_to_console(w) for w in inner)
-
-
-def _is_clu_logging_writer(writer: Any) -> bool:
-  """Whether ``writer`` is CLU's ``LoggingWriter`` (its module is loaded if it is one: CLU is
-  never imported here)."""
-  module = sys.modules.get("clu.metric_writers.logging_writer")
-  cls = getattr(module, "LoggingWriter", None)
-  return isinstance(cls, type) and isinstance(writer, cls)
-
-
-def _shows(logger: logging.Logger, level: int) -> bool:
-  """Whether a record of ``level`` logged to ``logger`` now reaches a handler that takes it."""
-  if not logger.isEnabledFor(level):
-    return False
-  current: logging.Logger | None = logger
-  while current is not None:
-    if any(h.level <= level for h in current.handlers):
-      return True
-    if not current.propagate:
-      return False
-    current = current.parent
-  return logging.lastResort is not None and logging.lastResort.level <= level
 
 
 def _call_optional(writer: Any, method: str, *args: Any) -> None:
