@@ -40,18 +40,20 @@ JAX's C++ code when the interpreter finalizes is killed by a forced unwind that
 jaxlib's bindings catch and swallow, and glibc aborts the process ("FATAL:
 exception not rethrown", exit code 134). A producer still inside the source's
 ``next`` after ``close``'s wait is joined again (bounded) at interpreter exit.
+
+This module holds :class:`ChunkFeeder` (one class of about 410 lines: forming, placing,
+prefetching and stopping are one state machine) and its :class:`Chunk`; the checks of each
+batch against the first are its base :class:`loopkit.data.batch_checks.FirstBatchChecks`,
+the registry of stranded producer threads is :mod:`loopkit.data._stranded`.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import math
-import operator
 import queue
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -59,17 +61,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from loopkit._internal.checks import (
-  MIN_SLOTS,
-  check_batch_layout,
-  check_device_axis_layout,
-  leaf_name,
-  partial_batch_hint,
-  tree_mismatch,
-)
-from loopkit._internal.mesh import check_batch_on_mesh, is_cpu_mesh
-from loopkit._internal.mesh import data_parallel_size as data_parallel_size_of
+from loopkit._internal.checks import MIN_SLOTS
+from loopkit._internal.mesh import data_parallel_size as data_parallel_size_of, is_cpu_mesh
+from loopkit.data._stranded import _STRANDED, _STRANDED_LOCK
 from loopkit.data.assembly import DeviceAssembler, resolve_chunk_assembly
+from loopkit.data.batch_checks import FirstBatchChecks
 from loopkit.data.placement import (
     ALIGN_MIN_BYTES,
     Placer as _Placer,
@@ -82,40 +78,9 @@ log = logging.getLogger("loopkit")
 # Moved to loopkit._internal.checks / loopkit.data.sources; kept importable from here.
 _DONE = object()
 _POLL_SECS = 0.05  # how often a waiting ``next`` looks at the interrupt event
-_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 CLOSE_TIMEOUT_SECS = 5.0
 """Default seconds ``ChunkFeeder.close`` (and interpreter exit) wait for a producer
 thread to leave the source's ``next``."""
-
-# Producer threads still inside a source's ``next`` after ``close``:
-# (thread, source name, seconds to wait for it at interpreter exit).
-_STRANDED: list[tuple[threading.Thread, str, float]] = []
-_STRANDED_LOCK = threading.Lock()
-
-
-def _join_stranded_at_exit() -> None:
-  """At interpreter exit, waits (bounded) for producers stuck in a source.
-
-  A producer that leaves the source finds its stop event set and returns
-  without touching JAX, so after this wait no producer is inside JAX's C++ code
-  while the interpreter finalizes (which would abort the process, see the
-  module docstring). One still inside the source after the wait is named in a
-  warning; it is killed at a Python or C frame of the source.
-  """
-  with _STRANDED_LOCK:
-    stranded = [s for s in _STRANDED if s[0].is_alive()]
-    _STRANDED.clear()
-  if not stranded:
-    return
-  deadline = time.monotonic() + max(wait for _, _, wait in stranded)
-  for thread, name, wait in stranded:
-    thread.join(timeout=max(0.0, min(wait, deadline - time.monotonic())))
-    if thread.is_alive():
-      log.warning("at exit, the prefetch thread is still inside next() of the data "
-                  "source %s; the interpreter exits with it there", name)
-
-
-atexit.register(_join_stranded_at_exit)
 
 
 def skip_count(ranges: tuple[tuple[int, int], ...], data_step: int) -> int:
@@ -170,7 +135,7 @@ class Chunk:
   skipped: int = 0
 
 
-class ChunkFeeder:
+class ChunkFeeder(FirstBatchChecks):
   """Forms, places and prefetches chunks for a known sequence of call lengths.
 
   Args:
@@ -288,111 +253,6 @@ class ChunkFeeder:
   def _interrupted_chunk(self) -> Chunk:
     return Chunk(None, None, 0, None, False, getattr(self, "global_batch_size", 0),
                  interrupted=True)
-
-  def _check(self, batch: Any, step: int) -> list:
-    """Checks a batch against the first one; returns its leaves (flattened once)."""
-    if self._spec is None:
-      leaves = jax.tree.leaves(batch)
-      if not leaves:
-        raise ValueError("a batch must have at least one array leaf")
-      if self._expected_batch is not None:
-        check_batch_layout(batch, self._expected_batch, process_count=jax.process_count())
-      else:  # a leading device axis (prefetch_to_device) is plain from the arrays themselves
-        check_device_axis_layout(batch, process_count=jax.process_count())
-      b_local = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
-      for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        if np.ndim(x) == 0 or np.shape(x)[0] != b_local:
-          raise ValueError(
-              f"batch leaf {leaf_name(path)} has shape {np.shape(x)}; every "
-              f"leaf needs the same leading batch dimension ({b_local})")
-      b_global = b_local * jax.process_count()
-      check_batch_on_mesh(b_global, self._batch_sharding)
-      self._spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                                batch)
-      spec_leaves, self._spec_def = jax.tree.flatten(self._spec)
-      self._leaf_specs = [(s.shape, s.dtype) for s in spec_leaves]
-      self.global_batch_size = b_global
-      return jax.tree.leaves(batch)
-    # Fast path (per batch, on the prefetch thread): one flatten along the first
-    # batch's structure (raises on any other node type or key set; a subtree where
-    # the first batch had a leaf has no array shape) and a shape and dtype compare
-    # per leaf; tree_mismatch only to word the error.
-    try:
-      leaves = self._spec_def.flatten_up_to(batch)
-    except (ValueError, TypeError):
-      pass
-    else:
-      try:  # numpy's dtypes of built-in types are singletons: `is` first, then ==
-        for x, (shape, dtype) in zip(leaves, self._leaf_specs):
-          if x.shape != shape or (x.dtype is not dtype and x.dtype != dtype):
-            break
-        else:
-          return leaves
-      except AttributeError:  # a leaf that is not an array
-        pass
-    problem = tree_mismatch(self._spec, jax.tree.map(np.asarray, batch),
-                            what=f"batch for step {step + 1} differs from the first batch")
-    if problem:
-      raise ValueError(problem + partial_batch_hint(self._spec, batch))
-    return jax.tree.leaves(batch)
-
-  def _check_chunk(self, got: list, step: int) -> list[list]:
-    """Checks a chunk's batches against the first batch; returns each leaf's arrays.
-
-    The fast path checks the whole chunk at once: one flatten of the list of
-    batches (in C++), compared with the structure of a list of that many first
-    batches (a ``None``, a missing or extra key, another node type all change
-    it), and one set of ``(shape, dtype)`` per leaf. Anything else goes batch by
-    batch through :meth:`_check`, which raises for the first batch that differs,
-    naming its step and leaf, as when each batch was checked as it came.
-
-    Args:
-      got: the chunk's batches, in order (at least one).
-      step: the global step before the first of them.
-
-    Returns:
-      Per leaf (in the first batch's flattening order), the ``n`` batches' arrays.
-    """
-    if self._spec is None:
-      self._check(got[0], step)
-    n = len(got)
-    treedef = self._list_defs.get(n)
-    if treedef is None:
-      treedef = self._list_defs[n] = jax.tree.structure([self._spec] * n)
-    leaves, got_def = jax.tree.flatten(got)
-    if got_def == treedef:
-      width = len(self._leaf_specs)
-      cols = [leaves[j::width] for j in range(width)]
-      try:  # map(attrgetter) reads the attributes without a bytecode loop (half the cost)
-        if all(set(map(_SHAPE_DTYPE, col)) == {spec} for col, spec in zip(cols, self._leaf_specs)):
-          return cols
-      except AttributeError:  # a leaf that is not an array
-        pass
-    return [list(col) for col in zip(*[self._check(b, step + i) for i, b in enumerate(got)])]
-
-  def _check_stacked(self, stacked: Any, count: int, step: int) -> list[np.ndarray]:
-    """Checks ``count`` stacked batches (leaves ``[count, B, ...]``) against the first batch.
-
-    Returns:
-      The leaves, in the first batch's flattening order.
-
-    Raises:
-      ValueError: naming the first batch of the chunk and the leaf that differs.
-    """
-    if self._spec is None:
-      self._check(jax.tree.map(lambda x: x[0], stacked), step)
-    try:
-      leaves = self._spec_def.flatten_up_to(stacked)
-      if all(isinstance(x, np.ndarray) and x.shape == (count,) + shape and x.dtype == dtype
-             for x, (shape, dtype) in zip(leaves, self._leaf_specs)):
-        return leaves
-    except (ValueError, TypeError):
-      pass
-    first = jax.tree.map(lambda x: np.asarray(x)[0], stacked)
-    problem = tree_mismatch(self._spec, first, what=(
-        f"chunk_at({step}, {count}) returned batches that differ from the first batch"))
-    raise ValueError(problem or f"chunk_at({step}, {count}) must return leaves [{count}, B, ...] "
-                     "with the first batch's shapes and dtypes")
 
   def _empty_leaf(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised chunk leaf ``[K, B, ...]``, a fresh buffer for every chunk
