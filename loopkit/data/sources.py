@@ -55,11 +55,8 @@ import jax
 import numpy as np
 
 from loopkit._internal.extras import require
-from loopkit.data.array_source import (
-  ArraySource,
-  batch_arrays,  # noqa: F401  (re-exported)
-)
-from loopkit.data.shards import (  # noqa: F401  (re-exported)
+from loopkit.data.array_source import ArraySource, batch_arrays
+from loopkit.data.shards import (
   eval_batches_per_process,
   grain_shard_for_process,
   grain_shard_options,
@@ -67,6 +64,11 @@ from loopkit.data.shards import (  # noqa: F401  (re-exported)
   shard_for_process,
   tfds_split_for_process,
 )
+
+__all__ = ["ArraySource", "TfDataSource", "batch_arrays", "check_epoch_length",
+           "eval_batches_per_process", "grain_shard_for_process", "grain_shard_options",
+           "open_source", "process_shard_bounds", "shard_for_process", "steps_per_epoch_of",
+           "tfds_split_for_process"]
 
 
 class TfDataSource:
