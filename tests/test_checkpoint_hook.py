@@ -7,6 +7,7 @@ restore must replace. Kills and other processes: tests/test_checkpoint_process.p
 """
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -102,6 +103,33 @@ def test_c84_a_finished_run_run_again_says_it_is_complete_and_what_it_did(tmp_pa
       "at_end hooks ran once (CheckpointHook, EvalHook)"], lines
   assert loop.status == "completed" and again[0].saved_steps == []
   assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "loopkit")
+
+
+def test_a_finished_run_run_again_writes_each_step_and_name_once(tmp_path):
+  """The at_end evaluation of a finished run run again is in metrics.jsonl already: the
+  file after the second run is the first run's, line for line (each (step, name) once), and
+  a name new at that step is still written."""
+  def run(extra=False):
+    writer = loopkit.observe.create_default_writer(tmp_path / "logs")
+    evals = {"w0": lambda state, batch: batch["x"] @ state["params"]["w"][:, 0]}
+    if extra:
+      evals["w1"] = lambda state, batch: batch["x"] @ state["params"]["w"][:, 1]
+    hooks = [loopkit.LoggingHook(writer, every_steps=4),
+             CheckpointHook(tmp_path / "c", every_steps=4),
+             loopkit.EvalHook(loopkit.Evaluator(lambda s, b: {k: f(s, b) for k, f in
+                                                              evals.items()}),
+                              toy.batches(2), writer=writer, every_steps=8)]
+    make_loop(4, hooks).run(toy.init_state(), toy.batches(8), num_steps=8)
+    writer.close()
+    return (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+
+  first = run()
+  assert [json.loads(x)["step"] for x in first if "eval/w0" in x] == [8]
+  assert run() == first
+  third = run(extra=True)
+  assert third[:len(first)] == first
+  (new,) = [json.loads(x) for x in third[len(first):]]
+  assert new["step"] == 8 and set(new) == {"step", "eval/w1"}, new
 
 
 # -- resume equivalence ---------------------------------------------------------------------

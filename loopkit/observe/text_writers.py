@@ -65,7 +65,10 @@ class JsonlWriter(_TextOnly):
   temporary file and moved into place with ``os.replace`` (atomic), so after
   a kill at step 75 and a resume
   from a checkpoint at 50, the file holds each logged step once, the rows at
-  50 included. Rows without a step (hparams) are kept.
+  50 included. Rows without a step (hparams) are kept. A value at step ``S``
+  itself whose name the file already holds at ``S`` is not written again (the
+  first stays, as in the trackers: a finished run run again evaluates at its
+  last step once more, and that row is in the file already).
 
   Args:
     path: the ``.jsonl`` file (parent directories are created).
@@ -85,6 +88,7 @@ class JsonlWriter(_TextOnly):
     self._f: TextIO | None = None
     self._checked = False  # the old rows were checked against the first stepped row
     self._keep_through: int | None = None  # keep_through(S): old rows at steps <= S stay
+    self._held: set[str] = set()  # the names the file held at step S when it was opened
     self._enabled = _is_writer_process()
     self._last_flush = clock()
     if self._enabled:
@@ -94,8 +98,10 @@ class JsonlWriter(_TextOnly):
     """Declares the run continues from a state at ``step``: before its next row with a step,
     the rows in the file at steps ``<= step`` are kept and the later ones dropped. Also in
     a later run of the same process (a rerun after an error, from a checkpoint before rows
-    this writer wrote): those rows go, so each step is in the file once."""
+    this writer wrote): those rows go, so each step is in the file once. The values the file
+    holds at ``step`` itself are not written again (the first stays)."""
     self._keep_through = int(step)
+    self._held = set()
     self._checked = False
 
   def _open(self, first_step: int | None) -> None:
@@ -109,7 +115,7 @@ class JsonlWriter(_TextOnly):
     if first_step is not None and os.path.exists(self.path) and os.path.getsize(self.path):
       if self._keep_through is not None:
         first_step = self._keep_through + 1
-      kept, dropped = [], 0
+      kept, dropped, self._held = [], 0, set()
       with open(self.path) as f:
         for line in f:
           try:
@@ -121,6 +127,8 @@ class JsonlWriter(_TextOnly):
               row["step"] >= first_step):
             dropped += 1
             continue
+          if isinstance(row, dict) and row.get("step") == self._keep_through:
+            self._held.update(k for k in row if k != "step")
           kept.append(line if line.endswith("\n") else line + "\n")
       if dropped:
         tmp = f"{self.path}.tmp.{os.getpid()}"
@@ -147,9 +155,13 @@ class JsonlWriter(_TextOnly):
                        "rename the metric")
     if not self._enabled:
       return
+    if self._f is None or not self._checked:
+      self._open(int(step))
+    held = self._held if int(step) == self._keep_through else set()
     row = {"step": int(step)}
-    row.update({k: _to_python(v) for k, v in scalars.items()})
-    self._write_row(row)
+    row.update({k: _to_python(v) for k, v in scalars.items() if k not in held})
+    if len(row) > 1 or not scalars:
+      self._write_row(row)
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if self._enabled:
