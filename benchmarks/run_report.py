@@ -42,7 +42,8 @@ def render_round_ratios(rows: list[dict]) -> str:
   """Per-round ratios (median [min-max] over the rounds) of each loopkit K against the
   hand-written K-scan loop, the per-step jit loop (numpy in) and the limit."""
   lines = ["| workload | dev | K | rounds | loopkit / hand-written K-scan | hand-written / limit | "
-           "loopkit / limit | loopkit / per-step jit, numpy in |", "|---|---|---|---|---|---|---|---|"]
+           "loopkit / limit | loopkit / per-step jit, numpy in |",
+           "|---|---|---|---|---|---|---|---|"]
   for wkl, dev in dict.fromkeys((r["workload"], r["devices"]) for r in rows):
     lim = find(rows, wkl, dev, "limit (one scan)")
     jit = find(rows, wkl, dev, "per-step jit, numpy in")
@@ -224,6 +225,8 @@ def render_targets(targets) -> str:
 
 
 def render_report(results: list[dict], meta: dict) -> str:
+  """``RESULTS.md``: the run's record (``meta``: date, command, machine, load, versions, wall
+  time, retries), the targets and every table, from the workers' ``results``."""
   rows = [r for res in results for r in res["rows"]]
   mech = [m for res in results for m in res["mechanism"]]
   profiles = {res["devices"]: (res["profile"], res["memcpy_gb_s"]) for res in results
