@@ -41,6 +41,7 @@ from benchmarks.run_report import (  # noqa: E402, F401  (the report's names, as
   render_table,
 )
 from benchmarks.runner import (  # noqa: E402, F401
+  entry,
   fmt_round_ratio as _fmt_round_ratio,
   log as _log,
   machine,
@@ -56,25 +57,21 @@ DEFAULT_STEPS = {("mlp", 1): 5000, ("mlp", 8): 1000, ("cnn", 1): 300, ("cnn", 8)
 CNN_MAX_REPEATS = 2
 
 
-def lineup() -> tuple:
-  """The systems a worker measures, in the order of its rounds and of the report's rows
-  (``benchmarks.systems.Entry``; imports JAX: workers only)."""
-  from benchmarks.systems import entry as e  # noqa: PLC0415
-
-  return (
-      e("Limit"),
-      *(e("Loopkit", k=k) for k in KS),
-      *(e("HandwrittenScan", k=k) for k in KS),  # the anchor, same source
-      # The prefetch thread's share of the host cost (GIL, 2 cores); with prefetch=0 the main
-      # thread forms chunk n + 1 between dispatching call n and waiting for it (issue 40's lever
-      # "in-memory chunks formed on the main thread").
-      *(e("Loopkit", ("mlp",), k=k, prefetch=0) for k in KS),
-      *(e("Loopkit", ("mlp",), k=k, source="array") for k in (1, 100)),
-      e("Loopkit", min_devices=2, k=100, style="per_device"),
-      e("PerStepJit", prefetch=True), e("PerStepJit", prefetch=False),
-      e("PerStepPmap", min_devices=2),
-      e("KerasFit", optional="Keras"),  # keras is in the `bench` extra
-  )
+# The systems a worker measures, in the order of its rounds and of the report's rows.
+LINEUP = (
+    entry("Limit"),
+    *(entry("Loopkit", k=k) for k in KS),
+    *(entry("HandwrittenScan", k=k) for k in KS),  # the anchor, same source
+    # The prefetch thread's share of the host cost (GIL, 2 cores); with prefetch=0 the main
+    # thread forms chunk n + 1 between dispatching call n and waiting for it (issue 40's lever
+    # "in-memory chunks formed on the main thread").
+    *(entry("Loopkit", ("mlp",), k=k, prefetch=0) for k in KS),
+    *(entry("Loopkit", ("mlp",), k=k, source="array") for k in (1, 100)),
+    entry("Loopkit", min_devices=2, k=100, style="per_device"),
+    entry("PerStepJit", prefetch=True), entry("PerStepJit", prefetch=False),
+    entry("PerStepPmap", min_devices=2),
+    entry("KerasFit", optional="Keras"),  # keras is in the `bench` extra
+)
 
 
 # -- worker ----------------------------------------------------------------------
@@ -98,7 +95,7 @@ def worker(args: argparse.Namespace) -> dict:
     w = wl.get(wname, steps)
     data = wl.make_data(w)
     wl.init_state(w)  # the initialisers' own compilations, before anything is counted
-    systems = sy.build(lineup(), w, data, leave_out=("KerasFit",) if args.no_keras else (),
+    systems = sy.build(LINEUP, w, data, leave_out=("KerasFit",) if args.no_keras else (),
                        log=_log)
     tag = f"[{n_dev} dev {wname}]"
     first = {}

@@ -1,6 +1,8 @@
 """The runner core of the benchmarks: what ``run.py`` (CPU devices) and ``gpu.py`` (one
 accelerator) share.
 
+* line-ups as data: :class:`Entry`, one system with its arguments and where it runs
+  (``benchmarks.systems.build`` makes the systems);
 * timing side by side: :func:`time_interleaved` times a line-up of systems in interleaved
   rounds (the order reversed every other round, each round at least ``min_round_secs`` of
   back-to-back runs per system), so that a load spike hurts every system alike;
@@ -17,6 +19,7 @@ a worker and imports :mod:`benchmarks.measure` there.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -36,6 +39,34 @@ PER_STEP = ("per-step jit + prefetch", "per-step jit, numpy in", "per-step pmap"
 def log(msg: str) -> None:
   """One progress line on stderr (stdout carries the workers' results and the report)."""
   print(msg, file=sys.stderr, flush=True)
+
+
+# -- line-ups -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One system of a line-up: its class, its arguments, and where it runs.
+
+  Attributes:
+    cls: the system's class name in ``benchmarks/systems.py``, e.g. ``"Loopkit"``.
+    kwargs: its keyword arguments after ``(w, data)``, as ``(name, value)`` pairs.
+    workloads: the workload names it runs on (None: every workload).
+    min_devices: the fewest devices it runs on.
+    optional: the name of a package the system may lack (an ``ImportError`` while it is built
+      leaves it out with a log line), or None (the error propagates).
+  """
+
+  cls: str
+  kwargs: tuple[tuple[str, Any], ...] = ()
+  workloads: tuple[str, ...] | None = None
+  min_devices: int = 1
+  optional: str | None = None
+
+
+def entry(cls: str, workloads: tuple[str, ...] | None = None, min_devices: int = 1,
+          optional: str | None = None, **kwargs: Any) -> Entry:
+  """An :class:`Entry` with its keyword arguments given as keywords."""
+  return Entry(cls, tuple(kwargs.items()), workloads, min_devices, optional)
 
 
 # -- timing side by side ---------------------------------------------------------

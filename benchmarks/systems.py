@@ -25,8 +25,8 @@ Systems:
     data set ``[S, B, ...]`` already on the devices: no host work at all.
 
 A line-up (which systems a run measures, with which arguments, on which workloads and
-device counts) is data: a tuple of :class:`Entry`, built by :func:`build`
-(``benchmarks/run.py``'s ``LINEUP``).
+device counts) is data: a tuple of :class:`benchmarks.runner.Entry` (``benchmarks/run.py``'s
+``LINEUP``), built here by :func:`build`.
 
 Runs in a worker process whose device count was fixed before JAX started.
 """
@@ -34,7 +34,6 @@ Runs in a worker process whose device count was fixed before JAX started.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -45,7 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
-from benchmarks import workloads as wl
+from benchmarks import runner, workloads as wl
 
 # Per-step loops wait for their outputs every this many steps (Flax examples: log_every_steps).
 LOG_EVERY_STEPS = 100
@@ -485,53 +484,32 @@ class Limit(System):
 
 # -- line-ups --------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
-  """One system of a line-up: its class, its arguments, and where it runs.
-
-  Attributes:
-    cls: the system's class name in this module, e.g. ``"Loopkit"``.
-    kwargs: its keyword arguments after ``(w, data)``, as ``(name, value)`` pairs.
-    workloads: the workload names it runs on (None: every workload).
-    min_devices: the fewest devices it runs on.
-    optional: the name of a package the system may lack (an ``ImportError`` while it is built
-      leaves it out with a log line), or None (the error propagates).
-  """
-
-  cls: str
-  kwargs: tuple[tuple[str, Any], ...] = ()
-  workloads: tuple[str, ...] | None = None
-  min_devices: int = 1
-  optional: str | None = None
-
-
-def entry(cls: str, workloads: tuple[str, ...] | None = None, min_devices: int = 1,
-          optional: str | None = None, **kwargs: Any) -> Entry:
-  """An :class:`Entry` with its keyword arguments given as keywords."""
-  return Entry(cls, tuple(kwargs.items()), workloads, min_devices, optional)
-
-
-def build(lineup: Iterable[Entry], w: wl.Workload, data: dict[str, np.ndarray],
-          leave_out: Iterable[str] = (), log: Callable[[str], None] = print) -> list[System]:
-  """The systems of ``lineup`` that run on workload ``w`` at this process's device count, in
-  the line-up's order (which is the order of the timed rounds and of the report's rows).
+def build(lineup: Iterable[runner.Entry], w: wl.Workload, data: dict[str, np.ndarray],
+          leave_out: Iterable[str] = (), log: Callable[[str], None] = print,
+          devices: int | None = None) -> list[System]:
+  """The systems of ``lineup`` that run on workload ``w`` at ``devices``, in the line-up's
+  order (which is the order of the timed rounds and of the report's rows).
 
   Args:
     lineup: the entries.
     w: the workload; ``data`` its ``[S, B, ...]`` arrays (:func:`benchmarks.workloads.make_data`).
     leave_out: class names not to build (e.g. ``"KerasFit"`` for ``--no-keras``).
     log: where an optional system's ``ImportError`` is reported.
+    devices: the device count the entries are chosen for (default ``jax.device_count()``).
 
   Raises:
-    KeyError: an entry names a class this module does not have.
+    ValueError: an entry names no :class:`System` class of this module.
   """
-  devices, out = jax.device_count(), []
+  devices, out = devices or jax.device_count(), []
   for e in lineup:
     if (e.cls in leave_out or devices < e.min_devices
         or (e.workloads is not None and w.name not in e.workloads)):
       continue
+    cls = globals().get(e.cls)
+    if not (isinstance(cls, type) and issubclass(cls, System)):
+      raise ValueError(f"line-up entry {e!r}: {e.cls!r} is no system of benchmarks/systems.py")
     try:
-      out.append(globals()[e.cls](w, data, **dict(e.kwargs)))
+      out.append(cls(w, data, **dict(e.kwargs)))
     except ImportError as err:
       if e.optional is None:
         raise
