@@ -32,7 +32,7 @@ FLAG_SETTINGS = ("on", "off")  # the order the workers run in
 # Peak dense bf16 tensor-core rate by device kind. NVIDIA's H200 datasheet (nvidia.com/h200,
 # "H200 SXM": BF16 Tensor Core 1,979 TFLOPS *with sparsity*) halves to 989 TFLOP/s dense; the
 # H200 shares the H100's compute engine (same figure on the H100 SXM datasheet). A bf16
-# 8192^3 matmul reaches 769-798 TFLOP/s on the H200 machine described in the module docstring.
+# 8192^3 matmul reaches 769-798 TFLOP/s on the H200 machine described in gpu.py's docstring.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12}
 RESNET_VARIANTS = ("per-step", "K=1", "K=26", "K=100", "limit")
 ALL_VARIANTS = ("mlp",) + RESNET_VARIANTS
