@@ -57,8 +57,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
-import itertools
 import json
 import os
 import queue
@@ -77,372 +75,54 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from benchmarks import run as cpu_run  # noqa: E402  (stdlib-only at import: no JAX here)
-
-COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
-# the flag the "on" setting adds, by the name LOOPKIT_GPU_ON_FLAG gives (default deterministic)
-ON_FLAGS = {"deterministic": DETERMINISTIC_FLAG, "command-buffers": COMMAND_BUFFER_FLAG}
-
-
-def _flag_name() -> str:
-  """The report's name of the ``on``/``off`` column: the flag's short name."""
-  return {v: k for k, v in ON_FLAGS.items()}[on_flag()].replace("-", " ")
-
-
-def on_flag() -> str:
-  """The XLA flag of the ``on`` setting (``LOOPKIT_GPU_ON_FLAG``, default deterministic)."""
-  name = os.environ.get("LOOPKIT_GPU_ON_FLAG", "deterministic")
-  if name not in ON_FLAGS:
-    raise ValueError(f"LOOPKIT_GPU_ON_FLAG={name!r}; expected one of {sorted(ON_FLAGS)}")
-  return ON_FLAGS[name]
+# The run's pieces (stdlib-only at import: no JAX in the parent). Their names are this module's
+# too, as before the split: gpu_exactness.py, gpu_dispatch.py and the tests use them from here.
+from benchmarks import run as cpu_run, runner  # noqa: E402
+from benchmarks.gpu_plan import (  # noqa: E402, F401
+  ALL_VARIANTS,
+  COMMAND_BUFFER_FLAG,
+  CPU_SMOKE,
+  DETERMINISTIC_FLAG,
+  FLAG_SETTINGS,
+  H200,
+  ON_FLAGS,
+  ORDER,
+  PEAK_FLOPS,
+  PLANS,
+  RESNET_VARIANTS,
+  Estimates,
+  Plan,
+  chunk_bytes,
+  flag_name,
+  on_flag,
+  timed_steps,
+  variant_k,
+)
+from benchmarks.gpu_report import (  # noqa: E402, F401
+  flops_per_step,
+  images_per_s,
+  peak_flops,
+  render_report,
+  render_resnet,
+  resnet_headlines,
+  summarize_resnet,
+)
+from benchmarks.gpu_resnet import BoundaryClock, ResNetBench  # noqa: E402, F401
+from benchmarks.runner import git_commit, log as _log, nvidia_smi  # noqa: E402, F401
 
 # XLA's per-fusion autotuning results, kept in a directory that every worker of the run shares:
 # the second flag setting's compiles reuse the first's cuDNN/cuBLAS/Triton choices (shorter
 # compiles, and the same kernels with and without the flag). Dropped if XLA does not know it.
 AUTOTUNE_CACHE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
-FLAG_SETTINGS = ("on", "off")  # the order the workers run in
-# Peak dense bf16 tensor-core rate by device kind. NVIDIA's H200 datasheet (nvidia.com/h200,
-# "H200 SXM": BF16 Tensor Core 1,979 TFLOPS *with sparsity*) halves to 989 TFLOP/s dense; the
-# H200 shares the H100's compute engine (same figure on the H100 SXM datasheet). A bf16
-# 8192^3 matmul reaches 769-798 TFLOP/s on the H200 machine described in the module docstring.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12}
 PACKAGES = ["jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
             "jax-cuda12-pjrt", "flax", "optax", "numpy", "ml_collections", "loopkit"]
 TAG = "@@gpu.py "  # prefix of the worker's protocol lines on stdout
-RESNET_VARIANTS = ("per-step", "K=1", "K=26", "K=100", "limit")
-ALL_VARIANTS = ("mlp",) + RESNET_VARIANTS
-# Most important first within a worker: with the flag the loopkit rows against the per-step
-# loop and the limit; without it, loopkit against the limit (the per-step program has no
-# while loop, so the flag should not change it).
-ORDER = {"on": ("mlp", "per-step", "K=100", "limit", "K=26", "K=1"),
-         "off": ("mlp", "K=100", "limit", "per-step", "K=26", "K=1")}
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """Sizes, step counts and the time budget of one configuration.
-
-  The ``est_*`` fields are the budget's starting estimates (seconds); a worker
-  replaces them with what it measures as it goes (its first compile, its step
-  time), and hands its estimates to the next worker.
-  """
-
-  name: str
-  depth: int
-  num_filters: int
-  image_size: int
-  batch: int
-  num_classes: int
-  ks: tuple[int, ...]           # loopkit's iterations_per_loop values
-  limit_k: int                  # K of the limit (the device-resident program)
-  warm_steps: int               # steps of each variant's warm-up run (includes its compile)
-  timed_steps: int              # steps timed per variant, rounded up to whole calls
-  min_calls: int                # ... and at least this many calls for K > 1
-  pool: int                     # distinct host batches cycled by the source
-  mlp_steps: int                # S of the MLP (steps per timed run)
-  mlp_repeats: int
-  mlp_min_round_secs: float
-  mlp_mechanism_calls: int
-  budget_s: float               # the whole run, all workers
-  est_setup_s: float            # worker start: import, backend, model init, host pool
-  est_compile_s: float          # one ResNet program
-  est_step_s: float             # one ResNet step
-  est_mlp_s: float              # the whole MLP block
-  host_bytes_per_s: float       # host stacking + transfer of a chunk (pipeline fill)
-  est_limit_extra_s: float      # the limit's own set-up: its chunk made on the device, the state
-  min_timeout_s: float          # a variant's timeout: max(this, 2.5 x its estimate)
-  platform: str                 # "gpu" or "cpu" (the tiny plan forces JAX_PLATFORMS=cpu)
-
-  @property
-  def model_name(self) -> str:
-    return f"ResNet-{self.depth} v1.5" + ("" if self.num_filters == 64
-                                          else f" ({self.num_filters} base filters)")
-
-
-# The H200 plan's estimates are guesses (no H200 has run this script yet): compile of a
-# ResNet-50 train program with XLA's autotuning ~60 s, a step ~65 ms (about 3,900 images/s).
-# The budget logic replaces them with measured values after the first variant.
-H200 = Plan(name="h200", depth=50, num_filters=64, image_size=224, batch=256, num_classes=1000,
-            ks=(1, 26, 100), limit_k=100, warm_steps=5, timed_steps=100, min_calls=2, pool=4,
-            mlp_steps=5000, mlp_repeats=3, mlp_min_round_secs=0.3, mlp_mechanism_calls=50,
-            budget_s=450.0, est_setup_s=25.0, est_compile_s=60.0, est_step_s=0.065,
-            est_mlp_s=40.0, host_bytes_per_s=2e9, est_limit_extra_s=5.0, min_timeout_s=90.0,
-            platform="gpu")
-# Same code paths on this CPU: a ResNet-18 with 8 base filters at 32x32, batch 8.
-CPU_SMOKE = Plan(name="cpu_smoke", depth=18, num_filters=8, image_size=32, batch=8,
-                 num_classes=10, ks=(1, 26, 100), limit_k=100, warm_steps=2, timed_steps=26,
-                 min_calls=2, pool=4, mlp_steps=400, mlp_repeats=1, mlp_min_round_secs=0.0,
-                 mlp_mechanism_calls=5, budget_s=600.0, est_setup_s=30.0, est_compile_s=20.0,
-                 est_step_s=0.02, est_mlp_s=40.0, host_bytes_per_s=1e9, est_limit_extra_s=10.0,
-                 min_timeout_s=150.0, platform="cpu")
-PLANS = {"h200": H200, "cpu_smoke": CPU_SMOKE}
-
-
-def variant_k(plan: Plan, variant: str) -> int | None:
-  """iterations_per_loop of a ResNet variant (None for the per-step loop and the MLP)."""
-  if variant == "limit":
-    return plan.limit_k
-  if variant.startswith("K="):
-    return int(variant[2:])
-  return None
-
-
-def timed_steps(plan: Plan, variant: str) -> int:
-  """Steps a ResNet variant times: ``plan.timed_steps`` rounded up to whole calls of K,
-  at least ``plan.min_calls`` calls for K > 1."""
-  k = variant_k(plan, variant)
-  if not k or k == 1:
-    return plan.timed_steps
-  return k * max(plan.min_calls, -(-plan.timed_steps // k))
-
-
-def chunk_bytes(plan: Plan, k: int) -> int:
-  """Bytes of one ``[K, B, S, S, 3]`` uint8 chunk plus its int32 labels."""
-  return k * plan.batch * (plan.image_size ** 2 * 3 + 4)
-
-
-@dataclasses.dataclass
-class Estimates:
-  """The budget's running cost model (seconds), refined by measurements."""
-
-  setup_s: float
-  compile_s: float
-  step_s: float
-  mlp_s: float
-
-  @classmethod
-  def of(cls, plan: Plan) -> Estimates:
-    return cls(plan.est_setup_s, plan.est_compile_s, plan.est_step_s, plan.est_mlp_s)
-
-  def expected_s(self, plan: Plan, variant: str, compiled_ks: frozenset = frozenset()) -> float:
-    """Expected wall seconds of ``variant``: compile + warm-up + timed steps (+ one chunk's
-    pipeline fill for loopkit; no compile for the limit if its program is already built)."""
-    if variant == "mlp":
-      return self.mlp_s
-    k = variant_k(plan, variant)
-    steps = plan.warm_steps + timed_steps(plan, variant)
-    compile_s = 0.0 if (variant == "limit" and k in compiled_ks) else self.compile_s
-    fill = 2 * chunk_bytes(plan, k) / plan.host_bytes_per_s if variant.startswith("K=") else 0.0
-    extra = plan.est_limit_extra_s if variant == "limit" else 0.0
-    return compile_s + 1.1 * steps * self.step_s + fill + extra
-
-  def timeout_s(self, plan: Plan, variant: str, compiled_ks: frozenset = frozenset()) -> float:
-    return max(plan.min_timeout_s, 2.5 * self.expected_s(plan, variant, compiled_ks))
 
 
 # == worker ======================================================================================
 
 def _emit(kind: str, payload: Any) -> None:
-  print(TAG + kind + " " + json.dumps(payload), flush=True)
-
-
-def _log(msg: str) -> None:
-  print(msg, file=sys.stderr, flush=True)
-
-
-def _flops_of(cost: Any) -> float | None:
-  """``flops`` of a ``cost_analysis()`` result (a dict; a list of one dict in older JAX)."""
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  if not cost or "flops" not in cost:
-    return None
-  return float(cost["flops"])
-
-
-class ResNetBench:
-  """The ResNet variants of one worker: one model, one host pool, one mesh.
-
-  Every variant starts from the same initial state (a host copy, placed anew) and
-  reads the same cycled pool of host batches ``{"image": uint8 [B, S, S, 3],
-  "label": int32 [B]}``.
-  """
-
-  def __init__(self, plan: Plan):
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-
-    from benchmarks import systems  # noqa: PLC0415
-    from examples.resnet50 import gpu_bench  # noqa: PLC0415
-
-    self.jax, self.np, self.systems, self.plan = jax, np, systems, plan
-    self.step, state = gpu_bench.build_step(depth=plan.depth, batch=plan.batch,
-                                            num_filters=plan.num_filters,
-                                            num_classes=plan.num_classes)
-    self.host_state = jax.device_get(state)
-    self.mesh = systems.data_mesh()
-    self.replicated = NamedSharding(self.mesh, P())
-    self.batch_sharding = NamedSharding(self.mesh, P("data"))
-    rng = np.random.default_rng(0)
-    s = plan.image_size
-    self.pool = [{"image": rng.integers(0, 256, (plan.batch, s, s, 3), dtype=np.uint8),
-                  "label": rng.integers(0, plan.num_classes, (plan.batch,), dtype=np.int32)}
-                 for _ in range(plan.pool)]
-    self.programs: dict[int, Any] = {}  # K -> loopkit.core.MultiStepProgram compiled here
-    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-    from loopkit.core import flops as flops_lib  # noqa: PLC0415
-
-    traced = jax.jit(self.step).trace(jax.tree.map(spec, self.host_state),
-                                      jax.tree.map(spec, self.pool[0]))  # traced once for both
-    self.lowered_flops = _flops_of(traced.lower().cost_analysis())
-    self.jaxpr_flops = flops_lib.jaxpr_flops(traced.jaxpr)
-
-  def source(self, n: int):
-    return itertools.islice(itertools.cycle(self.pool), n)
-
-  def per_step(self, variant: str) -> dict:
-    jax, sy, plan = self.jax, self.systems, self.plan
-    jitted = jax.jit(self.step, donate_argnums=(0,),
-                     in_shardings=(self.replicated, self.batch_sharding),
-                     out_shardings=(self.replicated, self.replicated))
-    every = sy.wait_every()
-    state = jax.device_put(self.host_state, self.replicated)
-    t0 = time.perf_counter()
-    # Compiled ahead (one executable for certain, and the FLOPs from its own cost analysis);
-    # called like the jitted function, state donated.
-    step = jitted.lower(state, jax.device_put(self.pool[0], self.batch_sharding)).compile()
-    flops = _flops_of(step.cost_analysis())
-
-    def train(state, n):
-      return sy.per_step_loop(step, state, sy.device_prefetch(self.source(n),
-                                                              self.batch_sharding), every)
-
-    state = train(state, plan.warm_steps)
-    warm_s = time.perf_counter() - t0
-    n = timed_steps(plan, variant)
-    p0, t0 = time.process_time(), time.perf_counter()
-    state = train(state, n)
-    secs, cpu = time.perf_counter() - t0, time.process_time() - p0
-    assert int(jax.device_get(state.step)) == plan.warm_steps + n
-    return {"system": "per-step jit + prefetch 2", "k": None, "steps": n, "calls": n,
-            "secs": secs, "cpu_s": cpu, "warm_s": warm_s, "executables": 1,
-            "compiled_flops": flops}
-
-  def loopkit(self, variant: str) -> dict:
-    import loopkit  # noqa: PLC0415
-
-    jax, plan = self.jax, self.plan
-    k = variant_k(plan, variant)
-    clock = BoundaryClock()
-    loop = loopkit.TrainLoop(self.step, iterations_per_loop=k, mesh=self.mesh, hooks=[clock])
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(loop.run(self.host_state, self.source(plan.warm_steps),
-                                           num_steps=plan.warm_steps))
-    warm_s = time.perf_counter() - t0
-    n = timed_steps(plan, variant)
-    clock.marks.clear()
-    before = dict(loop.ledger.seconds)
-    p0, t0 = time.process_time(), time.perf_counter()
-    state = loop.run(state, self.source(n), num_steps=plan.warm_steps + n)
-    jax.block_until_ready(state)
-    secs, cpu = time.perf_counter() - t0, time.process_time() - p0
-    if loop.status != "completed" or loop.ledger.step != plan.warm_steps + n:
-      raise RuntimeError(f"TrainLoop ended {loop.status!r} at step {loop.ledger.step}")
-    spent = {b: loop.ledger.seconds.get(b, 0.0) - before.get(b, 0.0)
-             for b in ("dispatch", "device_wait", "data_wait")}
-    self.programs[k] = loop.program
-    return {"system": f"loopkit TrainLoop K={k}", "k": k, "steps": n, "calls": -(-n // k),
-            "secs": secs, "cpu_s": cpu, "warm_s": warm_s,
-            "executables": loop.program.compile_count(),
-            "steady_steps_per_s": clock.steps_per_s(), "loss": clock.last_loss,
-            "dispatch_s": spent["dispatch"], "device_wait_s": spent["device_wait"],
-            "data_wait_s": spent["data_wait"]}
-
-  def limit(self, variant: str) -> dict:
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    import loopkit  # noqa: PLC0415
-
-    jax, np, plan = self.jax, self.np, self.plan
-    k = variant_k(plan, variant)
-    program = self.programs.get(k)
-    reused = program is not None
-    if program is None:
-      program = loopkit.core.MultiStepProgram(self.step, iterations_per_loop=k, mesh=self.mesh)
-    shape = (k, plan.batch, plan.image_size, plan.image_size, 3)
-
-    @jax.jit(out_shardings=program.batch_sharding)
-    def synthetic(key):  # made on the device: no multi-GB host array for the limit
-      k1, k2 = jax.random.split(key)
-      return {"image": jax.random.bits(k1, shape, jnp.uint8),
-              "label": jax.random.randint(k2, (k, plan.batch), 0, plan.num_classes, jnp.int32)}
-
-    chunk = jax.block_until_ready(synthetic(jax.random.key(0)))
-    state = program.place_state(self.host_state)
-    compiles_before = program.compile_count()
-    n_warm = jax.device_put(np.int32(min(k, plan.warm_steps)), program.replicated)
-    n_full = jax.device_put(np.int32(k), program.replicated)
-    t0 = time.perf_counter()
-    state, out = program(state, chunk, n_warm)
-    jax.block_until_ready(out.step)
-    warm_s = time.perf_counter() - t0
-    n = timed_steps(plan, variant)
-    calls = n // k
-    pending = None
-    p0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(calls):
-      state, out = program(state, chunk, n_full)
-      if pending is not None:
-        jax.device_get(pending.step)  # fetched one call late, as TrainLoop does
-      pending = out
-    last = jax.device_get(pending)
-    secs, cpu = time.perf_counter() - t0, time.process_time() - p0
-    assert int(last.step) == min(k, plan.warm_steps) + n, int(last.step)
-    loss = loopkit.metrics.fold_steps(last.traces["loss"])
-    return {"system": f"limit: K={k} program, chunk on device", "k": k, "steps": n,
-            "calls": calls, "secs": secs, "cpu_s": cpu, "warm_s": warm_s,
-            "executables": program.compile_count(),
-            "program_reused": reused, "compiled_here": program.compile_count() - compiles_before,
-            "loss": float(loss.total / loss.count)}
-
-
-class BoundaryClock:
-  """A loopkit hook that records ``(perf_counter, end_step)`` at every boundary.
-
-  Boundaries are processed one call late, so the interval between two marks is
-  one device call in steady state; :meth:`steps_per_s` runs from the first mark (after
-  the pipeline fill: the first chunk's stacking and transfer) to the last but one.
-  """
-
-  needs_state = False
-
-  def __init__(self):
-    import loopkit  # noqa: PLC0415
-
-    self.trigger = loopkit.Trigger()  # every call; on_trigger does nothing, after_each_call() times
-    self.marks: list[tuple[float, int]] = []
-    self.last_loss: float | None = None
-
-  def on_run_start(self, loop, state):
-    return None
-
-  def after_each_call(self, info) -> None:
-    self.marks.append((time.perf_counter(), info.end_step))
-    if "loss" in info.metrics:
-      self.last_loss = float(info.metrics["loss"])
-
-  def on_trigger(self, info, state):
-    return None
-
-  def on_run_end(self, loop, state):
-    return None
-
-  def steps_per_s(self) -> float | None:
-    """Steps/s from the first mark to the one before the last (None under 3 marks).
-
-    A call's mark comes when the host reads its results, one call late: after the next call
-    finished where a call blocks the host (the traced-trip-count loop on a GPU,
-    ``benchmarks/gpu_dispatch.py``), after the call itself where dispatch is asynchronous; the
-    last mark follows the one before it at once. From the first mark to the last but one the
-    time and the steps cover the same calls either way (the H200 run of 2026-12-04 took the last
-    mark, which counted one call more than the time held: 10,127 images/s at K = 26 above a
-    limit of 6,959).
-    """
-    if len(self.marks) < 3:
-      return None
-    (t0, s0), (t1, s1) = self.marks[0], self.marks[-2]
-    return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+  runner.emit(f"{TAG}{kind} ", payload)
 
 
 def run_mlp(plan: Plan) -> dict:
@@ -541,21 +221,14 @@ class WorkerRun:
 
 
 def _worker_env(plan: Plan, flag: str, autotune_dir: str | None) -> dict[str, str]:
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_gpu_enable_command_buffer")
-           and not f.startswith("--xla_gpu_deterministic_ops")
-           and not f.startswith("--xla_force_host_platform_device_count")]
-  if flag == "on":
-    flags.append(on_flag())
+  add = [on_flag()] if flag == "on" else []
   if autotune_dir:
-    flags.append(f"{AUTOTUNE_CACHE_FLAG}={autotune_dir}")
-  env["XLA_FLAGS"] = " ".join(flags)
-  if plan.platform == "cpu":
-    env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  env.setdefault("PYTHONUNBUFFERED", "1")
-  return env
+    add.append(f"{AUTOTUNE_CACHE_FLAG}={autotune_dir}")
+  return runner.worker_env(
+      drop_xla=["--xla_gpu_enable_command_buffer", "--xla_gpu_deterministic_ops",
+                "--xla_force_host_platform_device_count"], add_xla=add,
+      set_env={"JAX_PLATFORMS": "cpu"} if plan.platform == "cpu" else None,
+      default_env={"PYTHONUNBUFFERED": "1"})
 
 
 def launch_worker(plan: Plan, flag: str, variants: list[str], deadline: float,
@@ -661,7 +334,7 @@ def run_all(plan: Plan, flags: list[str], variants: list[str] | None,
         break
       if share_deadline - time.time() < plan.est_setup_s:
         break
-      _log(f"== worker, {_flag_name()} {flag}: {', '.join(todo)} "
+      _log(f"== worker, {flag_name()} {flag}: {', '.join(todo)} "
            f"({share_deadline - time.time():.0f} s of {hard_deadline - time.time():.0f} s left)")
       got = launch_worker(plan, flag, todo, share_deadline, hard_deadline, estimates,
                           autotune_dir)
@@ -694,283 +367,6 @@ def run_all(plan: Plan, flags: list[str], variants: list[str] | None,
     shutil.rmtree(made, ignore_errors=True)
   return {"rows": rows, "metas": metas, "wall_s": time.time() - t0, "estimates": estimates,
           "notes": notes}
-
-
-# == report ======================================================================================
-
-def _find(rows: list[dict], variant: str, flag: str) -> dict | None:
-  for r in rows:
-    if r["variant"] == variant and r["flag"] == flag and r["status"] == "ok":
-      return r
-  return None
-
-
-def images_per_s(row: dict, batch: int) -> float:
-  return row["steps"] * batch / row["secs"]
-
-
-def flops_per_step(rows: list[dict]) -> tuple[float | None, str]:
-  """FLOPs of one train step: the step's jaxpr count (:func:`loopkit.core.flops.jaxpr_flops`,
-  matrix products and convolutions) if a row has it, else the compiled per-step executable's
-  cost analysis, else the lowered (unoptimised) HLO's.
-
-  The jaxpr count comes first because XLA:GPU's cost analysis leaves out the convolutions it
-  hands to cuDNN (custom calls): on the H200 it gave 105.8 GFLOP for a ResNet-50 step of batch
-  256, against 7.23 TFLOP counted from its jaxpr (28.2 GFLOP per image, forward and backward).
-  """
-  for r in rows:
-    if r.get("jaxpr_flops"):
-      return r["jaxpr_flops"], "step's jaxpr (`loopkit.core.flops.jaxpr_flops`: matrix " \
-          "products and convolutions; XLA:GPU's `cost_analysis()` leaves out cuDNN's convolutions)"
-  for r in rows:
-    if r["status"] == "ok" and r.get("compiled_flops"):
-      return r["compiled_flops"], "compiled per-step executable's `cost_analysis()`"
-  for r in rows:
-    if r.get("lowered_flops"):
-      return r["lowered_flops"], "lowered HLO (`jit(step).lower(...).cost_analysis()`; no " \
-          "per-step row had the compiled count)"
-  return None, "not measured"
-
-
-def peak_flops(device_kind: str, override: float | None) -> float | None:
-  if override:
-    return override
-  for name, peak in PEAK_FLOPS.items():
-    if name in device_kind:
-      return peak
-  return None
-
-
-def summarize_resnet(rows: list[dict], plan: Plan, peak: float | None) -> list[dict]:
-  """One entry per (ResNet variant, flag) in table order, ratios from the measured rows.
-
-  Ratios are to the per-step loop and to the limit of the *same* flag setting;
-  MFU = FLOPs per step x steps/s / peak.
-  """
-  flops, _ = flops_per_step(rows)
-  out = []
-  for variant in RESNET_VARIANTS:
-    for flag in FLAG_SETTINGS:
-      r = next((x for x in rows if x["variant"] == variant and x["flag"] == flag), None)
-      if r is None:
-        continue
-      e = {"variant": variant, "flag": flag, "status": r["status"], "row": r}
-      if r["status"] == "ok":
-        ips = images_per_s(r, plan.batch)
-        e["images_per_s"] = ips
-        if r.get("steady_steps_per_s"):
-          e["steady_images_per_s"] = r["steady_steps_per_s"] * plan.batch
-        base = _find(rows, "per-step", flag)
-        lim = _find(rows, "limit", flag)
-        e["vs_per_step"] = ips / images_per_s(base, plan.batch) if base else None
-        e["vs_limit"] = ips / images_per_s(lim, plan.batch) if lim else None
-        e["mfu"] = flops * ips / plan.batch / peak if (flops and peak) else None
-        e["cpu_s_per_call"] = r["cpu_s"] / r["calls"]
-      out.append(e)
-  return out
-
-
-def _f(x: float | None, fmt: str) -> str:
-  return "—" if x is None else format(x, fmt)
-
-
-def render_resnet(rows: list[dict], plan: Plan, peak: float | None) -> str:
-  lines = [f"| system | {_flag_name()} | steps (calls) | images/s | steady images/s | / per-step "
-           "| / limit | MFU | host CPU s/call | dispatch s | device wait s | compile + warm-up s "
-           "| executables | status |", "|" + "---|" * 14]
-  for e in summarize_resnet(rows, plan, peak):
-    r = e["row"]
-    if e["status"] != "ok":
-      lines.append(f"| {e['variant']} | {e['flag']} | | | | | | | | | | | | {e['status']} |")
-      continue
-    lines.append(
-        f"| {r['system']} | {e['flag']} | {r['steps']} ({r['calls']}) | "
-        f"{e['images_per_s']:,.1f} | {_f(e.get('steady_images_per_s'), ',.1f')} | "
-        f"{_f(e['vs_per_step'], '.3f')} | {_f(e['vs_limit'], '.3f')} | "
-        + ("—" if e["mfu"] is None else f"{100 * e['mfu']:.1f}%") + " | "
-        f"{e['cpu_s_per_call']:.4f} | {_f(r.get('dispatch_s'), '.2f')} | "
-        f"{_f(r.get('device_wait_s'), '.2f')} | {r['warm_s']:.1f} | {r['executables']} | ok |")
-  return "\n".join(lines)
-
-
-def resnet_headlines(rows: list[dict], plan: Plan, peak: float | None) -> list[str]:
-  """One line per flag setting with the figures the issue's closing note asks for."""
-  by = {(e["variant"], e["flag"]): e for e in summarize_resnet(rows, plan, peak)
-        if e["status"] == "ok"}
-  out = []
-  for flag in FLAG_SETTINGS:
-    parts = []
-    for v in ("K=26", "K=100"):
-      e = by.get((v, flag))
-      if e:
-        parts.append(f"{v} {e['images_per_s']:,.0f} images/s = {_f(e['vs_per_step'], '.2f')}x "
-                     f"per-step, {_f(e['vs_limit'], '.2f')}x the limit, MFU "
-                     + ("—" if e["mfu"] is None else f"{100 * e['mfu']:.1f}%"))
-    for v in ("per-step", "limit"):
-      e = by.get((v, flag))
-      if e:
-        parts.append(f"{v} {e['images_per_s']:,.0f} images/s")
-    if parts:
-      out.append(f"- {_flag_name()} {flag}: " + "; ".join(parts))
-  return out
-
-
-def mlp_rows(rows: list[dict], flag: str) -> tuple[list[dict], list[dict]]:
-  r = _find(rows, "mlp", flag)
-  if r is None:
-    return [], []
-  return r["mlp"]["rows"], r["mlp"]["mechanism"]
-
-
-def render_mlp_summary(rows: list[dict]) -> str:
-  """MLP steps/s and ratios, both flag settings side by side."""
-  lines = ["| system | " + " | ".join(
-      f"steps/s ({f}) | / limit ({f}) | / per-step jit + prefetch ({f}) | / fastest per-step "
-      f"({f}) | host CPU µs/step ({f})" for f in FLAG_SETTINGS) + " |",
-      "|---|" + "---|" * (5 * len(FLAG_SETTINGS))]
-  names = []
-  for flag in FLAG_SETTINGS:
-    for r in mlp_rows(rows, flag)[0]:
-      if r["system"] not in names:
-        names.append(r["system"])
-  for name in names:
-    cols = [name]
-    for flag in FLAG_SETTINGS:
-      mrows = mlp_rows(rows, flag)[0]
-      r = next((x for x in mrows if x["system"] == name), None)
-      if r is None:
-        cols += [""] * 5
-        continue
-      rate = cpu_run._best_rate(r)
-      lim = cpu_run._find(mrows, "mlp", r["devices"], "limit (one scan)")
-      flax = cpu_run._find(mrows, "mlp", r["devices"], "per-step jit + prefetch")
-      fastest = cpu_run._fastest_per_step(mrows, "mlp", r["devices"])
-      cols += [f"{rate:,.0f}", _f(rate / cpu_run._best_rate(lim) if lim else None, ".3f"),
-               _f(rate / cpu_run._best_rate(flax) if flax else None, ".2f"),
-               _f(rate / cpu_run._best_rate(fastest) if fastest else None, ".2f"),
-               f"{min(r['cpu']) / r['steps'] * 1e6:.1f}"]
-    lines.append("| " + " | ".join(cols) + " |")
-  return "\n".join(lines)
-
-
-def render_budget(rows: list[dict]) -> str:
-  lines = [f"| {_flag_name()} | variant | expected s | took s | status |", "|---|---|---|---|---|"]
-  for r in rows:
-    status = r["status"] if r["status"] == "ok" else r["status"].replace("|", "/")
-    lines.append(f"| {r['flag']} | {r['variant']} | {r.get('expected_s', '—')} | "
-                 f"{r.get('took_s', '—')} | {status} |")
-  return "\n".join(lines)
-
-
-def versions() -> dict[str, str]:
-  out = {}
-  for p in PACKAGES:
-    try:
-      out[p] = importlib.metadata.version(p)
-    except importlib.metadata.PackageNotFoundError:
-      pass
-  return out
-
-
-def git_commit() -> str:
-  """The checkout's commit (+ "dirty" with uncommitted changes), or "" without git."""
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=20)
-    if head.returncode != 0:
-      return ""
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=20).stdout.strip()
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-  except (OSError, subprocess.SubprocessError):
-    return ""
-
-
-def nvidia_smi() -> str:
-  try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                          "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-    return out.stdout.strip().replace("\n", "; ") if out.returncode == 0 else ""
-  except (OSError, subprocess.SubprocessError):
-    return ""
-
-
-def render_report(res: dict, plan: Plan, meta: dict) -> str:
-  rows = res["rows"]
-  m = next((x for x in res["metas"].values() if x), {})
-  kind = m.get("device_kind", "unknown")
-  peak = peak_flops(kind, meta.get("peak_flops"))
-  flops, flops_src = flops_per_step(rows)
-  ok = sum(r["status"] == "ok" for r in rows)
-  parts = [
-      "# loopkit on an accelerator: ResNet-50 and the dispatch-bound MLP, side by side",
-      "",
-      "Generated by `benchmarks/gpu.py` in one run; `benchmarks/README.md` says what each "
-      "system is. Every variant ran with and without "
-      f"`XLA_FLAGS={on_flag()}` (*on* / *off*), each flag setting in its "
-      "own worker process.",
-      "",
-      f"- date: {meta['date']}",
-      f"- command: `{meta['command']}`",
-      f"- device: {m.get('device_count', '?')} x {kind} (platform {m.get('platform', '?')})"
-      + (f"; nvidia-smi: {meta['nvidia_smi']}" if meta.get("nvidia_smi") else ""),
-      f"- host: {meta['machine']['nproc']} CPUs ({meta['machine']['cpu']}), "
-      f"{meta['machine']['ram']} RAM, Python {meta['machine']['python']}",
-      "- packages: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
-      f"- XLA_FLAGS seen by the workers: on: `{res['metas'].get('on', {}).get('xla_flags', '—')}`"
-      f"; off: `{res['metas'].get('off', {}).get('xla_flags', '—')}`",
-      f"- plan `{plan.name}`: {plan.model_name}, {plan.image_size}x{plan.image_size}, bfloat16, "
-      f"global batch {plan.batch}, {plan.num_classes} classes; each variant: a warm-up run of "
-      f"{plan.warm_steps} steps (its compile), then {plan.timed_steps} timed steps rounded up to "
-      f"whole calls (at least {plan.min_calls} calls for K > 1); host pool of {plan.pool} "
-      f"distinct uint8 batches; MLP S = {plan.mlp_steps}, best of {plan.mlp_repeats} rounds",
-      f"- budget {plan.budget_s:.0f} s; wall time {res['wall_s']:.0f} s; {ok} of {len(rows)} "
-      "variants measured" + ("" if ok == len(rows) else
-                             " (the rest were skipped or failed: see *Budget*)"),
-  ]
-  if meta.get("commit"):
-    parts.insert(parts.index(f"- command: `{meta['command']}`") + 1,
-                 f"- loopkit commit: {meta['commit']}")
-  parts += [f"- note: {n}" for n in res.get("notes", [])]
-  if m.get("platform") not in (None, "gpu", "cuda", "rocm", "tpu"):
-    parts += ["", f"**Not an accelerator run**: the workers ran on `{m.get('platform')}` "
-              "devices; the figures check the code paths, not speed."]
-  parts += [
-      "",
-      f"## {plan.model_name}, {plan.image_size}x{plan.image_size}, bf16, batch {plan.batch}",
-      "",
-      f"FLOPs per train step: {_f(None if flops is None else flops / 1e9, ',.4g')} GFLOP, "
-      f"from the {flops_src}; MFU against "
-      + (f"{peak / 1e12:.0f} TFLOP/s peak dense bf16 (NVIDIA's datasheet: 1,979 TFLOPS "
-         "with sparsity)" if peak else "no peak (unknown device kind; pass --peak-tflops)")
-      + ". *images/s* is end to end over the timed run (loopkit: `TrainLoop.run` from the host "
-      "source, its first chunk's stacking and transfer included); *steady* runs from the run's "
-      "first boundary to its last but one (at least 3 calls). Ratios are to the same flag "
-      "setting's per-step loop and limit. *host CPU s/call*: `time.process_time` (all "
-      "threads) over the timed run / calls. *dispatch* and *device wait*: the loop's ledger "
-      "buckets over the timed run.",
-      "",
-      render_resnet(rows, plan, peak),
-      "",
-  ]
-  parts += resnet_headlines(rows, plan, peak) + [""]
-  parts += ["## Dispatch-bound MLP (`benchmarks/run.py`'s workload, 1 device)", "",
-            render_mlp_summary(rows), ""]
-  for flag in FLAG_SETTINGS:
-    mrows, mech = mlp_rows(rows, flag)
-    if mrows:
-      parts += [f"### MLP, {_flag_name()} {flag}: every system", "",
-                cpu_run.render_table(mrows), ""]
-    if mech:
-      parts += [f"Tail/event mechanism, {_flag_name()} {flag} (loopkit's `fori_loop` with a "
-                "traced trip count against an unmasked `lax.scan` of K steps, chunk on device):",
-                "", cpu_run.render_mechanism(mech), ""]
-  parts += ["## Budget", "",
-            "Expected seconds are the worker's estimate when it started the variant (compile + "
-            "warm-up + timed steps, refined by what it had measured); a variant that would not "
-            "fit its flag setting's share of the budget is skipped, one past its timeout is "
-            "killed.", "", render_budget(rows), ""]
-  return "\n".join(parts)
 
 
 # == main ========================================================================================
@@ -1032,8 +428,9 @@ def main(argv=None) -> int:
   meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
           "command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), ROOT)]
                               + [shlex.quote(a) for a in sys.argv[1:]]),
-          "machine": cpu_run.machine(), "versions": versions(), "nvidia_smi": nvidia_smi(),
-          "commit": git_commit(),
+          "machine": runner.machine(),
+          "versions": runner.versions(PACKAGES, missing=None, loopkit_imported=False),
+          "nvidia_smi": nvidia_smi(), "commit": git_commit(),
           "plan": plan.name, "budget_s": plan.budget_s,
           "peak_flops": args.peak_tflops * 1e12 if args.peak_tflops else None}
   est = Estimates.of(plan)
@@ -1044,13 +441,10 @@ def main(argv=None) -> int:
                 autotune_cache=not args.no_autotune_cache)
   report = render_report(res, plan, meta)
   print(report)
+  runner.write_results(report, args.out, None, meta, res)
   if args.out:
-    with open(args.out, "w") as f:
-      f.write(report + "\n")
     _log(f"wrote {args.out}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"meta": meta, "results": res}, f, indent=1)
+  runner.write_results(None, None, args.json, meta, res)
   return 0
 
 

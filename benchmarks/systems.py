@@ -24,13 +24,16 @@ Systems:
   * :class:`Limit`: one jitted ``lax.scan`` over all S steps with the whole
     data set ``[S, B, ...]`` already on the devices: no host work at all.
 
+A line-up (which systems a run measures, with which arguments, on which workloads and
+device counts) is data: a tuple of :class:`benchmarks.runner.Entry` (``benchmarks/run.py``'s
+``LINEUP``), built here by :func:`build`.
+
 Runs in a worker process whose device count was fixed before JAX started.
 """
 
 from __future__ import annotations
 
 import collections
-import gc
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -41,7 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
-from benchmarks import workloads as wl
+from benchmarks import runner, workloads as wl
 
 # Per-step loops wait for their outputs every this many steps (Flax examples: log_every_steps).
 LOG_EVERY_STEPS = 100
@@ -56,52 +59,6 @@ def wait_every() -> int:
   """Steps between waits for a per-step loop here: :data:`LOG_EVERY_STEPS` on one device,
   :data:`MAX_IN_FLIGHT_MULTI_DEVICE` on several."""
   return LOG_EVERY_STEPS if jax.device_count() == 1 else MAX_IN_FLIGHT_MULTI_DEVICE
-
-
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-# -- process measurements -----------------------------------------------------
-
-def _status_kb(field: str) -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1])
-  raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def rss_mb() -> float:
-  """Resident set size of this process now, MiB (``VmRSS``)."""
-  return _status_kb("VmRSS") / 1024
-
-
-def peak_rss_mb() -> float:
-  """Peak resident set size since the last :func:`reset_peak_rss`, MiB (``VmHWM``)."""
-  return _status_kb("VmHWM") / 1024
-
-
-def reset_peak_rss() -> bool:
-  """Resets ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5); False if not allowed."""
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
-
-
-class CompileCounter:
-  """Counts XLA backend compilations (``jax.monitoring`` duration events) in this process."""
-
-  def __init__(self):
-    self.count = 0
-    jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-  def _on_event(self, event: str, duration_secs: float, **kwargs) -> None:
-    del duration_secs, kwargs
-    if event == BACKEND_COMPILE_EVENT:
-      self.count += 1
 
 
 # -- helpers -------------------------------------------------------------------
@@ -525,81 +482,36 @@ class Limit(System):
     return int(hasattr(self, "compiled")) + self.fn._cache_size()
 
 
-# -- the tail/event mechanism ----------------------------------------------------
+# -- line-ups --------------------------------------------------------------------
 
-def mechanism_cost(w: wl.Workload, data: dict[str, np.ndarray], k: int, calls: int,
-                   repeats: int) -> dict[str, float]:
-  """Device time per call of loopkit's program against an unmasked ``lax.scan`` of K steps.
+def build(lineup: Iterable[runner.Entry], w: wl.Workload, data: dict[str, np.ndarray],
+          leave_out: Iterable[str] = (), log: Callable[[str], None] = print,
+          devices: int | None = None) -> list[System]:
+  """The systems of ``lineup`` that run on workload ``w`` at ``devices``, in the line-up's
+  order (which is the order of the timed rounds and of the report's rows).
 
-  Both run on the same device-resident chunk ``[K, B, ...]`` (no host feeding),
-  ``calls`` calls back to back (the output of call i - 1 waited for after call i
-  is dispatched, as loopkit does: two calls in flight at most), best of
-  ``repeats``; both return the state and
-  the ``[K]`` loss trace. loopkit's program (``fori_loop`` with a traced trip
-  count, the metric reduction over the first n slots) is timed at n = K and at
-  n = K // 2 (a tail call: half the steps, the same chunk).
+  Args:
+    lineup: the entries.
+    w: the workload; ``data`` its ``[S, B, ...]`` arrays (:func:`benchmarks.workloads.make_data`).
+    leave_out: class names not to build (e.g. ``"KerasFit"`` for ``--no-keras``).
+    log: where an optional system's ``ImportError`` is reported.
+    devices: the device count the entries are chosen for (default ``jax.device_count()``).
 
-  Returns:
-    ``{"scan_us": ..., "loopkit_us": ..., "loopkit_half_us": ...}``, microseconds
-    per call.
+  Raises:
+    ValueError: an entry names no :class:`System` class of this module.
   """
-  mesh = data_mesh()
-  replicated = NamedSharding(mesh, P())
-  chunk = jax.device_put({k_: v[:k] for k_, v in data.items()},
-                         NamedSharding(mesh, P(None, "data")))
-  step = wl.make_train_step(w)
-  program = loopkit.core.MultiStepProgram(step, iterations_per_loop=k, mesh=mesh)
-
-  def scan_k(state, batches):
-    state, m = jax.lax.scan(step, state, batches)
-    return state, (m, m["loss"].mean(), state["step"])
-
-  scan = jax.jit(scan_k, donate_argnums=(0,))
-  n_full = jax.device_put(np.int32(k), replicated)
-  n_half = jax.device_put(np.int32(max(1, k // 2)), replicated)
-
-  def once(fn) -> float:
-    state = jax.block_until_ready(jax.device_put(wl.init_state(w), replicated))
-    t0 = time.perf_counter()
-    prev = None
-    for _ in range(calls):
-      state, out = fn(state)
-      jax.block_until_ready(prev)
-      prev = out
-    jax.block_until_ready((state, out))
-    return (time.perf_counter() - t0) / calls * 1e6
-
-  program.place_state(wl.init_state(w))
-  fns = {"scan_us": lambda s: scan(s, chunk),
-         "loopkit_us": lambda s: program(s, chunk, n_full),
-         "loopkit_half_us": lambda s: program(s, chunk, n_half)}
-  for fn in fns.values():
-    once(fn)  # compile and warm
-  results = {name: float("inf") for name in fns}
-  for _ in range(repeats):  # interleaved, best of `repeats`
-    for name, fn in fns.items():
-      results[name] = min(results[name], once(fn))
-  results["loopkit_compiles"] = program.compile_count()
-  return results
-
-
-def rss_growth(system: System, calls: int, warm_calls: int = 20) -> float:
-  """RSS growth in MiB over ``calls`` device calls within one run.
-
-  One run of ``warm_calls + calls`` calls on cycled data (the source holds no new
-  memory); RSS is read after call ``warm_calls`` and after the run, each time
-  after ``gc.collect()``.
-  """
-  marks = []
-
-  def mark():
-    gc.collect()
-    marks.append(rss_mb())
-
-  system.run_calls(warm_calls + calls, warm_calls, mark)
-  gc.collect()
-  if len(marks) == 2:  # the system took its own end reading (Keras: on_train_end)
-    return marks[1] - marks[0]
-  if len(marks) != 1:
-    raise RuntimeError(f"{system.name}: the RSS mark fired {len(marks)} times, expected once")
-  return rss_mb() - marks[0]
+  devices, out = devices or jax.device_count(), []
+  for e in lineup:
+    if (e.cls in leave_out or devices < e.min_devices
+        or (e.workloads is not None and w.name not in e.workloads)):
+      continue
+    cls = globals().get(e.cls)
+    if not (isinstance(cls, type) and issubclass(cls, System)):
+      raise ValueError(f"line-up entry {e!r}: {e.cls!r} is no system of benchmarks/systems.py")
+    try:
+      out.append(cls(w, data, **dict(e.kwargs)))
+    except ImportError as err:
+      if e.optional is None:
+        raise
+      log(f"skipping {e.optional}: {err}")
+  return out

@@ -58,6 +58,11 @@ class CNN(nn.Module):
     return nn.Dense(NUM_CLASSES)(x)
 
 
+# One Keras layer of a workload's twin: (``keras.layers`` class name, its arguments), and the
+# Flax submodule whose ``kernel`` and ``bias`` it takes (None: a layer without weights).
+KerasLayer = tuple[str, dict[str, Any], str | None]
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
   """A model, its input shape and the run length used by the benchmark.
@@ -67,21 +72,45 @@ class Workload:
     module: the Flax module.
     input_shape: one example's shape (no batch axis).
     num_steps: S, steps per timed run (the same for every system).
+    keras_layers: the Keras twin, layer by layer after its ``keras.Input``
+      (:func:`make_keras_model`).
   """
 
   name: str
   module: nn.Module
   input_shape: tuple[int, ...]
   num_steps: int
+  keras_layers: tuple[KerasLayer, ...] = ()
+
+
+_RELU = {"activation": "relu"}
+_SAME_RELU = {"padding": "same", "activation": "relu"}
+# Every workload, with its default S.
+WORKLOADS = {w.name: w for w in (
+    Workload("mlp", MLP(), (64,), 10_000, keras_layers=(
+        ("Dense", {"units": 64, **_RELU}, "Dense_0"),
+        ("Dense", {"units": NUM_CLASSES}, "Dense_1"))),
+    Workload("cnn", CNN(), (32, 32, 3), 300, keras_layers=(
+        ("Conv2D", {"filters": 16, "kernel_size": 3, **_SAME_RELU}, "Conv_0"),
+        ("AveragePooling2D", {"pool_size": 2}, None),
+        ("Conv2D", {"filters": 32, "kernel_size": 3, **_SAME_RELU}, "Conv_1"),
+        ("AveragePooling2D", {"pool_size": 2}, None),
+        ("Flatten", {}, None),
+        ("Dense", {"units": 64, **_RELU}, "Dense_0"),
+        ("Dense", {"units": NUM_CLASSES}, "Dense_1"))),
+)}
 
 
 def get(name: str, num_steps: int | None = None) -> Workload:
-  """The workload called ``name`` (``"mlp"`` or ``"cnn"``), optionally with S overridden."""
-  if name == "mlp":
-    return Workload("mlp", MLP(), (64,), num_steps or 10_000)
-  if name == "cnn":
-    return Workload("cnn", CNN(), (32, 32, 3), num_steps or 300)
-  raise ValueError(f"unknown workload {name!r}; expected 'mlp' or 'cnn'")
+  """The workload called ``name`` (``"mlp"`` or ``"cnn"``), optionally with S overridden.
+
+  Raises:
+    ValueError: ``name`` is not a key of :data:`WORKLOADS`.
+  """
+  if name not in WORKLOADS:
+    raise ValueError(f"unknown workload {name!r}; expected 'mlp' or 'cnn'")
+  w = WORKLOADS[name]
+  return dataclasses.replace(w, num_steps=num_steps) if num_steps else w
 
 
 def make_data(w: Workload, num_steps: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
@@ -170,22 +199,12 @@ def make_keras_model(w: Workload, params: Any):
   """
   import keras  # noqa: PLC0415  (imported only where KERAS_BACKEND is set)
 
-  layers = keras.layers
-  if w.name == "mlp":
-    model = keras.Sequential([
-        keras.Input(w.input_shape), layers.Dense(64, activation="relu"),
-        layers.Dense(NUM_CLASSES)])
-    order = ["Dense_0", "Dense_1"]
-  else:
-    model = keras.Sequential([
-        keras.Input(w.input_shape),
-        layers.Conv2D(16, 3, padding="same", activation="relu"), layers.AveragePooling2D(2),
-        layers.Conv2D(32, 3, padding="same", activation="relu"), layers.AveragePooling2D(2),
-        layers.Flatten(), layers.Dense(64, activation="relu"), layers.Dense(NUM_CLASSES)])
-    order = ["Conv_0", "Conv_1", "Dense_0", "Dense_1"]
+  model = keras.Sequential([keras.Input(w.input_shape)] + [
+      getattr(keras.layers, cls)(**kwargs) for cls, kwargs, _ in w.keras_layers])
   p = params["params"]
   weighted = [layer for layer in model.layers if layer.weights]
-  for layer, name in zip(weighted, order, strict=True):
+  names = [name for _, _, name in w.keras_layers if name is not None]
+  for layer, name in zip(weighted, names, strict=True):
     layer.set_weights([np.asarray(p[name]["kernel"]), np.asarray(p[name]["bias"])])
   model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
