@@ -18,37 +18,65 @@ eval       none; ``EvalHook(loopkit.Evaluator(...))``; ``EvalHook(loopkit.nnx.Nn
 loop       ``TrainLoop`` (a pytree state); ``loopkit.nnx.NnxTrainLoop`` (a CNN with BatchNorm,
            Dropout and ``nnx.Rngs``)
 k          iterations_per_loop 1; 3 (which divides none of the event steps' gaps)
+tracker    none; an ``MlflowWriter`` (a file store in the cell's directory) beside the JSONL
+           writer
+tiers      one (every checkpoint kept); two (``keep_every_steps=4``: 4, 8, 12 kept for good,
+           of the others only the newest)
 checkpoint, progress, goodput, profiler, nancheck, callback: each hook off; on
+rewind     off; the loss spikes at data step 8 (inputs x 100 for the regression; NaN for
+           the CNN, whose BatchNorm normalizes any scale away) and a ``LossSpikeHook``
+           (``margin=1``) rewinds to checkpoint 6 and skips data steps 7..9
+watchdog   off; a ``Watchdog`` with generous deadlines (it must not fire, whatever the ending)
+warm       a fresh init; ``CheckpointHook(init_from=WarmStart(...))`` of the reference's own
+           last checkpoint (``params``; the CNN's ``model``)
+sidecar    none; a ``CheckpointFollower`` process beside the cell's processes, evaluating
+           each new checkpoint once
 ========== ==========================================================================
 
 (``LoggingHook`` with ``create_default_writer(workdir)``, or CLU's writer, is in every cell.)
-Two combinations cannot be run and are not required: a resume ending without a checkpoint hook,
-and an ``NnxEvaluator`` in a ``TrainLoop``. :func:`covering_array` (a deterministic greedy
-algorithm: each new cell starts from an uncovered pair of the first factor pair with one and
-takes, factor by factor, the level that covers most uncovered pairs) gives **20 cells** that
-cover all **460 allowed pairs of levels of every two of the 12 factors**
+Some combinations cannot be run and are not required: without a checkpoint hook, a resume
+ending, a rewind, a warm start, a sidecar or a second tier; an ``NnxEvaluator`` in a
+``TrainLoop``; and the CNN's NaN spike with a ``NanCheckHook`` (which raises at a NaN before the
+rewind is asked for: a triple, so no pair is lost). :func:`covering_array` (a deterministic
+greedy algorithm: each new cell starts from an uncovered pair of the first factor pair with one
+and takes, factor by factor, the level that covers most uncovered pairs) gives **23 cells**
+that cover all **900 allowed pairs of levels of every two of the 18 factors**
 (``test_the_cells_cover_every_pair_of_levels`` checks it independently of the generator); 20
 is the least any pairwise array can have (logging x output alone has 20 pairs). The full
-product would be 15,360 cells.
+product would be 3,932,160 cells.
 
-Every cell asserts what a straight run gives (a reference process trains each loop kind at
-each K straight through: ``test_the_reference_is_the_same_for_every_k``):
+Every cell asserts what a straight run gives (reference processes train each loop kind at
+each K straight through: ``test_the_reference_is_the_same_for_every_k``; and at K = 1 from the
+warm start, given the rewind's skip range ``skip_steps=[(7, 9)]``, and both, for the cells
+with a warm start or a rewind):
 
 * on the console, across the cell's processes: each metric row (``step N: name=...``) and
   each evaluation (``step N eval: ...``, or a ``ConsoleWriter``'s ``step N: eval/...`` row of
-  it) exactly once, at the straight run's steps up to where the cell's run got; the resume line
-  once; a goodput summary once per run that returned; the progress at the run's last step; no
-  traceback but the raising hook's;
+  it) exactly once, at the straight run's steps up to where the cell's run got (after a
+  rewind, the evaluation at 7 twice: once before the spike); the resume line once; a goodput
+  summary once per run that returned; the progress at the run's last step; no traceback but
+  the raising hook's;
 * on disk: ``metrics.jsonl`` holds exactly the straight run's rows and evaluation rows, in order,
   values exact (time-measured keys, ``throughput/*`` and ``goodput/*``, left out); the complete
-  checkpoints are the straight run's steps (plus the preemption's own at step 9 after a SIGINT);
-  the callback fired once per its steps with the state of that step; a profile was written;
-* the processes' exit codes and statuses, and a final state bitwise equal to the straight run's.
+  checkpoints are the straight run's steps (plus the preemption's own at step 9 after a SIGINT;
+  with two tiers, the permanent ones and the newest); the callback fired once per its steps
+  with the state of that step; a profile was written; the watchdog wrote no record;
+* the tracker's store, read back, holds exactly the points of ``metrics.jsonl`` (time-measured
+  keys included), each (step, key) once, across a kill and a resume; after a rewind the
+  evaluation at 7 keeps its first point, the thrown-away run's (a tracker cannot take a point
+  back: docs/observability.md, "Every writer across a kill");
+* the sidecar's rows: each checkpoint step once, in order (with two tiers, at least the kept
+  ones: a temporary one may be deleted before it is read), equal bitwise to the straight run's
+  in-run evaluation at that step;
+* a rewind: one, in the first process, from the spike at 8 to checkpoint 6, the range kept
+  by every process;
+* the processes' exit codes and statuses, and a final state bitwise equal to the straight run's
+  (or the warm, the skip or the warm skip run's).
 
 Every factor here is process-wide (the logging set-up, the output, a kill), so each cell is its
-own process (two with a resume: 30 processes, and one for the reference); they run two at a time
-and share a persistent JAX compilation cache, and none imports TensorFlow (about 120 s of CPU
-in all: about a minute on two idle cores).
+own process (two with a resume, and a third beside them with a sidecar), and two reference
+processes; they run two cells at a time and share a persistent JAX compilation cache, and none
+imports TensorFlow (COST).
 """
 
 from __future__ import annotations
@@ -394,17 +422,30 @@ def ref_key(cell: dict) -> str:
   return f"{cell['loop']}/{cell['k']}" if not variant else f"{cell['loop']}/1/{variant}"
 
 
-def expected(cell: dict, ref: dict) -> dict:
-  """What the straight run gives for the steps this cell's run got to."""
+def eval_rows(evals: list, reached: int) -> list[tuple[int, int, dict]]:
+  return [(step, 1, {"step": step, **{f"eval/{k}": v for k, v in metrics.items()},
+                     "eval/num_examples": n}) for step, metrics, n in evals if step <= reached]
+
+
+def expected(cell: dict, ref: dict, straight: dict) -> dict:
+  """What the straight run (``ref``) gives for the steps this cell's run got to; after a
+  rewind, ``straight`` is the run without it (what was evaluated before the spike)."""
   s = SCHEDULE
   reached = s["raise_at"] if cell["ending"] == "raise" else s["steps"]
   rows = [(step, 0, {"step": step, **scalars}) for step, scalars in ref["rows"]
           if step <= reached]
-  evals = []
+  evals, thrown = [], []
   if cell["eval"] != "none":
-    evals = [(step, 1, {"step": step, **{f"eval/{k}": v for k, v in metrics.items()},
-                        "eval/num_examples": n})
-             for step, metrics, n in ref["evals"][cell["eval"]] if step <= reached]
+    evals = eval_rows(ref["evals"][cell["eval"]], reached)
+    if cell["rewind"]:  # evaluated between checkpoint 6 and the spike, then thrown away
+      thrown = [r for r in eval_rows(straight["evals"][cell["eval"]], reached)
+                if s["ckpt_every"] < r[0] < s["spike_at"]]
+  jsonl = [r for _, _, r in sorted(rows + evals, key=lambda t: t[:2])]
+  if cell["logging"] == "clu" and thrown:
+    # CLU's AsyncMultiWriter passes no keep_through to the JsonlWriter in it: the thrown-away
+    # rows stay, before the rewind's (docs/observability.md, "Every writer across a kill").
+    at = next(i for i, r in enumerate(jsonl) if r["step"] == thrown[0][0])
+    jsonl[at:at] = [r for _, _, r in thrown]
   saved = []  # the steps saved, by the cell's processes together
   if cell["checkpoint"]:
     saved = [c for c in ref["checkpoints"] if c <= reached]
@@ -416,15 +457,12 @@ def expected(cell: dict, ref: dict) -> dict:
     checkpoints = [c for c in saved if c % s["keep_every"] == 0 or c == saved[-1]]
   returned = {"complete": [s["steps"]], "raise": [], "sigint": [s["sigint_at"], s["steps"]],
               "sigkill": [s["steps"]]}[cell["ending"]]
-  printed_evals = [step for step, _, _ in evals]
-  if cell["rewind"]:  # printed before the rewind too: the evaluations after checkpoint 6
-    printed_evals = sorted(printed_evals + [e for e in printed_evals
-                                            if s["ckpt_every"] < e < s["spike_at"]])
+  printed_evals = sorted([step for step, _, _ in evals + thrown])
   at_saves = {step: {"step": step, **{f"eval/{k}": v for k, v in metrics.items()},
                      "eval/num_examples": n} for step, metrics, n in ref["at_saves"]}
   return {"row_steps": [step for step, _, _ in rows],
           "eval_steps": printed_evals,
-          "jsonl": [r for _, _, r in sorted(rows + evals, key=lambda t: t[:2])],
+          "jsonl": jsonl, "thrown": [r for _, _, r in thrown],
           "checkpoints": checkpoints, "saved": saved,
           "sidecar": {c: at_saves[c] for c in saved},
           "callback": [c for c in ref["callback"] if c[0] <= reached],
@@ -460,18 +498,23 @@ def test_the_cells_cover_every_pair_of_levels():
   assert required - covered == set()
   assert all(allowed(c) and set(c) == set(FACTORS) for c in CELLS)
   assert all(c[f] in FACTORS[f] for c in CELLS for f in FACTORS)
-  assert (len(CELLS), len(required), len(FACTORS)) == (20, 460, 12)
+  assert (len(CELLS), len(required), len(FACTORS)) == (23, 900, 18)
   assert f"**{len(CELLS)} cells**" in __doc__ and f"**{len(required)} allowed pairs" in __doc__
   assert len({json.dumps(c, sort_keys=True) for c in CELLS}) == len(CELLS)  # no cell twice
   # The generator is deterministic, and the constraint drops exactly the impossible pairs.
   assert covering_array(FACTORS, allowed) == CELLS
   total = sum(len(FACTORS[a]) * len(FACTORS[b]) for a, b in itertools.combinations(FACTORS, 2))
-  assert total - len(required) == 3  # (sigint, no checkpoint), (sigkill, ...), (nnx eval, train)
+  # (sigint, no checkpoint), (sigkill, ...), (no checkpoint, rewind / sidecar / 2 tiers /
+  # warm), (nnx eval, train); the NaN spike with a NanCheckHook is a triple: no pair goes.
+  assert total - len(required) == 7
+  assert not allowed({"loop": "nnx", "rewind": True, "nancheck": True})
+  assert allowed({"loop": "train", "rewind": True, "nancheck": True, "checkpoint": True})
 
 
 def test_the_reference_is_the_same_for_every_k(matrix):
   """The straight runs: K = 1 and K = 3 give the same rows, evaluations, checkpoints and final
-  state (bitwise); both evaluators evaluate 21 examples at 7 and 14."""
+  state (bitwise); both evaluators evaluate 21 examples at 7 and 14; the warm, skip and warm
+  skip runs differ from it and from each other."""
   ref = matrix[0]
   for loop in FACTORS["loop"]:
     one, three = ref[f"{loop}/1"], ref[f"{loop}/3"]
@@ -483,6 +526,19 @@ def test_the_reference_is_the_same_for_every_k(matrix):
     assert sorted(one["evals"]) == kinds
     for kind in kinds:
       assert [(step, n) for step, _, n in one["evals"][kind]] == [(7, 21), (14, 21)]
+    assert [step for step, _, _ in one["at_saves"]] == SCHEDULE["save_steps"]
+    # The variants at K = 1: each ends elsewhere (the warm start and the skip range count),
+    # with the same rows, evaluations and checkpoints; the skip run's first 6 steps are the
+    # straight run's (the range starts after them).
+    digests = {v: ref[f"{loop}/1/{v}"]["digest"] for v in ("warm", "skip", "warm+skip")}
+    assert len({one["digest"], *digests.values()}) == 4
+    for v in digests:
+      var = ref[f"{loop}/1/{v}"]
+      assert var["status"] == "completed" and var["checkpoints"] == one["checkpoints"]
+      assert [step for step, _ in var["rows"]] == [4, 8, 12, 14]
+    skip, warm_skip = ref[f"{loop}/1/skip"], ref[f"{loop}/1/warm+skip"]
+    assert skip["rows"][0] == one["rows"][0] and skip["rows"][1] != one["rows"][1]
+    assert warm_skip["rows"][0] == ref[f"{loop}/1/warm"]["rows"][0]
 
 
 @pytest.mark.parametrize("index", range(len(CELLS)), ids=[cell_id(i, c) for i, c in
@@ -494,7 +550,7 @@ def test_cell(matrix, index):
   ref, outcomes, root = matrix
   runs = outcomes[index]
   workdir = str(root / cell_id(index, cell))
-  want = expected(cell, ref[ref_key(cell)])
+  want = expected(cell, ref[ref_key(cell)], ref[ref_key({**cell, "rewind": False})])
   consoles = [r.console for r in runs]
   problems = []
 
@@ -528,9 +584,8 @@ def test_cell(matrix, index):
 
   if cell["rewind"]:  # one rewind, in the first process; the range kept to the end
     rewinds = [r["rewinds"] for r in results if r is not None]
-    want_rewinds = [[[s["spike_at"], s["ckpt_every"]]]] + [[]] * (len(rewinds) - 1)
-    if results[0] is None:  # the first process did not return (it raised or was killed)
-      want_rewinds = want_rewinds[1:]
+    want_rewinds = [[[s["spike_at"], s["ckpt_every"]]] if i == 0 else []
+                    for i, r in enumerate(results) if r is not None]
     check(rewinds == want_rewinds, f"rewinds (spike step, restored step) per process "
           f"{rewinds}, want {want_rewinds}")
     skips = [r["skip_steps"] for r in results if r is not None]
@@ -582,17 +637,15 @@ def test_cell(matrix, index):
           f"want {want['callback']}")
   if cell["tracker"] == "mlflow":
     held, rows_all = tracker_points(workdir), jsonl_points(workdir)
-    if cell["rewind"] and cell["eval"] != "none":
+    if want["thrown"]:
       # A tracker cannot take a point back (docs/observability.md, "Every writer across a
       # kill"): the evaluations between checkpoint 6 and the spike keep their first points,
-      # the thrown-away run's, which are the run's without the rewind.
+      # the thrown-away run's.
       from loopkit.observe.tracker_writers import mlflow_name
-      gone = [(step, metrics, n) for step, metrics, n in
-              ref[ref_key({**cell, "rewind": False})]["evals"][cell["eval"]]
-              if s["ckpt_every"] < step < s["spike_at"]]
-      rows_all = sorted([p for p in rows_all if not s["ckpt_every"] < p[0] < s["spike_at"]]
-                        + [(step, mlflow_name(f"eval/{k}"), float(v)) for step, metrics, n
-                           in gone for k, v in {**metrics, "num_examples": n}.items()])
+      gone = {r["step"] for r in want["thrown"]}
+      rows_all = sorted([p for p in rows_all if p[0] not in gone]
+                        + [(r["step"], mlflow_name(k), float(v)) for r in want["thrown"]
+                           for k, v in r.items() if k != "step"])
     twice = sorted({(st, k) for st, k, _ in held if sum(1 for h in held if h[:2] == (st, k)) > 1})
     check(not twice, f"MLflow holds (step, key) {twice} more than once")
     if held != rows_all:
