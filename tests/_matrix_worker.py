@@ -19,12 +19,14 @@ for the regression, NaN for the CNN, whose BatchNorm normalizes any scale away, 
 deadlines), ``tracker`` (``mlflow``: an :class:`loopkit.observe.MlflowWriter` on a file store
 in ``workdir/mlruns`` beside the JSONL writer), ``tiers`` (2: ``keep_every_steps``, a permanent
 tier beside the temporary one), ``warm`` (``CheckpointHook(init_from=WarmStart(...))`` of the
-reference's own checkpoint, ``warm_from``).
+reference's own checkpoint, ``warm_from``; the test waits for it) and ``sidecar`` (the test starts
+a ``mode: sidecar`` process beside the cell's).
 
 Everything lives in ``workdir``: ``metrics.jsonl`` (rows, eval rows, goodput rows), ``ckpt/``,
 ``callback.txt`` (one line ``end_step state_step`` per firing), ``plugins/profile/``, and, when
 ``run`` returns, ``result-<phase>.json`` (status, step, restored step, the final state's digest,
-whether TensorFlow was imported). An uncaught exception ends the script as it ends a user's.
+whether TensorFlow was imported, the rewinds made as (spike step, restored step), the ledger's
+skip ranges). An uncaught exception ends the script as it ends a user's.
 
 ``mode: reference`` instead trains every (loop, K, variant) of ``refs`` straight through
 (logging, both evaluators where they apply, an evaluation at every step a cell may checkpoint,

@@ -76,7 +76,10 @@ with a warm start or a rewind):
 Every factor here is process-wide (the logging set-up, the output, a kill), so each cell is its
 own process (two with a resume, and a third beside them with a sidecar), and two reference
 processes; they run two cells at a time and share a persistent JAX compilation cache, and none
-imports TensorFlow (COST).
+imports TensorFlow. Cost: 162 s of CPU in all (152 s user, 10 s system; the 12-factor matrix
+of 20 cells: 112 s, 1.45x, both measured on the same machine and load, 2026-12-05, Python 3.12
+with MLflow): about a minute and a half on two idle cores. Without MLflow (the floor
+environment) its 7 cells skip.
 """
 
 from __future__ import annotations
