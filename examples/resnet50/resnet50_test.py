@@ -431,6 +431,14 @@ def test_resume_from_checkpoint_continues_at_the_right_step(smoke_run):
   assert [row["step"] for row in train_rows] == [2, 4, 6]
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))
                 if s.isdigit())[-1] == 6
+  # The same command again: nothing left to train; it restores step 6 and evaluates it (the
+  # EvalHook's at_end), reporting what the run that got there reported.
+  with jax.default_prng_impl(_FAST_INIT):
+    again = train.train_and_evaluate(config, workdir)
+  assert (again["restored_step"], again["step"], again["device_calls"]) == (6, 6, 3)
+  assert again["status"] == "completed" and again["eval_count"] == 40
+  assert again["eval_history"] == r["eval_history"] and again["eval_loss"] == r["eval_loss"]
+  assert [step for step, _ in r["eval_history"]] == [6]
 
 
 def _few_steps(config, data_dir, num_steps, checkpoint_every_steps=0):
