@@ -6,8 +6,8 @@ functions: ``"tfdata"`` reads TFRecords with tf.data (:class:`TrainBatches`,
 (``tfds.data_source``) through Grain (:func:`grain_train_source`, a
 :class:`loopkit.data.GrainSource`; :class:`GrainEvalBatches`), with Grain
 worker processes for decode and augmentation, an O(1) resume and the same
-global batches on any process count. The rest of this docstring describes the
-tf.data path.
+global batches on any process count. :func:`create_datasets` builds a run's
+from its config. The rest of this docstring describes the tf.data path.
 
 Training: Inception-style random-resized crop (Szegedy et al. 2015, "Going
 Deeper with Convolutions"; the crop of the TF/Flax/MLPerf ResNet references:

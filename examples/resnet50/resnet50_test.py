@@ -361,7 +361,7 @@ def _smoke_config():
   The ImageNet path is the same (mock JPEGs, crops, uint8 to the device, padded exact eval);
   the bottleneck ResNet-50's train and eval programs take about 4 times as long to compile, and
   smoke.py's own ResNet-50 programs compile in the slow
-  ``test_main_cli_compile_only_for_a_tpu_topology``. ResNet-50's blocks are held in the default
+  ``test_smoke_config_compiles_for_v5e_2x2``. ResNet-50's blocks are held in the default
   suite by ``test_output_shapes_dtypes_and_batch_stats`` and recipe_test.py's reference update.
   """
   config = smoke_config.get_config()
@@ -396,6 +396,15 @@ def test_smoke_two_loops_on_mock_imagenet(smoke_run):
   assert all(math.isfinite(row["loss"]) for row in train_rows)
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "4"))
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
+  assert json.load(open(os.path.join(workdir, "results.json")))["step"] == 4
+  lines = train.summary(_smoke_config(), r, wall_secs=12.34)  # what main.py prints
+  assert lines[0] == (
+      f"ResNet-18: eval accuracy {r['eval_accuracy']:.4f} on 40 imagenet2012/validation "
+      "examples at step 4 (2 epochs of 2 steps, batch 16, iterations_per_loop=2, 2 device calls, "
+      "8 devices, 1 train compilation); status completed; 12.3 s wall")
+  assert lines[1:] == [f"results (JSON):        {workdir}/results.json",
+                       f"metrics (JSONL, TB):   {workdir}/metrics.jsonl (tensorboard --logdir "
+                       f"{workdir})", f"checkpoints (Orbax):   {workdir}/checkpoints"]
 
 
 class LedgerAtStart(loopkit.Hook):
@@ -569,8 +578,8 @@ def test_resume_and_k_do_not_change_the_final_state(tmp_path):
                   reason="main.py end to end in a subprocess: compiles the ResNet again")
 def test_main_cli_smoke(tmp_path):
   """main.py with configs/smoke.py, its model overridden on the command line to smoke_run's
-  ResNet-18 (ResNet-50 took 140 s of a loaded CI run; its programs compile through main.py in
-  test_main_cli_compile_only_for_a_tpu_topology)."""
+  ResNet-18 (ResNet-50 took 140 s of a loaded CI run; its programs compile in
+  test_smoke_config_compiles_for_v5e_2x2)."""
   out = subprocess.run(
       [sys.executable, "-m", "examples.resnet50.main", f"--workdir={tmp_path}",
        "--config=examples/resnet50/configs/smoke.py", "--config.model.depth=18"], cwd=REPO,

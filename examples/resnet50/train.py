@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 from absl import logging as absl_logging
+from etils import epath
 from flax import nnx
 
 import loopkit
@@ -272,8 +273,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     ValueError: from loopkit, e.g. a global batch not divisible by the number of devices, or
       a checkpoint in ``workdir`` that does not match the model.
   """
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  if "://" not in workdir:  # a local path; gs://... stays as it is
+    workdir = os.path.abspath(workdir)
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   with input_pipeline.mock_data_if_asked(config):
     return _train_and_evaluate(config, workdir, tuple(extra_hooks))
 
@@ -306,10 +308,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                 iterations_per_loop=config.eval_iterations_per_loop, mesh=mesh,
                                 step_style=config.step_style,
                                 global_batch_size=config.eval_batch_size)
-  # At the end of training, not at a preemption: the resumed run evaluates there.
+  # Also at the end of training, not at a preemption (the resumed run evaluates there);
+  # eval_every_epochs = 0: only at the end (no trigger at all would fire after every call).
+  marks = ({"every_epochs": config.eval_every_epochs} if config.eval_every_epochs
+           else {"at_steps": ()})
   eval_hook = loopkit.EvalHook(evaluator, eval_batches, num_batches=eval_batches.num_batches,
-                               writer=writer, prefix="eval",
-                               every_epochs=config.eval_every_epochs or None, at_end=True)
+                               writer=writer, prefix="eval", at_end=True, **marks)
   hooks: list[loopkit.Hook] = [loopkit.NanCheckHook(),
                                loopkit.LoggingHook(writer, every_steps=config.log_every_steps)]
   ckpt, warm = None, warm_start_of(config)
@@ -356,8 +360,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       "model": f"ResNet-{config.model.depth}", "workdir": workdir,
   }
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(results, f, indent=2)
+    (epath.Path(workdir) / "results.json").write_text(json.dumps(results, indent=2))
   return dict(results, state=state)
 
 
