@@ -553,8 +553,11 @@ def test_cpu_config_on_the_tfdata_pipeline_runs(tmp_path, digits_dir):
                          "ResNet-50 in a loaded CI run)")
 def test_resume_and_k_do_not_change_the_final_state(tmp_path):
   """6 steps at K = 2 straight; cut at step 4 and resumed; and at K = 3 and K = 1: the same
-  final state, bitwise (params, BatchNorm statistics, optimizer state, step)."""
+  final state, bitwise (params, BatchNorm statistics, optimizer state, step). Batches of 8
+  make epochs of 5 steps (a call ends at an epoch's end): K = 2 runs calls of 2, 2, 1, 1
+  (checkpoints every 2 steps), K = 3 of 3, 2, 1."""
   config = _smoke_config()
+  config.global_batch_size = 8
   config.num_train_steps = 6
   with jax.default_prng_impl(_FAST_INIT):  # as smoke_run
     whole = train.train_and_evaluate(config, str(tmp_path / "whole"))
@@ -567,8 +570,8 @@ def test_resume_and_k_do_not_change_the_final_state(tmp_path):
     for k in (3, 1):
       config.iterations_per_loop = k
       others.append(train.train_and_evaluate(config, str(tmp_path / f"k{k}")))
-  assert resumed["restored_step"] == 4
-  assert [r["device_calls"] for r in others] == [2, 6]
+  assert resumed["restored_step"] == 4 and whole["steps_per_epoch"] == 5
+  assert [r["device_calls"] for r in (whole, resumed, *others)] == [4, 4, 3, 6]
   for r in (resumed, *others):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(whole["state"]),
                  jax.device_get(r["state"]))
