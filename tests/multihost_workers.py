@@ -673,7 +673,7 @@ def resnet_example(workdir: str, data_dir: str, num_steps: int, *,
   Resumes from ``workdir/checkpoints`` if there are any (the example's own
   behaviour). With ``wait_at_step``, waits there for a SIGTERM
   (:class:`WaitForPreemption`). ``cache_dir``: JAX's persistent compilation
-  cache, as ``main.py`` keeps it (there in ``workdir/jax_cache``), here for
+  cache, for
   every program (also the small initialisation ones), written and read by
   both processes (:func:`use_compilation_cache`).
 

@@ -341,12 +341,12 @@ def test_resnet_example_cpu_config_on_two_processes(tmp_path):
   The same as ``python -m loopkit.tools.testing -n 2 -d 4 examples.resnet50.main --workdir=...``.
   """
   pytest.importorskip("tensorflow_datasets")
-  from examples.resnet50 import digits_tfds, train
+  from examples.resnet50 import config_checks, digits_tfds
   from examples.resnet50.configs import cpu
 
   data_dir = str(tmp_path / "tfds")
   # once, not by two processes at the same time; as ArrayRecord: the CPU config reads through Grain
-  digits_tfds.ensure_prepared(data_dir, file_format=train.file_format(cpu.get_config()))
+  digits_tfds.ensure_prepared(data_dir, file_format=config_checks.file_format(cpu.get_config()))
   workdir = tmp_path / "work"
   args = [f"--workdir={workdir}", f"--config.data_dir={data_dir}",
           "--config.num_train_steps=4", "--config.iterations_per_loop=2",
@@ -393,12 +393,12 @@ def test_resnet_example_preempted_on_two_processes_resumes_bitwise(tmp_path):
   """
   pytest.importorskip("tensorflow_datasets")
   pytest.importorskip("orbax.checkpoint")
-  from examples.resnet50 import digits_tfds, train
+  from examples.resnet50 import config_checks, digits_tfds
   from examples.resnet50.configs import cpu
 
   data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
   # once, not by two processes at the same time; as ArrayRecord: the CPU config reads through Grain
-  digits_tfds.ensure_prepared(data_dir, file_format=train.file_format(cpu.get_config()))
+  digits_tfds.ensure_prepared(data_dir, file_format=config_checks.file_format(cpu.get_config()))
   work, marker = tmp_path / "preempted", tmp_path / "marker"
   marker.mkdir()
   t0 = time.monotonic()

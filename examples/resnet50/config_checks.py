@@ -23,7 +23,7 @@ _NON_NEGATIVE = ("grain_workers", "prefetch", "checkpoint_every_steps",
                  "max_checkpoints_to_keep", "num_train_examples", "num_eval_examples",
                  "label_modulo")
 _NON_NEGATIVE_NUMBERS = ("eval_every_epochs", "checkpoint_every_epochs", "warmup_epochs",
-                         "progress_every_secs", "follow_timeout_secs")
+                         "progress_every_secs")
 
 
 def _is_int(x: Any) -> bool:
@@ -74,9 +74,6 @@ def problems(config: Any) -> list[str]:
     value = config.get(name, 0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
       out.append(f"config.{name} must be a number >= 0, got {value!r}")
-  poll = config.get("follow_poll_secs", 1.0)
-  if isinstance(poll, bool) or not isinstance(poll, (int, float)) or poll <= 0:
-    out.append(f"config.follow_poll_secs must be a number > 0, got {poll!r}")
   modulo, classes = config.get("label_modulo", 0), config.get("num_classes", 1)
   if _is_int(modulo) and _is_int(classes) and modulo > classes:
     out.append(f"config.label_modulo must be <= config.num_classes (the labels "

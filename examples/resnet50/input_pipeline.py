@@ -6,8 +6,8 @@ functions: ``"tfdata"`` reads TFRecords with tf.data (:class:`TrainBatches`,
 (``tfds.data_source``) through Grain (:func:`grain_train_source`, a
 :class:`loopkit.data.GrainSource`; :class:`GrainEvalBatches`), with Grain
 worker processes for decode and augmentation, an O(1) resume and the same
-global batches on any process count. The rest of this docstring describes the
-tf.data path.
+global batches on any process count. :func:`create_datasets` builds a run's
+from its config. The rest of this docstring describes the tf.data path.
 
 Training: Inception-style random-resized crop (Szegedy et al. 2015, "Going
 Deeper with Convolutions"; the crop of the TF/Flax/MLPerf ResNet references:
@@ -40,12 +40,15 @@ process runs the same number of (padded, masked) batches.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from examples.resnet50.config_checks import FILE_FORMATS, file_format
 
 # ImageNet channel means and standard deviations on the 0..255 scale (the Flax
 # ImageNet example, torchvision, MLPerf).
@@ -586,3 +589,72 @@ class GrainEvalBatches:
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     return iter(self._dataset)
+
+
+# -- from a config (train.py) ----------------------------------------------------
+
+
+def preprocessing(config: Any) -> Preprocessing:
+  """The :class:`Preprocessing` of ``config`` (an ``ml_collections.ConfigDict``)."""
+  return Preprocessing(
+      image_size=config.image_size, random_resized_crop=config.random_resized_crop,
+      area_range=tuple(config.area_range), aspect_ratio_range=tuple(config.aspect_ratio_range),
+      flip=config.flip, crop_fraction=config.crop_fraction,
+      resize_method=config.resize_method)
+
+
+def create_datasets(config: Any) -> tuple[Any, Any]:
+  """This process's training and eval batches for ``config.dataset``.
+
+  ``config.input_pipeline``: ``"tfdata"`` (TFRecords through ``builder.as_dataset``) or
+  ``"grain"`` (ArrayRecord files through ``tfds.data_source`` and Grain, with
+  ``config.grain_workers`` worker processes). ``sklearn_digits`` is generated into
+  ``config.data_dir`` on first use, in the pipeline's file format; other datasets
+  (``imagenet2012``) must already be prepared there (or mocked with ``tfds.testing.mock_data``,
+  ``config.mock_data``, tf.data only).
+
+  Raises:
+    ValueError: an unknown ``input_pipeline``, or a dataset built in the other file format
+      (naming both).
+  """
+  import tensorflow_datasets as tfds
+
+  fmt = file_format(config)
+  if config.dataset == "sklearn_digits":
+    from examples.resnet50 import digits_tfds
+    builder = digits_tfds.ensure_prepared(config.data_dir or None, file_format=fmt)
+  else:
+    builder = tfds.builder(config.dataset, data_dir=config.data_dir or None)
+  p = preprocessing(config)
+  if config.get("input_pipeline", "tfdata") == "grain":
+    train = grain_train_source(
+        builder, split=config.train_split, global_batch_size=config.global_batch_size,
+        preprocessing=p, seed=config.seed, worker_count=config.get("grain_workers", 0))
+    evals = GrainEvalBatches(
+        builder, split=config.eval_split, global_batch_size=config.eval_batch_size,
+        preprocessing=p)
+    return train, evals
+  built = getattr(builder.info.file_format, "value", builder.info.file_format)
+  if not config.mock_data and built != FILE_FORMATS["tfdata"]:
+    raise ValueError(f"input_pipeline='tfdata' reads TFRecord files, but the TFDS dataset "
+                     f"{builder.name!r} in {builder.data_dir} was built as {built!r}: use "
+                     "input_pipeline='grain' (ArrayRecord), or prepare it as TFRecords")
+  size = lambda split, n: num_examples(builder, split, n)
+  train = TrainBatches(
+      builder, split=config.train_split,
+      num_examples=size(config.train_split, config.num_train_examples),
+      global_batch_size=config.global_batch_size, preprocessing=p, seed=config.seed,
+      shuffle_buffer=config.shuffle_buffer, read_once=config.mock_data)
+  evals = EvalBatches(
+      builder, split=config.eval_split,
+      num_examples=size(config.eval_split, config.num_eval_examples),
+      global_batch_size=config.eval_batch_size, preprocessing=p, read_once=config.mock_data)
+  return train, evals
+
+
+def mock_data_if_asked(config: Any) -> Any:
+  """``tfds.testing.mock_data`` when ``config.mock_data`` (``configs/smoke.py``), else nothing."""
+  if not config.get("mock_data", False):
+    return contextlib.nullcontext()
+  import tensorflow_datasets as tfds
+  return tfds.testing.mock_data(num_examples=config.mock_num_examples)

@@ -86,11 +86,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_epochs = 1   # 0 and checkpoint_every_steps 0: no checkpoints
   config.checkpoint_every_steps = 0
   config.max_checkpoints_to_keep = 3
-  # True: evaluate beside a training run with the same --workdir and config instead of training
-  # (each new checkpoint once, rows in WORKDIR/eval_only; stops when the run completes).
-  config.eval_only = False
-  config.follow_poll_secs = 30.0       # eval_only: seconds between looks for new checkpoints
-  config.follow_timeout_secs = 0.0     # eval_only: give up after this long without one (0: never)
   # -- warm start (fine-tuning) ----------------------------------------------------
   # A loopkit checkpoint directory (e.g. /tmp/resnet-cpu/checkpoints) whose latest params and
   # batch_stats start this run (fresh optimizer, step 0), while the workdir has no checkpoint
