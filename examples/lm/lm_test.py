@@ -92,6 +92,7 @@ def test_k1_and_k4_give_the_same_bits(straight, tmp_path):
   assert k1["device_calls"] == 8 and k1["compile_count"] == 1
   assert _bitwise_equal(_state(k1), _state(straight))
   assert k1["eval"] == straight["eval"]
+  assert [step for step, _ in k1["eval_history"]] == [8]  # 0: at the end only, not every call
 
 
 class _PreemptAt(loopkit.Hook):

@@ -211,8 +211,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     model, optimizer = create_model(config)
 
   writer = writers.create_default_writer(workdir)
+  # eval_every_steps = 0: only at the end (no trigger at all would fire after every call).
+  marks = ({"every_steps": config.eval_every_steps} if config.eval_every_steps
+           else {"at_steps": ()})
   eval_hook = create_evaluator(config, model, mesh).hook(
-      eval_batches, writer=writer, every_steps=config.eval_every_steps or None, at_end=True)
+      eval_batches, writer=writer, at_end=True, **marks)
   hooks = [loopkit.LoggingHook(writer, every_steps=config.log_every_steps), eval_hook]
   ckpt = None
   if config.checkpoint_every_steps:
