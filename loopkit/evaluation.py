@@ -17,7 +17,7 @@ NaN. The program sums across devices (for per-device steps with ``psum``), and
 the host adds the per-batch sums in float64 in batch order, so a metric is
 ``total / count`` over the real examples, never a mean of batch or device means,
 and the same bits for every K: the program runs the training
-program's loop (:func:`loopkit.core.program.run_slots`), so K = 1 compiles the
+program's loop (:func:`loopkit.core.slot_loop.run_slots`), so K = 1 compiles the
 K = 2 body, and no float32 sum spans batches. Every call length and every eval
 run reuses one executable. An evaluator's first evaluation, which waits for its
 first batches and compiles that executable (seconds to minutes with nothing else
@@ -65,7 +65,7 @@ from loopkit._internal.compat import lowering_count
 from loopkit._internal.mesh import batch_sharding, check_batch_on_mesh, resolve_mesh
 from loopkit.core.hooks import Hook, LoopInfo, drop_after
 from loopkit.core.ledger import Bucket
-from loopkit.core.program import build_program, run_slots
+from loopkit.core.slot_loop import build_program, run_slots
 from loopkit.data.device_data import DeviceDataState
 from loopkit.data.feeding import ChunkFeeder
 from loopkit.observe.writers import (

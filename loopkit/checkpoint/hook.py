@@ -148,7 +148,7 @@ from loopkit.checkpoint.tiers import check_permanent, preservation_policy, with_
 from loopkit.checkpoint.warm import _SHOWN, WarmStart, _exclusion
 from loopkit.core.context import Restore, RunContext
 from loopkit.core.hooks import Hook, LoopInfo
-from loopkit.core.program import as_loop_leaf
+from loopkit.core.state_leaves import as_loop_leaf
 from loopkit.core.ledger import Bucket, Ledger
 
 log = logging.getLogger("loopkit")

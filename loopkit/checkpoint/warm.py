@@ -55,7 +55,7 @@ from loopkit.checkpoint.items import (
   _leaves_from_record,
   _orbax_key,
 )
-from loopkit.core.program import as_loop_leaf
+from loopkit.core.state_leaves import as_loop_leaf
 
 log = logging.getLogger("loopkit")
 
