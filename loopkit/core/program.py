@@ -60,19 +60,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from loopkit import conv_layout, metrics as metrics_lib
 from loopkit._internal.checks import (
   MIN_SLOTS,
-  RecompileWarning,
-  call_signature,
   check_data_axis,
   check_iterations_per_loop,
   check_not_deleted,
   check_step_style,
   default_step_of,
   leaf_name,
-  signature_change,
   tree_mismatch,
 )
 from loopkit._internal.compat import lowering_count
 from loopkit._internal.mesh import batch_sharding, is_cpu_mesh, pinned_state_shardings
+from loopkit._internal.recompile import RecompileWarning, call_signature, signature_change
 from loopkit.core import flops as flops_lib
 
 # The step loop and the state's leaves have modules of their own; their names stay importable
