@@ -1,4 +1,4 @@
-"""What does keeping the step loop's body whole cost (loopkit/core/program.py, ``no_hoisting``)?
+"""What does keeping the step loop's body whole cost (loopkit/core/slot_loop.py, ``no_hoisting``)?
 
 loopkit tags its step loop's XLA while instruction with ``_xla_disable_loop_instr_hoisting`` so
 that XLA's while-loop invariant code motion leaves the body as a per-step ``jit`` compiles it
@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import loopkit
 from benchmarks import workloads
-from loopkit.core import program as program_lib
+from loopkit.core import slot_loop
 
 # -- the sharded LM --------------------------------------------------------------------------
 
@@ -103,9 +103,9 @@ def lm_chunks(k, calls):
 
 def build(name: str, tagged: bool, k: int, calls: int) -> tuple[Any, Any, list, Any]:
   """``(program, state, placed chunks, n)`` for ``name``, compiled (one call run)."""
-  saved = program_lib._set_xla_metadata  # pylint: disable=protected-access
+  saved = slot_loop._set_xla_metadata  # pylint: disable=protected-access
   if not tagged:
-    program_lib._set_xla_metadata = None  # pylint: disable=protected-access
+    slot_loop._set_xla_metadata = None  # pylint: disable=protected-access
   try:
     if name == "lm":
       mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=jax.devices(),
@@ -128,7 +128,7 @@ def build(name: str, tagged: bool, k: int, calls: int) -> tuple[Any, Any, list, 
     jax.block_until_ready(state)
     return program, state, chunks, n
   finally:
-    program_lib._set_xla_metadata = saved  # pylint: disable=protected-access
+    slot_loop._set_xla_metadata = saved  # pylint: disable=protected-access
 
 
 def call_secs(built: list, calls: int) -> tuple[list[float], float]:

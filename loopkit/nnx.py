@@ -46,6 +46,10 @@ exact for equal slices). ``nnx.Rngs`` keys are replicated: every device draws
 the same dropout mask for its slice (fold in ``jax.lax.axis_index`` in the
 step for independent masks).
 
+One concept, the NNX adapter, in one module: the loop and the evaluator share the objects'
+split into a pure state (``_pure``, ``_copy``) and the exact ``total``/``count`` sums of an
+``nnx.MultiMetric`` (``_additive``).
+
 Requires ``flax`` (``pip install loopkit[nnx]``).
 """
 

@@ -10,8 +10,8 @@ Imports only :mod:`loopkit.data`, :mod:`loopkit.metrics`,
 :mod:`loopkit.conv_layout` and ``loopkit._internal``.
 """
 
-from loopkit._internal.checks import RecompileWarning
 from loopkit._internal.mesh import data_parallel_mesh
+from loopkit._internal.recompile import RecompileWarning
 from loopkit.core.accumulation import accumulate
 from loopkit.core.context import LedgerAdjustment, Restore, RunContext
 from loopkit.core.hooks import (

@@ -186,7 +186,7 @@ def warn_nonfinite(run: Run, b: Boundary, nonfinite: np.ndarray) -> None:
 
   Args:
     b: the call's boundary.
-    nonfinite: its fetched :attr:`~loopkit.core.program.CallOutput.nonfinite` (int32 ``[M]``).
+    nonfinite: its fetched :attr:`~loopkit.core.step_output.CallOutput.nonfinite` (int32 ``[M]``).
   """
   if run.nonfinite_step is not None or not any(nonfinite.tobytes()):
     return  # all zeros: every metric finite (cheaper than nonfinite.any() for a few bytes)

@@ -24,40 +24,11 @@ Two step styles:
     the product of its axes' sizes); the program is
     ``jit(shard_map(fori_loop(step)))`` with the state replicated.
 
-The step compiles alike for every K. A chunk of K = 1 has a size-1 slot axis, and XLA
-folds a dynamic slice of a size-1 axis into a plain reshape: the batch becomes
-loop-invariant, while-loop invariant code motion hoists the step's batch-only work out
-of the loop (one-hot labels, the input's f32 conversion, the batch statistics of a
-BatchNorm on the input) and the body left behind is fused differently, which in
-float16/bfloat16 changes results in the last bits (a Flax ResNet-18
-at K = 1 differed from K = 2, 3, 4, 13 and ``jax.pmap``, which agree bitwise). So the
-body is compiled for at least ``MIN_SLOTS = 2`` slots: the feeder forms K = 1 chunks
-with one zero slot on the host (``[2, B, ...]``; the slot is never run), the program
-keeps a 2-slot metric trace and returns its first slot, and a ``[1, B, ...]`` chunk
-given to the program directly is padded on the device (:func:`pad_slots`, a copy of one
-batch per call). The K = 1 loop body is then the K = 2 body, instruction for instruction
-(``tests/test_k_invariance.py`` compares the optimized HLO).
-``lax.optimization_barrier`` around the step was not used: it stops the hoisting but
-XLA:CPU expands barriers before fusion, so the slot slice still fused differently at
-K = 1, and it cost a dispatch-bound step about 30% at K = 100
-(``benchmarks/k1_slot_cost.py`` has the padding's cost).
-
-The step compiles as a per-step ``jit`` does. XLA's while-loop invariant code motion moves what
-does not change between iterations out of a loop body: the partition-index arithmetic of
-sharded code, an ``iota`` mask, the broadcast cotangent of a mean loss. The body then reads them
-as loop inputs where a per-step ``jit`` of the same step sees constants, and is simplified and
-fused differently: a small sharded Transformer LM on a (2, 2, 2) mesh, batch on
-``("data", "fsdp")``, ended 5 float32 steps with 17 of its 20 state leaves up to 1.34e-7 (jax
-0.10.2) or 8.94e-8 (jax 0.12) from a per-step ``jit`` with the same shardings, every K alike
-(``tests/test_sharded_exactness.py``; more models and meshes in docs/concepts.md, "Exactness on
-sharded meshes"). The step loop's while instruction is therefore tagged to keep its body whole
-(:func:`no_hoisting`, through ``jax.experimental.xla_metadata``); loops inside the step keep
-the pass. Every K then gives the per-step ``jit``'s bits. The cost is recomputing those values
-each step, as the per-step ``jit`` does: 4,096 FLOPs more and 14.5 KB fewer bytes per step of a
-195 MFLOP sharded LM step, no time this CPU could resolve (``benchmarks/loop_hoisting_cost.py``).
-Tried and not kept: ``with_sharding_constraint`` on the carry at the top and bottom of the body,
-an ``optimization_barrier`` around the step, ``with_layout_constraint`` of the carry to the
-default layouts: alone or together they left 53 or 54 of a 2-block LM's 56 leaves off.
+The loop itself is :mod:`loopkit.core.slot_loop` (:func:`~loopkit.core.slot_loop.run_slots`);
+its docstring says why the step compiles alike for every K (a K = 1 chunk is padded to
+``MIN_SLOTS = 2`` slots) and as a per-step ``jit`` does (the loop's body is kept whole).
+A state's leaves are made strong-typed before they are placed
+(:mod:`loopkit.core.state_leaves`), so that the program compiles once.
 
 The state is donated and its shardings pinned (output shardings = input).
 The user's step is traced exactly once per compilation.
@@ -76,10 +47,9 @@ the loss and the update). The counts are per device (the SPMD-partitioned progra
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.extend.core
@@ -90,202 +60,38 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from loopkit import conv_layout, metrics as metrics_lib
 from loopkit._internal.checks import (
   MIN_SLOTS,
-  RecompileWarning,
-  call_signature,
   check_data_axis,
   check_iterations_per_loop,
   check_not_deleted,
   check_step_style,
   default_step_of,
   leaf_name,
-  signature_change,
   tree_mismatch,
 )
 from loopkit._internal.compat import lowering_count
 from loopkit._internal.mesh import batch_sharding, is_cpu_mesh, pinned_state_shardings
+from loopkit._internal.recompile import RecompileWarning, call_signature, signature_change
 from loopkit.core import flops as flops_lib
 
-StepStyle = Literal["global", "per_device"]
-FullCallLoop = Literal["auto", "traced", "static"]
-FULL_CALL_LOOPS = ("auto", "traced", "static")
-
-
-def resolve_full_call_loop(full_call_loop: str, mesh: Mesh) -> str:
-  """``"traced"`` or ``"static"``: ``full_call_loop`` with ``"auto"`` decided for ``mesh``.
-
-  ``"auto"`` is ``"static"`` where the mesh's devices are GPUs (XLA:GPU drives a loop with a
-  traced trip count from the host: :class:`MultiStepProgram`), else ``"traced"``.
-
-  Raises:
-    ValueError: any other value, named.
-  """
-  if full_call_loop not in FULL_CALL_LOOPS:
-    raise ValueError(f"full_call_loop={full_call_loop!r}; expected one of {FULL_CALL_LOOPS}")
-  if full_call_loop != "auto":
-    return full_call_loop
-  platforms = {d.platform for d in mesh.devices.flat}
-  return "static" if platforms and platforms <= {"gpu", "cuda", "rocm"} else "traced"
-
-_set_xla_metadata: Callable[..., Any] | None
-try:  # public, experimental (jax 0.10.2 and 0.12 have it); set_xla_metadata(x, **attrs) tags
-  # the op that produces x
-  from jax.experimental.xla_metadata import set_xla_metadata as _set_xla_metadata
-except ImportError:  # pragma: no cover
-  _set_xla_metadata = None
-
-
-
-def pad_slots(chunk: Any) -> Any:
-  """A traced chunk ``[K, ...]`` with zero slots appended up to ``MIN_SLOTS`` slots.
-
-  For a ``fori_loop`` over a chunk's slots inside ``jit``: the loop body then
-  never slices a size-1 slot axis, which XLA would fold away and compile the
-  body differently for K = 1 (see the module docstring). The appended slots
-  are never run (the trip count is at most K).
-
-  Args:
-    chunk: pytree of traced arrays with leading axis K (all leaves alike).
-
-  Returns:
-    The chunk with leading axis ``max(K, MIN_SLOTS)``.
-  """
-  def pad(x):
-    extra = MIN_SLOTS - x.shape[0]
-    if extra <= 0:
-      return x
-    return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
-  return jax.tree.map(pad, chunk)
-
-
-def run_slots(body: Callable[[Any, Any, Any], Any], chunk: Any, num_steps: Any,
-              init: Any, *, trips: int | None = None) -> Any:
-  """``carry = body(i, chunk[i], carry)`` for ``i < num_steps``: the loop of every loopkit program.
-
-  A ``lax.fori_loop`` with a traced trip count over a chunk's slots (so every call length
-  reuses one executable), the chunk padded to ``MIN_SLOTS`` slots first (:func:`pad_slots`) so
-  that K = 1 compiles the body of K = 2, the loop tagged so that XLA keeps its body whole
-  (:func:`no_hoisting`: the body compiles as a per-step ``jit``). The training program and the
-  :class:`~loopkit.evaluation.Evaluator` both run their step through it.
-
-  Args:
-    body: ``(i, slot, carry) -> carry``; ``slot`` is the chunk's leaves at slot ``i``
-      (``[B, ...]``).
-    chunk: traced pytree of ``[K, B, ...]`` leaves.
-    num_steps: traced int32 scalar, ``1 <= num_steps <= K``.
-    init: the initial carry.
-    trips: a static trip count (a Python int, ``1 <= trips <= K``) instead of ``num_steps``
-      (then unused): the loop of a full call on GPU, which XLA:GPU runs without reading the
-      loop predicate back to the host every step (:class:`MultiStepProgram`,
-      ``full_call_loop``).
-
-  Returns:
-    The final carry.
-  """
-  chunk = pad_slots(chunk)
-
-  def step(i, carry):
-    return body(i, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
-                                chunk), carry)
-
-  upper = num_steps if trips is None else trips
-  return no_hoisting(jax.lax.fori_loop(0, upper, step, init))
-
-
-# XLA's frontend attribute that turns off its while-loop invariant code motion for one loop
-# (xla/service/while_loop_invariant_code_motion.cc reads it from the while instruction).
-NO_HOISTING_ATTRIBUTE = "_xla_disable_loop_instr_hoisting"
-
-
-def no_hoisting(loop_outputs: Any) -> Any:
-  """The outputs of a ``lax.fori_loop``, its XLA while loop marked to keep its body whole.
-
-  XLA's while-loop invariant code motion moves what does not change between iterations
-  (constants, masks built from ``iota``, the partition-index arithmetic of sharded code, the
-  broadcast cotangent of a mean) out of the loop body into the loop's carry. The body then reads
-  those values as opaque loop inputs where a per-step ``jit`` of the same step sees constants,
-  and XLA simplifies and fuses it differently, which changes float32 results in the last bits
-  (see the module docstring, "The step compiles as a per-step jit does"). Tagging the while
-  instruction with :data:`NO_HOISTING_ATTRIBUTE` (``jax.experimental.xla_metadata``, attached
-  to the op that produces the outputs: the loop) turns the pass off for this loop only; the
-  loops inside the user's step keep it.
-
-  Args:
-    loop_outputs: the pytree ``lax.fori_loop`` returned (traced).
-
-  Returns:
-    The same values (an identity), or ``loop_outputs`` itself where this JAX has no
-    ``set_xla_metadata``.
-  """
-  if _set_xla_metadata is None:
-    return loop_outputs
-  return _set_xla_metadata(loop_outputs, **{NO_HOISTING_ATTRIBUTE: True})
-
-
-def build_program(loop: Callable, *, mesh: Mesh, data_axis: str | tuple[str, ...],
-                  style: StepStyle,
-                  **jit_kwargs: Any) -> Any:
-  """``jax.jit`` of ``loop(state, chunk, num_steps)``, the builder of every loopkit program.
-
-  ``"global"`` style: ``jit(loop)``. ``"per_device"``: ``jit(shard_map(loop))`` with the state
-  and ``num_steps`` replicated, the chunk ``[K, B, ...]`` split on ``data_axis`` (over the
-  product of its axes for a tuple) and every output replicated (the loop reduces over the data
-  axis itself).
-
-  Args:
-    loop: the traced function, usually a :func:`run_slots` over a step.
-    mesh: the device mesh.
-    data_axis: the mesh axis the batch is split over, or a tuple of them (checked:
-      :func:`loopkit._internal.mesh.resolve_mesh`).
-    style: ``"global"`` or ``"per_device"``.
-    **jit_kwargs: passed to ``jax.jit`` (shardings, ``donate_argnums``).
-
-  Returns:
-    The ``jax.jit``-wrapped program.
-  """
-  fn = loop
-  if style == "per_device":
-    fn = jax.shard_map(loop, mesh=mesh,
-                       in_specs=(P(), batch_sharding(mesh, data_axis).spec, P()),
-                       out_specs=P(), check_vma=False)
-  return jax.jit(fn, **jit_kwargs)
-
-
-def as_loop_leaf(x: Any) -> Any:
-  """A state leaf as the loop places it: a Python scalar (``TrainState.create``'s ``step=0``)
-  becomes the strong array :func:`strong_typed` makes of it (``int`` -> int32, ``float`` ->
-  float32); anything else (``jax.Array``, numpy arrays and scalars, ``jax.ShapeDtypeStruct``) is
-  returned as it is. Lets code that reads leaves' shapes and dtypes (warm start, restore) take
-  every state the loop takes."""
-  if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
-    x = jnp.asarray(x)
-    return jax.lax.convert_element_type(x, x.dtype)
-  return x
-
-
-def strong_typed(tree: Any) -> Any:
-  """``tree`` with its weak-typed leaves made strong, same dtype and placement.
-
-  A Python scalar or ``jnp.asarray(1.0)`` is a *weak-typed* float32; most
-  steps return such a leaf strong (``jnp.float32`` arithmetic with a strong
-  operand), and a jitted program is specialised on weak types, so a weak leaf
-  in the state compiles the program a second time on the next call.
-
-  Args:
-    tree: a pytree of arrays and scalars.
-
-  Returns:
-    The pytree with every weak-typed leaf (Python scalars included) replaced
-    by a strong array of the dtype JAX gives it (``jnp.asarray(1.0)`` ->
-    float32); other leaves unchanged (the same objects).
-  """
-  def strong(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if x.weak_type else x
-    x = as_loop_leaf(x)
-    if getattr(x, "weak_type", False):
-      return jax.lax.convert_element_type(x, x.dtype)
-    return x
-  return jax.tree.map(strong, tree)
+# The step loop and the state's leaves have modules of their own; their names stay importable
+# from here, where they were defined before (``from loopkit.core.program import run_slots``).
+from loopkit.core.slot_loop import (  # noqa: F401 (re-exported)
+  FULL_CALL_LOOPS,
+  NO_HOISTING_ATTRIBUTE,
+  FullCallLoop,
+  StepStyle,
+  build_program,
+  no_hoisting,
+  pad_slots,
+  resolve_full_call_loop,
+  run_slots,
+)
+from loopkit.core.state_leaves import (  # noqa: F401 (re-exported)
+  as_loop_leaf,
+  leaf_fingerprint,
+  strong_typed,
+)
+from loopkit.core.step_output import CallOutput, unpack_step_output
 
 
 def _put(state: Any, shardings: Any) -> Any:
@@ -302,98 +108,6 @@ def _put(state: Any, shardings: Any) -> Any:
   for i, x in zip(concrete, put, strict=True):
     out[i] = x
   return jax.tree.unflatten(treedef, out)
-
-
-@dataclasses.dataclass(frozen=True)
-class CallOutput:
-  """What one device call returns besides the state (all replicated, on device).
-
-  The call's metrics are not reduced over its steps here: the host folds the traces in step
-  order (:func:`loopkit.metrics.fold_steps`), so a reported value does not depend on where
-  the calls were cut.
-
-  Attributes:
-    traces: the step's metrics per step, leaves ``[K]`` float32 (reduced over the devices in
-      each step, for per-device steps); entries at index >= n hold zeros.
-    nonfinite: int32 ``[M]``, per metric in ``sorted(traces)`` order, the 1-based index in
-      the call of its first step with a NaN or infinite field, or 0
-      (:func:`loopkit.metrics.first_nonfinite`; fetched with ``step`` at every call).
-    step: int scalar, the state's step counter after the call.
-  """
-
-  traces: dict[str, metrics_lib.Metric]
-  nonfinite: jax.Array
-  step: jax.Array
-
-
-jax.tree_util.register_dataclass(CallOutput, data_fields=["traces", "nonfinite", "step"],
-                                 meta_fields=[])
-
-
-def _describe_output(x: Any) -> str:
-  """A short description of a traced step output: its type, and shape/dtype if an array."""
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"an array of shape {tuple(x.shape)} dtype {x.dtype}"
-  if isinstance(x, dict):
-    return f"a dict with keys {sorted(map(str, x))[:6]}"
-  return f"a {type(x).__name__}"
-
-
-def unpack_step_output(out: Any, state: Any) -> tuple[Any, dict]:
-  """Checks what ``train_step`` returned: ``(new_state, metrics: dict)``.
-
-  Raises:
-    TypeError: naming what was returned and what is expected, for the first
-      mistakes people make: the state alone, a 1-tuple, ``(state, loss)``
-      with a bare loss, or ``(loss, state)`` in the wrong order.
-  """
-  expected = ("train_step must return (new_state, metrics) with metrics a dict of "
-              "scalars, e.g. `return new_state, {'loss': loss}`")
-  if not isinstance(out, tuple) or len(out) != 2:
-    if isinstance(out, tuple):
-      got = f"a tuple of {len(out)}: ({', '.join(_describe_output(x) for x in out[:4])})"
-    elif jax.tree.structure(out) == jax.tree.structure(state):  # type: ignore[operator]
-      got = "only a state (no metrics)"
-    else:
-      got = _describe_output(out)
-    raise TypeError(f"{expected}; it returned {got}")
-  new_state, metrics = out
-  state_def = jax.tree.structure(state)
-  if (jax.tree.structure(metrics) == state_def  # type: ignore[operator]
-      and jax.tree.structure(new_state) != state_def):  # type: ignore[operator]
-    raise TypeError(f"{expected}; the state and the metrics look swapped: its first element is "
-                    f"{_describe_output(new_state)} and its second has the state's structure")
-  if not isinstance(metrics, dict):
-    hint = ""
-    if hasattr(metrics, "shape") and not getattr(metrics, "shape", (1,)):
-      hint = " (a bare scalar: wrap it, {'loss': loss})"
-    raise TypeError(f"{expected}; its second element is {_describe_output(metrics)}{hint}")
-  return new_state, metrics
-
-
-def leaf_fingerprint(x: jax.Array) -> jax.Array:
-  """Two uint32 words that summarise the bits of an array (any dtype, typed PRNG keys too).
-
-  Word 0 is ``sum(u[i] * (2 i + 1))`` and word 1 ``sum((u[i] ^ (u[i] >> 15)) *
-  (2654435761 i | 1))``, modulo 2**32, over the array's bits ``u`` as uint32
-  (8- and 16-bit elements widened, 64-bit ones split in two words). Equal arrays
-  give equal words; a change of any element changes word 0 unless it is a
-  multiple of 2**32 apart in that weighted sum, and both words collide only by
-  accident (the weights differ per position, so permutations are caught too).
-  Traceable (used inside :meth:`MultiStepProgram.diverged_leaves`).
-  """
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  if x.dtype == jnp.bool_:
-    x = x.astype(jnp.uint8)
-  width = jnp.dtype(x.dtype).itemsize
-  u = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
-                                       8: jnp.uint32}[width]).astype(jnp.uint32).reshape(-1)
-  i = jax.lax.iota(jnp.uint32, u.size)
-  w0 = i * jnp.uint32(2) + jnp.uint32(1)
-  w1 = (i * jnp.uint32(2654435761)) | jnp.uint32(1)
-  return jnp.stack([jnp.sum(u * w0, dtype=jnp.uint32),
-                    jnp.sum((u ^ (u >> jnp.uint32(15))) * w1, dtype=jnp.uint32)])
 
 
 def compiled_cost(compiled: jax.stages.Compiled) -> dict[str, float]:
@@ -444,9 +158,9 @@ class MultiStepProgram:
       so the call returns only once the device has finished (benchmarks/RESULTS_gpu.md, one
       H200: 33.8 ms to return a 34.0 ms call, about 18 us a trip; a static trip count returned in
       0.7 ms), and the next call cannot be queued behind it. TPU and CPU run the traced loop on
-      the device. Both executables run the same loop body (:func:`run_slots`), so results are
-      bitwise equal either way on CPU (``tests/test_full_call_loop.py``); on a GPU, check with
-      ``benchmarks/gpu_exactness.py``.
+      the device. Both executables run the same loop body
+      (:func:`~loopkit.core.slot_loop.run_slots`), so results are bitwise equal either way on CPU
+      (``tests/test_full_call_loop.py``); on a GPU, check with ``benchmarks/gpu_exactness.py``.
 
   Attributes:
     state_shardings: the pinned ``NamedSharding`` of every state leaf (the structure of the
@@ -609,8 +323,8 @@ class MultiStepProgram:
 
     Weak-typed leaves (from Python scalars: ``jnp.asarray(1.0)``, Flax's
     ``DynamicScale()`` defaults) become strong arrays of the same dtype
-    (:func:`strong_typed`), the type the compiled loop returns, so the second
-    call does not compile the program again. Leaves that are one and the same
+    (:func:`~loopkit.core.state_leaves.strong_typed`), the type the compiled loop returns, so
+    the second call does not compile the program again. Leaves that are one and the same
     array get separate buffers (the state is donated, and a buffer can be
     donated once).
 
@@ -700,8 +414,8 @@ class MultiStepProgram:
     For the ``"per_device"`` style, whose state is replicated: a step that
     forgets ``lax.pmean(grads, data_axis)`` trains each device's copy apart
     without any error. Each device reduces every leaf's bits to a fingerprint
-    (:func:`leaf_fingerprint`, two uint32 words); one all-reduce (``pmax`` and
-    ``pmin``) of those ``[leaves, 2]`` words compares them, so the cost is one
+    (:func:`~loopkit.core.state_leaves.leaf_fingerprint`, two uint32 words); one all-reduce
+    (``pmax`` and ``pmin``) of those ``[leaves, 2]`` words compares them, so the cost is one
     read of the state per device, not an all-reduce of the whole state.
     Compiled once; blocks until ``state`` is ready. Bitwise comparison: NaNs
     with the same bits agree.

@@ -52,8 +52,9 @@ from loopkit._internal.mesh import pinned_state_shardings
 from loopkit.checkpoint.files import COMPLETE_MARKER, _read_complete_marker
 from loopkit.checkpoint.hook import CheckpointHook
 from loopkit.checkpoint.items import _allgather_json
-from loopkit.core.program import as_loop_leaf
-from loopkit.evaluation import EvalResult, ForEvalHook, SupportsEvaluate, _hook_evaluator, report
+from loopkit.core.state_leaves import as_loop_leaf
+from loopkit.evaluation.evaluator import EvalResult
+from loopkit.evaluation.hook import ForEvalHook, SupportsEvaluate, _hook_evaluator, report
 from loopkit.observe.writers import as_writer, keep_rows_through
 
 log = logging.getLogger("loopkit")
