@@ -2,11 +2,11 @@
 
 C38: with K = 1 XLA used to fold the chunk's size-1 slot slice away, hoist the
 step's batch-only computations out of the loop and fuse the rest differently
-(loopkit/program.py, "The step compiles alike for every K"); in float16 and
+(loopkit/core/slot_loop.py, "The step compiles alike for every K"); in float16 and
 bfloat16 that changed final parameters. The model here is the smallest found
 that showed it: a Flax linen net whose first layer is a BatchNorm over the input
 (batch-only statistics), then conv, BatchNorm, dense; global batch 256, 6 steps.
-With the fix reverted (``MIN_SLOTS = 1`` in program.py) float16 global,
+With the fix reverted (``MIN_SLOTS = 1`` in loopkit/_internal/checks.py) float16 global,
 float16 per-device, bfloat16 global and the HLO comparison fail at K = 1;
 bfloat16 per-device happens to agree even then and stays as a guard (measured
 2026-12-01, jax 0.10.2, XLA:CPU, 8 fake devices). A plain conv net without
