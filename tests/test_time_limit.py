@@ -104,3 +104,15 @@ def test_c82_a_clock_a_hook_moves_is_read_before_that_calls_hooks(k, stop):
   loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=[clock])
   loop.run(toy.init_state(), DATA, num_steps=40, max_time=TimeLimit(21, clock=clock))
   assert (loop.status, loop.ledger.step) == ("time limit", stop)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_c82_with_a_hook_that_needs_the_state_the_clock_is_read_after_the_hooks(k):
+  """The same clock on a hook with ``Hook``'s default ``needs_state=True``, which fires at every
+  boundary: the boundary's hooks run before the read, so the run stops at 21 for every K (as
+  docs/operating.md says)."""
+  clock = StepClock()
+  clock.needs_state = True
+  loop = loopkit.TrainLoop(toy.make_global_step(), iterations_per_loop=k, hooks=[clock])
+  loop.run(toy.init_state(), DATA, num_steps=40, max_time=TimeLimit(21, clock=clock))
+  assert (loop.status, loop.ledger.step) == ("time limit", 21)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -37,6 +38,14 @@ def leaf_name(path: tuple) -> str:
   return "/".join(leaf_key(path)) or "<root>"
 
 
+def few_names(names: Sequence[str], shown: int = 8) -> str:
+  """``"a, b, c"``: every name when there are at most ``shown + 1``, else the first ``shown``
+  and ``... (N in all)`` (a list cut short by one name would say no more than the name)."""
+  if len(names) <= shown + 1:
+    return ", ".join(names)
+  return ", ".join(names[:shown]) + f", ... ({len(names)} in all)"
+
+
 def check_not_deleted(state: Any, what: str = "the train state") -> None:
   """Refuses a state with a deleted (donated) array, naming every such leaf, before it is
   placed: otherwise the first device call fails with JAX's bare "Array has been deleted".
@@ -48,7 +57,7 @@ def check_not_deleted(state: Any, what: str = "the train state") -> None:
              if isinstance(x, jax.Array) and x.is_deleted()]
   if not deleted:
     return
-  shown = ", ".join(deleted[:8]) + (f", ... ({len(deleted)} in all)" if len(deleted) > 8 else "")
+  shown = few_names(deleted)
   raise ValueError(
       f"{what} has {len(deleted)} deleted array{'s' if len(deleted) > 1 else ''} ({shown}): "
       "a run donates the state it is given (its buffers become the state it returns), so a "
@@ -402,20 +411,20 @@ def abstract_leaves(state: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
   (:meth:`loopkit.core.program.MultiStepProgram.place_state` keeps it abstract).
 
   Returns:
-    ``[(jax.tree_util.keystr path, leaf), ...]`` in leaf order; empty for a concrete state.
+    ``[(leaf name, leaf), ...]`` in leaf order (:func:`leaf_name`: ``opt/0/count``); empty for
+    a concrete state.
   """
-  return [(jax.tree_util.keystr(p) or "<root>", x)
-          for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+  return [(leaf_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
           if isinstance(x, jax.ShapeDtypeStruct)]
 
 
 def describe_abstract(leaves: list[tuple[str, Any]], shown: int = 3) -> str:
-  """``"leaf ['w'] (float32[8, 4])"``, or the first ``shown`` and how many more."""
+  """``"leaf w (float32[8, 4])"``, or the leaves (:func:`few_names`: the first ``shown`` and
+  how many in all)."""
   def one(name: str, x: Any) -> str:
     return f"{name} ({x.dtype}[{', '.join(str(d) for d in x.shape)}])"
-  head = ", ".join(one(n, x) for n, x in leaves[:shown])
-  more = f" and {len(leaves) - shown} more" if len(leaves) > shown else ""
-  return f"leaf {head}" if len(leaves) == 1 else f"leaves {head}{more}"
+  names = [one(n, x) for n, x in leaves]
+  return f"leaf {names[0]}" if len(names) == 1 else f"leaves {few_names(names, shown)}"
 
 
 def check_concrete(state: Any, what: str) -> None:
@@ -426,8 +435,8 @@ def check_concrete(state: Any, what: str) -> None:
     what: the start of the message: who gave the state and why it needs values.
 
   Raises:
-    ValueError: ``what``, then the abstract leaves (path, dtype and shape; the first three
-      and how many more), and what gives an abstract state its values.
+    ValueError: ``what``, then the abstract leaves (name, dtype and shape; the first three
+      and how many in all), and what gives an abstract state its values.
   """
   leaves = abstract_leaves(state)
   if leaves:

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from loopkit._internal.checks import few_names
 from loopkit._internal.extras import missing as _missing_extra
 
 try:
@@ -394,7 +395,7 @@ def _leaves(n: int) -> str:
 
 
 def _few(paths: Sequence[str], n: int = 8) -> str:
-  return ", ".join(paths[:n]) + (f", ... ({len(paths)} in all)" if len(paths) > n else "")
+  return few_names(paths, n)
 
 
 def warm_start(state: Any, source: Any, *, select: str | Sequence[str] | None = "params",
