@@ -230,6 +230,31 @@ def test_mlflow_writer_writes_to_the_active_run_and_leaves_it_open(tmp_path, mon
   assert client.get_run(active.info.run_id).info.status == "FINISHED"
 
 
+def test_mlflow_warns_once_for_the_steps_it_already_holds_whatever_rows_share_them(
+    tmp_path, monkeypatch, caplog):
+  """A resumed run writes steps 14..16 again in two rows a step (a LoggingHook's and an
+  EvalHook's), one of them with a name the run lacks: the held points are not sent, the new
+  name is, and one WARNING names 14..16 (two did: a row sent at 16 reported the steps so far)."""
+  pytest.importorskip("mlflow")
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+  uri = (tmp_path / "mlruns").as_uri()
+  first = loopkit.observe.MlflowWriter(experiment="e", tracking_uri=uri, dir=tmp_path)
+  for step in (12, 14, 16):
+    first.write_scalars(step, {"loss": step, "eval/loss": -step})
+  again = loopkit.observe.MlflowWriter(experiment="e", tracking_uri=uri, dir=tmp_path)
+  with caplog.at_level(logging.WARNING, "loopkit"):
+    for step in (14, 16, 18):
+      again.write_scalars(step, {"loss": step + 0.5, **({"lr": 1} if step == 16 else {})})
+      again.write_scalars(step, {"eval/loss": -step - 0.5})
+    again.close()
+  assert [r.getMessage() for r in caplog.records if r.name == "loopkit"] == [
+      f"MLflow run {again.run_id} already holds these metrics up to step 16: the points at "
+      "steps 14..16 were not logged again; MLflow keeps the earlier ones"]
+  assert _mlflow_points(again.client, again.run_id) == {
+      **{(s, "loss"): s for s in (12, 14, 16)}, **{(s, "eval/loss"): -s for s in (12, 14, 16)},
+      (16, "lr"): 1, (18, "loss"): 18.5, (18, "eval/loss"): -18.5}
+
+
 def test_trackers_on_other_processes_write_and_import_nothing(tmp_path, monkeypatch):
   import sys
 

@@ -274,7 +274,8 @@ class MlflowWriter(_TextOnly):
         continue
       points.append(Metric(name, float(value), stamp, step))
     if points:
-      self._report_dropped()
+      if self._dropped and step > self._dropped[-1]:  # past the steps held: one warning
+        self._report_dropped()
       self.client.log_batch(self._run_id, metrics=points)
       for m in points:
         self._held[m.key] = step
