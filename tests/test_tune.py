@@ -68,12 +68,16 @@ def test_measure_runs_at_least_the_asked_calls():
     tune.sweep((step, state, iter(toy.batches(64))), ks=(1,))
 
 
-def test_cli_on_a_user_target(tmp_path, capsys):
+def test_cli_on_a_user_target(tmp_path, capsys, caplog):
   png = tmp_path / "cli.png"
-  result = tune.main(["tests.test_tune:small_target", "--ks", "1,2", "--calls", "2",
-                      "--min-secs", "0", "--repeats", "2", "--max-repeats", "3",
-                      "--plot", str(png)])
+  with caplog.at_level("WARNING", logger="loopkit"):
+    result = tune.main(["tests.test_tune:small_target", "--ks", "1,2", "--calls", "2",
+                        "--min-secs", "0", "--repeats", "2", "--max-repeats", "3",
+                        "--plot", str(png)])
   out = capsys.readouterr().out
+  warned = [line for line in out.splitlines() if line.startswith("warning: ")]
+  assert warned == result.warnings() and warned  # K = 2 is the largest tried: one at least
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text  # once
   assert "target tests.test_tune:small_target on 8 cpu device(s)" in out
   assert ("| K | steps/s | +- | repeats | spread | s/call | host overhead | compile s | "
           "input bytes/call | device chunks |") in out

@@ -219,7 +219,7 @@ def measure(train_step: Callable, init_state: Any, batches: Any, *, iterations_p
 def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS,
           calls: int = 3, warmup_calls: int = 1, min_secs: float = 0.0, repeats: int = 3,
           max_repeats: int = 10, tolerance: float = 0.02, plot_path: str | None = None,
-          verbose: bool = False, **loop_kwargs) -> TuneResult:
+          verbose: bool = False, log_warnings: bool = True, **loop_kwargs) -> TuneResult:
   """Measures every K of ``ks`` until its noise is known, and recommends one.
 
   Args:
@@ -238,11 +238,13 @@ def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS
     tolerance: see :func:`within_noise`.
     plot_path: if given, a PNG of throughput against K is written there.
     verbose: print each measurement as it is taken (to stderr).
+    log_warnings: log the result's warnings to the ``loopkit`` logger (the command line,
+      which prints the table they end, does not: each would show twice).
     **loop_kwargs: passed to :class:`~loopkit.TrainLoop`.
 
   Returns:
     A :class:`TuneResult`; its warnings (:meth:`TuneResult.warnings`) are
-    also logged to the ``loopkit`` logger.
+    also logged to the ``loopkit`` logger (unless ``log_warnings=False``).
 
   Raises:
     ValueError: ``repeats < 1`` or ``max_repeats < repeats`` (naming both), or
@@ -288,7 +290,7 @@ def sweep(target: Callable[[], tuple] | tuple, *, ks: Sequence[int] = DEFAULT_KS
   result = TuneResult(rows=[rows[k] for k in ks], recommended=recommend(list(rows.values()),
                                                                          tolerance),
                       tolerance=tolerance)
-  for line in result.warnings():
+  for line in result.warnings() if log_warnings else ():
     log.warning("%s", line.removeprefix("warning: "))
   if plot_path is not None:
     plot(result, plot_path)
@@ -383,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> TuneResult:
                  warmup_calls=args.warmup_calls, min_secs=args.min_secs,
                  repeats=args.repeats, max_repeats=max(args.max_repeats, args.repeats),
                  tolerance=args.tolerance,
-                 plot_path=args.plot or None, verbose=True, prefetch=args.prefetch)
+                 plot_path=args.plot or None, verbose=True, log_warnings=False,
+                 prefetch=args.prefetch)
   print(f"target {args.target} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
   print(result.table())
   if args.plot:
