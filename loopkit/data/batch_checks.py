@@ -34,6 +34,14 @@ class FirstBatchChecks:
   :class:`~loopkit.data.feeding.ChunkFeeder`, which sets ``_spec`` to None,
   ``_expected_batch``, ``_batch_sharding`` and ``_list_defs`` before the first check)."""
 
+  _spec: Any  # the first batch's leaves as jax.ShapeDtypeStruct (None before it)
+  _spec_def: Any  # its structure (a PyTreeDef)
+  _leaf_specs: list[tuple[tuple[int, ...], Any]]
+  _expected_batch: int | None  # B as the loop was told it (None: the first batch's)
+  _batch_sharding: Any  # jax.sharding.NamedSharding of one batch
+  _list_defs: dict[int, Any]  # n -> structure of n first batches
+  global_batch_size: int
+
   def _check(self, batch: Any, step: int) -> list:
     """Checks a batch against the first one; returns its leaves (flattened once)."""
     if self._spec is None:
