@@ -323,12 +323,12 @@ class WarmStart:
       for rx in select:
         if not any(_matches(rx, p) for p in paths):
           raise ValueError(f"warm start: select pattern {rx.pattern!r} matches no leaf of the "
-                           f"train state (its leaves: {_few(paths)}); {spell('select=None')} "
+                           f"train state (its leaves: {few_names(paths)}); {spell('select=None')} "
                            "takes every leaf")
     for rx in exclude:
       if not any(_matches(rx, p) for p in paths):
         raise ValueError(f"warm start: exclude pattern {rx.pattern!r} matches no leaf of the "
-                         f"train state (its leaves: {_few(paths)})")
+                         f"train state (its leaves: {few_names(paths)})")
     source = self._open()
     chosen: dict[int, tuple[_Leaf, str]] = {}
     used_rules: set[int] = set()
@@ -344,8 +344,9 @@ class WarmStart:
       chosen[i] = (live, wanted)
     for j, (rx, _) in enumerate(rules):
       if j not in used_rules:
+        names = few_names([c[0].path for c in chosen.values()])
         raise ValueError(f"warm start: rename pattern {rx.pattern!r} matches no chosen leaf of "
-                         f"the train state (chosen: {_few([c[0].path for c in chosen.values()])})")
+                         f"the train state (chosen: {names})")
     missing, different, taken = [], [], {}
     for i, (live, wanted) in chosen.items():
       found = source.leaves.get(wanted)
@@ -368,7 +369,7 @@ class WarmStart:
       raise WarmStartError(
           f"warm start from {source.where}{at}: {_leaves(len(unread))} of the train state "
           f"{'is' if len(unread) == 1 else 'are'} abstract (jax.ShapeDtypeStruct) and not read "
-          f"from the source: {_few([f'{u.path} {u.described()}' for u in unread], 3)}. An "
+          f"from the source: {few_names([f'{u.path} {u.described()}' for u in unread], 3)}. An "
           "abstract leaf takes its value from the source: choose it (select=None reads every "
           "leaf) or give it a value to keep")
     # One read per source leaf (several leaves may take the same one: a layer copied).
@@ -382,9 +383,10 @@ class WarmStart:
               for i, (_, x) in enumerate(flat)]  # (an abstract leaf not taken: zero-size)
     kept = [live.path for i, (live, _) in enumerate(lives) if i not in taken]
     at = f" step {source.step}" if source.step is not None else ""
+    absent = few_names([m[0].path for m in missing])
     account = (f"warm start from {source.where}{at}: {_leaves(len(taken))} read, {len(kept)} "
-               f"kept as they were" + (f" ({len(missing)} not in the source: "
-                                       f"{_few([m[0].path for m in missing])})" if missing else "")
+               f"kept as they were" + (f" ({len(missing)} not in the source: {absent})"
+                                       if missing else "")
                + f", {_leaves(len(unused)).replace(' ', ' source ', 1)} not used")
     log.info("%s", account)
     return jax.tree_util.tree_unflatten(treedef, leaves), account
@@ -392,10 +394,6 @@ class WarmStart:
 
 def _leaves(n: int) -> str:
   return f"{n} leaf" if n == 1 else f"{n} leaves"
-
-
-def _few(paths: Sequence[str], n: int = 8) -> str:
-  return few_names(paths, n)
 
 
 def warm_start(state: Any, source: Any, *, select: str | Sequence[str] | None = "params",
